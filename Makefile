@@ -1,0 +1,28 @@
+# ringfeed: a fresh clone needs only `make demo` and `make test`; both run `make setup` first.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo demo-lm lint bench clean
+
+setup:            ## create .venv, install the pinned stack, build/cache Horovod (idempotent)
+	@PYTHON=$(PYTHON) bash docker/install.sh $(VENV)
+
+test: setup       ## the whole suite (what CI runs)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+demo: setup       ## the main job: digits -> shards -> 2-rank Horovod training, torch then TF
+	$(BIN)/python examples/demo.py
+
+demo-lm: setup    ## byte-level token shards from Python's own sources -> small GPT, 2 ranks
+	$(BIN)/python examples/demo.py --lm
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench: setup      ## all benchmarks, full mode; results under benchmarks/results/
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf demo-out runs .pytest_cache

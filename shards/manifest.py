@@ -1,0 +1,122 @@
+"""`manifest.json`: the contract between `ringfeed shard` (writer) and the pipeline (reader).
+
+Layout on disk (format version 1):
+
+    {
+      "format": "ringfeed-shards", "version": 1, "created_by": "ringfeed 0.1.0",
+      "source": {"format": "imagefolder", "path": "/data/raw", "options": {...}},
+      "fields": {"png": "image", "cls": "int"},      # tar member extension -> kind
+      "class_names": ["cat", "dog"] | null,
+      "text": {"tokenizer": "bytes", "seq_len": 128, "dtype": "uint16",
+               "eos_id": 256, "vocab_size": 257} | null,
+      "skipped": [{"path": "...", "reason": "..."}],
+      "splits": {
+        "train": {"shards": [{"name": "train-000000.tar", "num_samples": 100,
+                              "bytes": 123456, "sha256": "..."}]},
+        "val": {...}
+      }
+    }
+
+Field kinds: "image" (encoded image bytes), "int" (decimal text, e.g. .cls), "npy" (numpy .npy),
+"json", "text" (utf-8), "bytes" (opaque). Shard names are relative to the manifest's directory
+(or absolute URLs). Samples inside a shard are numbered 0..num_samples-1 in tar order; the
+pipeline identifies a sample by (split-wide shard index, position in shard).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shards.fsutil import atomic_write_text
+
+FORMAT = "ringfeed-shards"
+VERSION = 1
+FIELD_KINDS = ("image", "int", "npy", "json", "text", "bytes")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used; the message names the file and the problem."""
+
+
+@dataclass
+class ShardInfo:
+    name: str
+    num_samples: int
+    bytes: int
+    sha256: str | None = None
+
+
+@dataclass
+class Split:
+    shards: list[ShardInfo] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.num_samples for s in self.shards)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+
+@dataclass
+class Manifest:
+    splits: dict[str, Split]
+    fields: dict[str, str] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+    class_names: list[str] | None = None
+    text: dict[str, Any] | None = None
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    created_by: str = ""
+    format: str = FORMAT
+    version: int = VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+
+    def save(self, directory: str | Path) -> Path:
+        """Write `directory/manifest.json` atomically (temp file + rename)."""
+        path = Path(directory) / "manifest.json"
+        atomic_write_text(path, self.to_json())
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], origin: str = "manifest.json") -> Manifest:
+        if data.get("format") != FORMAT:
+            raise ManifestError(f"{origin}: not a ringfeed manifest (format={data.get('format')!r})")
+        if data.get("version") != VERSION:
+            raise ManifestError(
+                f"{origin}: manifest version {data.get('version')} is not supported "
+                f"(this ringfeed reads version {VERSION}); re-shard or upgrade ringfeed"
+            )
+        try:
+            splits = {
+                name: Split([ShardInfo(**s) for s in split["shards"]])
+                for name, split in data["splits"].items()
+            }
+            rest = {k: v for k, v in data.items() if k != "splits"}
+            return cls(splits=splits, **rest)
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"{origin}: malformed manifest ({e})") from e
+
+    @classmethod
+    def load(cls, path_or_dir: str | Path) -> Manifest:
+        """Load from a local path (a file or the shard directory)."""
+        path = Path(path_or_dir)
+        if path.is_dir():
+            path = path / "manifest.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ManifestError(f"{path}: no manifest.json (run `ringfeed shard` first)") from None
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_dict(data, origin=str(path))
+
+    def split(self, name: str) -> Split:
+        if name not in self.splits:
+            raise ManifestError(f"split {name!r} not in manifest (have: {', '.join(self.splits)})")
+        return self.splits[name]

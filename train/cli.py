@@ -1,0 +1,56 @@
+"""The `ringfeed` console script. Each package registers its own subcommands.
+
+A module in COMMAND_MODULES exposes `register(subparsers)`, which adds parsers whose default
+`func(args) -> int` runs the command. Heavy imports (torch, TF, Horovod) happen inside `func`,
+so `ringfeed --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from shards.errors import UserError
+
+COMMAND_MODULES = [
+    "train.info",        # ringfeed info
+    "shards.cli",        # ringfeed shard | verify | inspect
+    "train.main",        # ringfeed train
+    "train.supervise",   # ringfeed run -- <launcher ...>
+    "train.bench",       # ringfeed bench
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ringfeed",
+        description="WebDataset shards -> local cache -> Horovod ring-allreduce (PyTorch, TensorFlow).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # not built yet in this checkout
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"ringfeed: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("ringfeed: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
