@@ -1,0 +1,315 @@
+"""Local shard cache: remote shards are downloaded once (fsspec), checked, reused, evicted LRU.
+
+Safe for many processes (ranks, loader workers) sharing one `cache_dir`:
+  * a download goes to a temp file, is checked against the manifest's sha256 when it has one,
+    and is renamed into place atomically; a per-entry lock file makes concurrent fetchers of the
+    same shard wait for one download instead of repeating it;
+  * a reader holds a shared `flock` on the cached file from the moment it is fetched (prefetch
+    included) until it is closed; eviction takes a non-blocking exclusive lock and skips files
+    it cannot lock, so a shard in use is never evicted (the limit can be exceeded while every
+    cached shard is in use);
+  * recency is the file's mtime, refreshed on every use, so LRU order is shared by processes.
+Local shards (plain paths, file://) are read in place, never copied.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import fsspec
+
+from pipeline.errors import PipelineDataError
+from pipeline.source import ShardRef, local_path
+from shards.fsutil import sha256_file
+
+DATA_SUFFIX = ".tar"
+LOCK_SUFFIX = ".lock"
+PART_SUFFIX = ".part"
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ringfeed", "shards")
+
+
+@dataclass
+class ShardHandle:
+    """An open, locked, local copy of a shard. Close it when done reading."""
+
+    ref: ShardRef
+    file: IO[bytes]
+    cache_hit: bool
+    downloaded: int = 0
+
+    def close(self) -> None:
+        self.file.close()  # releases the shared lock
+
+
+class ShardCache:
+    def __init__(self, cache_dir: str | None = None, cache_limit: int | None = None,
+                 storage_options: dict[str, Any] | None = None, retries: int = 3,
+                 backoff_s: float = 0.5, lock_timeout_s: float = 600.0) -> None:
+        self.cache_dir = Path(cache_dir or default_cache_dir())
+        self.cache_limit = cache_limit
+        self.storage_options = dict(storage_options or {})
+        self.retries = max(1, retries)
+        self.backoff_s = backoff_s
+        self.lock_timeout_s = lock_timeout_s
+
+    # -- public -------------------------------------------------------------------------
+    def open(self, ref: ShardRef) -> ShardHandle:
+        """A locked local file for `ref`, downloading it first when it is remote and not cached.
+
+        Retries (with backoff) a failed download, a checksum mismatch or a missing file, then
+        raises PipelineDataError naming the URL and the last problem.
+        """
+        last: Exception | None = None
+        for attempt in range(self.retries):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                if ref.is_local:
+                    return ShardHandle(ref, open(local_path(ref.url), "rb"), cache_hit=True)
+                return self._open_cached(ref)
+            except _ChecksumMismatch as e:
+                last = e
+            except OSError as e:  # missing file, connection refused, HTTP errors (fsspec)
+                last = e
+        what = "checksum mismatch" if isinstance(last, _ChecksumMismatch) else "cannot read shard"
+        raise PipelineDataError(
+            f"{ref.url}: {what} after {self.retries} attempts ({_describe(last)})")
+
+    def entry_path(self, ref: ShardRef) -> Path:
+        digest = hashlib.sha1(ref.url.encode()).hexdigest()[:16]
+        name = ref.url.rstrip("/").rsplit("/", 1)[-1] or "shard"
+        return self.cache_dir / f"{digest}-{name[:80]}{DATA_SUFFIX}"
+
+    def entries(self) -> list[Path]:
+        if not self.cache_dir.is_dir():
+            return []
+        return [p for p in self.cache_dir.iterdir() if p.name.endswith(DATA_SUFFIX)]
+
+    def evict(self) -> int:
+        """Remove least-recently-used unlocked entries until the cache fits; returns bytes freed."""
+        if self.cache_limit is None:
+            return 0
+        stats = []
+        for p in self.entries():
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            stats.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in stats)
+        freed = 0
+        for _, size, path in sorted(stats):
+            if total <= self.cache_limit:
+                break
+            if _remove_if_unused(path):
+                total -= size
+                freed += size
+        return freed
+
+    # -- internals ----------------------------------------------------------------------
+    def _open_cached(self, ref: ShardRef) -> ShardHandle:
+        path = self.entry_path(ref)
+        handle = self._open_entry(ref, path, hit=True)
+        if handle is not None:
+            return handle
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        with _exclusive(path.with_name(path.name + LOCK_SUFFIX), self.lock_timeout_s):
+            handle = self._open_entry(ref, path, hit=True)  # another process fetched it
+            if handle is not None:
+                return handle
+            size = self._download(ref, path)
+            handle = self._open_entry(ref, path, hit=False)
+        if handle is None:
+            raise OSError(f"{path}: vanished right after download")
+        handle.downloaded = size
+        self.evict()
+        return handle
+
+    def _open_entry(self, ref: ShardRef, path: Path, hit: bool) -> ShardHandle | None:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            return None
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+        st = os.fstat(f.fileno())
+        if st.st_nlink == 0:  # evicted between open and lock
+            f.close()
+            return None
+        if ref.bytes is not None and st.st_size != ref.bytes:
+            f.close()  # a damaged entry: drop it and fetch again
+            _remove_if_unused(path)
+            return None
+        os.utime(path)  # LRU recency
+        return ShardHandle(ref, f, cache_hit=hit)
+
+    def _download(self, ref: ShardRef, path: Path) -> int:
+        fd, tmp = tempfile.mkstemp(dir=self.cache_dir, prefix=f".{path.name}.",
+                                   suffix=PART_SUFFIX)
+        os.close(fd)
+        try:
+            if ref.url.startswith("pipe:"):
+                _copy_from_pipe(ref.url, tmp)
+            else:
+                fs, rpath = fsspec.core.url_to_fs(ref.url, **self.storage_options)
+                fs.get_file(rpath, tmp)
+            if ref.sha256 is not None:
+                digest = sha256_file(tmp)
+                if digest != ref.sha256:
+                    raise _ChecksumMismatch(
+                        f"expected sha256 {ref.sha256[:12]}..., got {digest[:12]}...")
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            size = os.path.getsize(tmp)
+            os.replace(tmp, path)
+            return size
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+
+class Prefetcher:
+    """Opens the shards a stream will read, up to `depth` ahead, in a background thread.
+
+    Handles come back in order; errors surface at the position they belong to; handles fetched
+    but never consumed are closed on `close()`.
+    """
+
+    def __init__(self, cache: ShardCache, refs: list[ShardRef], depth: int) -> None:
+        self.cache, self.refs, self.depth = cache, refs, depth
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if depth > 0 and refs and not all(r.is_local for r in refs):
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="ringfeed-prefetch")
+            self._thread.start()
+
+    def __iter__(self) -> Iterator[ShardHandle]:
+        if self._thread is None:
+            for ref in self.refs:
+                yield self.cache.open(ref)
+            return
+        for _ in self.refs:
+            item = self._get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is None:
+            return
+        while self._thread.is_alive() or not self._queue.empty():
+            try:
+                item = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(item, ShardHandle):
+                item.close()
+
+    def _get(self):
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("shard prefetch thread died") from None
+
+    def _run(self) -> None:
+        for ref in self.refs:
+            try:
+                item: Any = self.cache.open(ref)
+            except BaseException as e:  # delivered to the reader in order
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            else:
+                if isinstance(item, ShardHandle):
+                    item.close()
+                return
+            if isinstance(item, BaseException):
+                return
+
+
+class _ChecksumMismatch(Exception):
+    pass
+
+
+def _describe(e: Exception | None) -> str:
+    text = str(e) or type(e).__name__
+    return text.splitlines()[0][:300]
+
+
+def _remove_if_unused(path: Path) -> bool:
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a reader holds it
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+    return True
+
+
+class _exclusive:
+    """An flock on a lock file, waiting at most `timeout_s` (a hung peer must not hang us)."""
+
+    def __init__(self, path: Path, timeout_s: float) -> None:
+        self.path, self.timeout_s = path, timeout_s
+
+    def __enter__(self) -> None:
+        self.f = open(self.path, "a+b")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                fcntl.flock(self.f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self.f.close()
+                    raise OSError(f"{self.path}: another process held the download lock for "
+                                  f"over {self.timeout_s:.0f}s") from None
+                time.sleep(0.05)
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
+
+def _copy_from_pipe(url: str, dest: str) -> None:
+    import shutil
+
+    from webdataset.gopen import gopen
+
+    stream = gopen(url, "rb")
+    try:
+        with open(dest, "wb") as out:
+            shutil.copyfileobj(stream, out, 1 << 20)
+    finally:
+        stream.close()
