@@ -70,3 +70,6 @@ def horovodrun(np: int, args: list[str], timeout: float = 120, extra: list[str] 
 
 def ringfeed(*args: str, timeout: float = 120, **kw) -> Result:
     return run([str(BIN / "ringfeed"), *args], timeout=timeout, **kw)
+
+
+test_env.__test__ = False  # a helper, not a test (pytest collects test_* names it imports)
