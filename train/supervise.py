@@ -1,0 +1,106 @@
+"""`ringfeed run -- <launcher ...>`: relaunch a non-elastic job after a crash, from its checkpoint.
+
+    ringfeed run --max-restarts 3 -- horovodrun -np 8 -H a:4,b:4 ringfeed train cfg.yaml
+
+If the job exits non-zero, it is started again with `--resume auto` added to its `ringfeed train`
+command (so it continues from the newest complete checkpoint), up to --max-restarts times with
+exponential backoff. Errors a restart cannot fix stop it at once: a job that exits with code 2
+(bad config or input) or whose output carries ringfeed's not-restartable marker (e.g. corrupt data
+under the `fail` policy), which every rank prints before it exits. SIGTERM/SIGINT to the
+supervisor are forwarded to the job and end supervision (a scheduler asked the job to stop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+NO_RESTART_MARKER = "ringfeed: not restartable:"
+NO_RESTART_EXIT_CODES = {2}
+RESTART_ENV = "RINGFEED_RESTART_COUNT"
+
+
+def with_resume_auto(cmd: list[str]) -> list[str]:
+    """Add `--resume auto` to the `ringfeed train` part of a launcher command (once)."""
+    if "--resume" in cmd or not any(a.endswith("ringfeed") for a in cmd) or "train" not in cmd:
+        return list(cmd)
+    return [*cmd, "--resume", "auto"]
+
+
+class Supervisor:
+    def __init__(self, cmd: list[str], max_restarts: int, backoff: float, backoff_max: float):
+        self.cmd = cmd
+        self.max_restarts = max_restarts
+        self.backoff = backoff
+        self.backoff_max = backoff_max
+        self.proc: subprocess.Popen | None = None
+        self.stopping = False
+
+    def _forward(self, signum: int, _frame) -> None:
+        self.stopping = True
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signum)
+
+    def _attempt(self, cmd: list[str], restarts: int) -> tuple[int, bool]:
+        """Run once, streaming output; return (exit code, saw the not-restartable marker)."""
+        env = dict(os.environ, **{RESTART_ENV: str(restarts)})
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1, env=env, start_new_session=True)
+        fatal = False
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            fatal = fatal or NO_RESTART_MARKER in line
+        return self.proc.wait(), fatal
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._forward)
+        cmd, restarts, delay = self.cmd, 0, self.backoff
+        while True:
+            code, fatal = self._attempt(cmd, restarts)
+            if code == 0:
+                print(f"ringfeed run: job finished after {restarts} restart(s)", flush=True)
+                return 0
+            if self.stopping:
+                print(f"ringfeed run: stopped by signal; job exited {code}", flush=True)
+                return code
+            if fatal or code in NO_RESTART_EXIT_CODES:
+                print(f"ringfeed run: job failed with an error a restart cannot fix (exit {code}); "
+                      "not restarting", flush=True)
+                return code
+            if restarts >= self.max_restarts:
+                print(f"ringfeed run: job failed (exit {code}); giving up after {restarts} "
+                      "restart(s)", flush=True)
+                return code
+            restarts += 1
+            cmd = with_resume_auto(self.cmd)
+            print(f"ringfeed run: job failed (exit {code}); restart {restarts}/{self.max_restarts} "
+                  f"in {delay:.0f}s with --resume auto", flush=True)
+            time.sleep(delay)
+            delay = min(delay * 2, self.backoff_max)
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        from shards.errors import UserError
+
+        raise UserError("ringfeed run: no command given (usage: ringfeed run -- horovodrun ... ringfeed train CFG)")
+    return Supervisor(cmd, args.max_restarts, args.backoff, args.backoff_max).run()
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="supervise a launch: relaunch with --resume auto after a crash")
+    p.add_argument("--max-restarts", type=int, default=3, help="relaunches before giving up (3)")
+    p.add_argument("--backoff", type=float, default=5.0, help="first wait before a relaunch, s (5)")
+    p.add_argument("--backoff-max", type=float, default=300.0, help="longest wait, s (300)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- LAUNCHER ARGS...")
+    p.set_defaults(func=run)
