@@ -50,6 +50,8 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
+            # mkstemp makes the file private (0600); give it the permissions open() would
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -58,6 +60,19 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             pass
         raise
     _fsync_dir(path.parent)
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it; /proc avoids that race where it exists
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

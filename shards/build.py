@@ -1,0 +1,165 @@
+"""`ringfeed shard`: scan the source, plan the shards, write them (in parallel, resumably), and
+write the manifest last.
+
+Order of effects: every input error is raised by the scan, before OUT is touched (beyond creating
+it); shards appear under their final names only when complete (temp file + rename); each finished
+shard is journaled; manifest.json is written last, atomically, and then the journal is removed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from shards.errors import UserError
+from shards.fsutil import sha256_file
+from shards.journal import JOURNAL, Journal
+from shards.manifest import Manifest, ShardInfo, Split
+from shards.options import ShardOptions
+from shards.parallel import fork_pool, parallel_map, pool_task
+from shards.plan import PlannedShard, fingerprint, plan_shards
+from shards.progress import Progress
+from shards.sources import Source, open_source
+from shards.sources.text import WORK_DIR
+from shards.tarwrite import write_shard
+
+SHARD_FILE = re.compile(r"^\w+-\d{6}\.tar$")
+TEMP_FILE = re.compile(r"^\.(manifest\.json|\.ringfeed-journal\.jsonl|\w+-\d{6}\.tar)\.\w+\.tmp$")
+
+
+@dataclass
+class ShardRun:
+    manifest: Manifest
+    out: Path
+    seconds: float
+    written: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+
+
+def created_by() -> str:
+    try:
+        return f"ringfeed {metadata.version('ringfeed')}"
+    except metadata.PackageNotFoundError:
+        return "ringfeed"
+
+
+def shard_dataset(opts: ShardOptions) -> ShardRun:
+    start = time.monotonic()
+    check_out_dir(opts.out, opts.overwrite)
+    source = open_source(opts)
+    try:
+        shards = plan_shards(source, opts)
+        plan_id = fingerprint(source, opts, shards)
+        journal = Journal(opts.out)
+        kept = _resumable(journal, plan_id, shards, opts)
+        _clean_out_dir(opts.out, fresh=not kept and opts.overwrite)
+        journal.start(plan_id, kept)
+        todo = [s for s in shards if s.name not in kept]
+        infos = dict(kept)
+
+        def finished(info: ShardInfo) -> None:
+            journal.record(info)
+            infos[info.name] = info
+
+        _write_all(source, todo, opts, finished)
+        manifest = _manifest(source, opts, shards, infos)
+        manifest.save(opts.out)
+        journal.remove()
+    finally:
+        source.close()
+    return ShardRun(manifest, opts.out, time.monotonic() - start,
+                    written=[s.name for s in todo], kept=sorted(kept))
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """OUT must be new, empty, an unfinished run of ours (to resume), or --overwrite."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is not a folder (OUT is where shards go)")
+    if not out.exists() or overwrite or (out / JOURNAL).exists():
+        return
+    leftovers = {WORK_DIR}  # an interrupted scan leaves only this
+    entries = sorted(p.name for p in out.iterdir()
+                     if p.name not in leftovers and not TEMP_FILE.match(p.name))
+    if "manifest.json" in entries:
+        raise UserError(f"{out} already holds shards (manifest.json); pass --overwrite to "
+                        "replace them, or choose another OUT")
+    if entries:
+        raise UserError(f"{out} is not empty ({len(entries)} entries, e.g. {entries[0]!r}); "
+                        "choose an empty or new folder, or pass --overwrite")
+
+
+def _resumable(journal: Journal, plan_id: str, shards: list[PlannedShard],
+               opts: ShardOptions) -> dict[str, ShardInfo]:
+    """Shards a previous run of this same plan finished and that still hash as recorded."""
+    recorded, done = journal.read()
+    if recorded is None or opts.overwrite:
+        return {}
+    if recorded != plan_id:
+        raise UserError(f"{opts.out} holds an unfinished run with other input or options; run "
+                        "that command again to finish it, or pass --overwrite to start over")
+    planned = {s.name: s for s in shards}
+    candidates = [info for name, info in done.items() if name in planned
+                  and info.bytes == planned[name].bytes
+                  and (opts.out / name).is_file()
+                  and (opts.out / name).stat().st_size == info.bytes]
+    digests = parallel_map(_hash, [opts.out / i.name for i in candidates], opts.workers, None, 1)
+    return {i.name: i for i, digest in zip(candidates, digests, strict=True) if digest == i.sha256}
+
+
+def _hash(_shared: None, path: Path) -> str:
+    return sha256_file(path)
+
+
+def _clean_out_dir(out: Path, fresh: bool) -> None:
+    """Drop temp files of an interrupted run; on --overwrite also the old shards and manifest."""
+    out.mkdir(parents=True, exist_ok=True)
+    for p in out.iterdir():
+        if TEMP_FILE.match(p.name) or (fresh and (SHARD_FILE.match(p.name)
+                                                   or p.name in ("manifest.json", JOURNAL))):
+            p.unlink(missing_ok=True)
+
+
+def _write_task(shared: tuple[Source, Path, Progress], shard: PlannedShard) -> ShardInfo:
+    source, out, progress = shared
+    return write_shard(source, shard, out, progress.on_sample if progress.enabled else None)
+
+
+def _write_all(source: Source, todo: list[PlannedShard], opts: ShardOptions,
+               finished: callable) -> None:
+    progress = Progress(sum(s.num_samples for s in todo), opts.progress)
+    try:
+        workers = min(opts.workers, len(todo))
+        if workers <= 1:
+            for shard in todo:
+                finished(_write_task((source, opts.out, progress), shard))
+            return
+        with fork_pool(workers, (source, opts.out, progress)) as pool:
+            pending = {pool.submit(pool_task(_write_task), s) for s in todo}
+            try:
+                while pending:
+                    done, pending = wait(pending, timeout=Progress.REFRESH_S,
+                                         return_when=FIRST_COMPLETED)
+                    for future in done:
+                        finished(future.result())
+                    progress.refresh()
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+    finally:
+        progress.close()
+
+
+def _manifest(source: Source, opts: ShardOptions, shards: list[PlannedShard],
+              infos: dict[str, ShardInfo]) -> Manifest:
+    splits: dict[str, Split] = {}
+    for s in shards:
+        splits.setdefault(s.split, Split()).shards.append(infos[s.name])
+    description = source.describe()
+    description["options"] = {**description["options"], **opts.plan_options()}
+    return Manifest(splits=splits, fields=source.fields, source=description,
+                    class_names=source.class_names, text=source.text, skipped=source.skipped,
+                    created_by=created_by())

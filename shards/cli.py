@@ -1,0 +1,145 @@
+"""`ringfeed shard | verify | inspect`: argument parsing and the lines a user reads."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from shards.errors import UserError
+from shards.options import DEFAULT_MAX_SIZE, FORMATS, ShardOptions
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "shard", help="turn a raw dataset into WebDataset tar shards + manifest.json",
+        description="Write SRC as WebDataset shards OUT/{split}-{000000..}.tar and "
+                    "OUT/manifest.json. Rerunning an interrupted command resumes it.")
+    p.add_argument("src", metavar="SRC", help="the raw dataset (file or folder)")
+    p.add_argument("out", metavar="OUT", nargs="?",
+                   help="output folder (new or empty; wds-index: defaults to SRC)")
+    p.add_argument("--format", required=True, metavar="FORMAT",
+                   help=f"input format: {', '.join(FORMATS)}")
+    p.add_argument("--field", action="append", default=[], metavar="NAME=EXT",
+                   help="jsonl/csv/npz: store field NAME as tar member EXT (e.g. text=txt, "
+                        "label=cls, path=jpg for an image file path); the rest go to `json`")
+    p.add_argument("--key", dest="key_field", metavar="FIELD",
+                   help="jsonl/csv: take sample keys from FIELD (default: row numbers)")
+    p.add_argument("--max-size", metavar="SIZE",
+                   help=f"max bytes per shard, e.g. 256MB (default {DEFAULT_MAX_SIZE // 10**6}MB "
+                        "when --max-count is not given either)")
+    p.add_argument("--max-count", type=int, metavar="N", help="max samples per shard")
+    p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
+                   help="draw this fraction of samples into a `val` split (per class for "
+                        "imagefolder)")
+    p.add_argument("--shuffle-seed", type=int, metavar="S",
+                   help="shuffle samples across shards with this seed (default: source order)")
+    p.add_argument("--workers", type=int, default=1, metavar="K",
+                   help="write shards in K processes (same bytes for any K)")
+    p.add_argument("--strict", action="store_true",
+                   help="imagefolder: fail on a non-image or unreadable file instead of skipping it")
+    p.add_argument("--overwrite", action="store_true", help="replace shards already in OUT")
+    p.add_argument("--seq-len", type=int, default=1024, help="text: tokens per sample")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="text: 'bytes' (ids 0..255, EOS 256) or module:attr of an installed tokenizer")
+    p.add_argument("--text-field", default="text", help="text: document field of .jsonl files")
+    p.add_argument("--glob", default="*", help="text: file name pattern inside a SRC folder")
+    p.add_argument("--split", help="wds-index: put every shard in this split")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: when stderr is a terminal)")
+    p.set_defaults(func=run_shard)
+
+    v = subparsers.add_parser("verify", help="re-hash and re-count shards against manifest.json")
+    v.add_argument("out", metavar="OUT", help="the folder holding manifest.json")
+    v.add_argument("--workers", type=int, default=1, metavar="K")
+    v.set_defaults(func=run_verify)
+
+    i = subparsers.add_parser("inspect", help="summarize a sharded dataset")
+    i.add_argument("out", metavar="OUT", help="the folder holding manifest.json")
+    i.add_argument("--samples", type=int, default=3, metavar="N", help="samples to show per split")
+    i.add_argument("--workers", type=int, default=1, metavar="K")
+    i.set_defaults(func=run_inspect)
+
+
+def options_from_args(args: argparse.Namespace) -> ShardOptions:
+    """Validate the command line; every problem is one UserError line."""
+    from shards.fsutil import parse_size
+
+    if args.format not in FORMATS:
+        raise UserError(f"unknown --format {args.format!r} (choose from: {', '.join(FORMATS)})")
+    if args.out is None and args.format != "wds-index":
+        raise UserError("OUT is missing: ringfeed shard SRC OUT --format ...")
+    fields = {}
+    for spec in args.field:
+        name, sep, ext = spec.partition("=")
+        if not sep or not name or not ext:
+            raise UserError(f"--field {spec!r}: expected NAME=EXT, e.g. --field label=cls")
+        fields[name] = ext
+    max_size = None
+    if args.max_size is not None:
+        try:
+            max_size = parse_size(args.max_size)
+        except ValueError as e:
+            raise UserError(f"--max-size: {e}") from None
+    for flag, value, low in (("--max-count", args.max_count, 1), ("--workers", args.workers, 1),
+                             ("--max-size", max_size, 1)):
+        if value is not None and value < low:
+            raise UserError(f"{flag} {value}: must be at least {low}")
+    if not 0 <= args.val_fraction < 1:
+        raise UserError(f"--val-fraction {args.val_fraction}: must be in [0, 1)")
+    src = Path(args.src).expanduser().resolve()
+    return ShardOptions(
+        src=src, out=Path(args.out) if args.out else src, format=args.format, fields=fields,
+        key_field=args.key_field, max_size=max_size, max_count=args.max_count,
+        val_fraction=args.val_fraction, shuffle_seed=args.shuffle_seed, workers=args.workers,
+        strict=args.strict, overwrite=args.overwrite, seq_len=args.seq_len,
+        tokenizer=args.tokenizer, text_field=args.text_field, glob=args.glob, split=args.split,
+        progress=args.progress)
+
+
+def run_shard(args: argparse.Namespace) -> int:
+    from shards.progress import human_bytes, rate
+
+    opts = options_from_args(args)
+    if opts.format == "wds-index":
+        from shards.wds_index import index_shards
+
+        run = index_shards(opts)
+    else:
+        from shards.build import shard_dataset
+
+        run = shard_dataset(opts)
+    m = run.manifest
+    per_split = ", ".join(f"{name} {len(s.shards)}" for name, s in m.splits.items())
+    samples = sum(s.num_samples for s in m.splits.values())
+    nbytes = sum(s.num_bytes for s in m.splits.values())
+    notes = ""
+    if run.kept:
+        notes += f"; resumed: kept {len(run.kept)} finished shard(s)"
+    if m.skipped:
+        notes += f"; skipped {len(m.skipped)} input file(s), listed in the manifest"
+    print(f"ringfeed shard: {samples:,} samples, {sum(len(s.shards) for s in m.splits.values())} "
+          f"shards ({per_split}), {human_bytes(nbytes)}, {run.seconds:.1f} s, "
+          f"{rate(nbytes, run.seconds)} -> {run.out / 'manifest.json'}{notes}")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from shards.progress import human_bytes
+    from shards.verify import verify
+
+    result = verify(Path(args.out), args.workers)
+    for check in result.bad:
+        print(f"BAD {check.split}/{check.name}: {'; '.join(check.problems)}")
+    samples = sum(c.num_samples for c in result.checks)
+    nbytes = sum(c.bytes for c in result.checks)
+    verdict = f"{len(result.bad)} BAD" if result.bad else "all OK (sha256, size and sample counts)"
+    print(f"ringfeed verify: {len(result.checks)} shards, {samples:,} samples, "
+          f"{human_bytes(nbytes)}: {verdict}")
+    return 1 if result.bad else 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from shards.inspection import inspect_dataset
+
+    print(inspect_dataset(Path(args.out), args.samples, args.workers))
+    return 0

@@ -1,0 +1,116 @@
+"""`ringfeed inspect OUT`: what a person wants to see at a glance about a sharded dataset."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shards.manifest import Manifest
+from shards.members import kind_of
+from shards.parallel import parallel_map
+from shards.progress import human_bytes
+from shards.tarread import read_ints, scan_tar, shard_url
+from shards.verify import load_manifest
+
+PREVIEW_CHARS = 60
+
+
+def inspect_dataset(out: Path, samples: int = 3, workers: int = 1) -> str:
+    """The report, as text."""
+    m = load_manifest(out)
+    lines = [f"{out}/manifest.json: {m.source.get('format')} from {m.source.get('path')} "
+             f"({m.created_by or 'unknown writer'})"]
+    lines.append("fields: " + ", ".join(f"{ext} ({kind})" for ext, kind in m.fields.items()))
+    total_shards = sum(len(s.shards) for s in m.splits.values())
+    total_samples = sum(s.num_samples for s in m.splits.values())
+    total_bytes = sum(s.num_bytes for s in m.splits.values())
+    lines.append(f"total: {total_samples:,} samples in {total_shards} shards, "
+                 f"{human_bytes(total_bytes)}")
+    lines.append(f"{'split':<8}{'shards':>7}{'samples':>11}{'size':>11}   "
+                 "per shard: samples min/median/max, size min/median/max")
+    for name, split in m.splits.items():
+        counts = [s.num_samples for s in split.shards]
+        sizes = [s.bytes for s in split.shards]
+        lines.append(f"{name:<8}{len(counts):>7}{sum(counts):>11,}{human_bytes(sum(sizes)):>11}   "
+                     f"{_spread(counts, str)}, {_spread(sizes, human_bytes)}")
+    if m.text:
+        lines.append("text: " + ", ".join(f"{k}={v}" for k, v in m.text.items()))
+    if m.skipped:
+        lines.append(f"skipped {len(m.skipped)} input file(s), e.g. {m.skipped[0]['path']}: "
+                     f"{m.skipped[0]['reason']}")
+    if "cls" in m.fields:
+        lines.extend(_class_balance(m, out, workers))
+    lines.extend(_samples(m, out, samples))
+    return "\n".join(lines)
+
+
+def _spread(values: list[int], fmt: Any) -> str:
+    if not values:
+        return "-"
+    return "/".join(fmt(int(v)) for v in (min(values), np.median(values), max(values)))
+
+
+def _count_classes(out: str, name: str) -> Counter:
+    return read_ints(shard_url(out, name), "cls")
+
+
+def _class_balance(m: Manifest, out: Path, workers: int) -> list[str]:
+    lines = []
+    for split_name, split in m.splits.items():
+        names = [s.name for s in split.shards]
+        counts = sum(parallel_map(_count_classes, names, workers, str(out), 1), Counter())
+        total = sum(counts.values()) or 1
+        labels = m.class_names or []
+        shown = ", ".join(
+            f"{labels[c] if 0 <= c < len(labels) else c}: {n} ({100 * n / total:.1f}%)"
+            for c, n in sorted(counts.items()))
+        lines.append(f"classes in {split_name} ({len(counts)}): {shown}")
+    return lines
+
+
+def _samples(m: Manifest, out: Path, count: int) -> list[str]:
+    lines = []
+    for split_name, split in m.splits.items():
+        if not split.shards or count <= 0:
+            continue
+        first = split.shards[0].name
+        lines.append(f"first samples of {split_name} ({first}):")
+        for sample in scan_tar(shard_url(str(out), first), keep_first=count).first:
+            members = ", ".join(f"{ext}: {_preview(ext, data, m)}"
+                                for ext, data in sample.items() if ext != "__key__")
+            lines.append(f"  {sample['__key__']}  {members}")
+    return lines
+
+
+def _preview(ext: str, data: bytes, m: Manifest) -> str:
+    kind = m.fields.get(ext) or kind_of(ext)
+    try:
+        if kind == "int":
+            value = int(data)
+            names = m.class_names or []
+            return f"{value} ({names[value]})" if ext == "cls" and 0 <= value < len(names) else str(value)
+        if kind in ("text", "json"):
+            text = data.decode()
+            if kind == "json":
+                text = json.dumps(json.loads(text), ensure_ascii=False)
+            return repr(text[:PREVIEW_CHARS] + ("..." if len(text) > PREVIEW_CHARS else ""))
+        if kind == "npy":
+            array = np.load(io.BytesIO(data), allow_pickle=False)
+            shown = f"{array.dtype}{list(array.shape)}"
+            if m.text and m.text.get("tokenizer") == "bytes" and array.ndim == 1:
+                head = bytes(int(t) for t in array[:PREVIEW_CHARS] if t < 256)
+                shown += f" {head.decode(errors='replace')!r}"
+            return shown
+        if kind == "image":
+            from PIL import Image
+
+            with Image.open(io.BytesIO(data)) as im:
+                return f"{im.format} {im.width}x{im.height} {im.mode}, {human_bytes(len(data))}"
+    except Exception as e:  # a preview must not stop the report; say what went wrong instead
+        return f"{human_bytes(len(data))} (cannot preview as {kind}: {type(e).__name__})"
+    return human_bytes(len(data))

@@ -1,0 +1,43 @@
+"""The settings of one `ringfeed shard` run, as the command line gives them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FORMATS = ("imagefolder", "jsonl", "csv", "npz", "npy", "text", "wds-index")
+DEFAULT_MAX_SIZE = 256_000_000  # used when neither --max-size nor --max-count is given
+
+
+@dataclass
+class ShardOptions:
+    src: Path
+    out: Path
+    format: str
+    fields: dict[str, str] = field(default_factory=dict)  # source field -> member ext
+    key_field: str | None = None
+    max_size: int | None = None
+    max_count: int | None = None
+    val_fraction: float = 0.0
+    shuffle_seed: int | None = None
+    workers: int = 1
+    strict: bool = False
+    overwrite: bool = False
+    seq_len: int = 2048
+    tokenizer: str = "bytes"
+    text_field: str = "text"
+    glob: str = "*"
+    split: str | None = None  # wds-index: put every shard in this split
+    progress: bool | None = None  # None: a bar only when stderr is a terminal
+
+    def limits(self) -> tuple[int | None, int | None]:
+        """(max bytes, max samples) per shard; None = no limit."""
+        if self.max_size is None and self.max_count is None:
+            return DEFAULT_MAX_SIZE, None
+        return self.max_size, self.max_count
+
+    def plan_options(self) -> dict:
+        """What decides the shards' bytes (not --workers): recorded in the manifest."""
+        max_size, max_count = self.limits()
+        return {"max_size": max_size, "max_count": max_count, "val_fraction": self.val_fraction,
+                "shuffle_seed": self.shuffle_seed}

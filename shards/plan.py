@@ -1,0 +1,125 @@
+"""Which sample goes to which shard, decided before any shard is written.
+
+The plan depends only on the scanned source and the options that shape the output (limits,
+val fraction, seed): never on --workers. K writers then produce the same bytes as one, and an
+interrupted run can tell which finished shards still belong to the plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from shards.errors import UserError
+from shards.members import TAR_END, TAR_RECORD, tar_file_bytes
+from shards.options import ShardOptions
+from shards.sources import Source
+
+SPLIT_ORDER = ("train", "val", "test")
+PLAN_VERSION = 1
+
+
+@dataclass
+class PlannedShard:
+    split: str
+    name: str
+    part: str           # the source part its samples come from
+    indices: np.ndarray  # int64 positions in that part, in tar order
+    bytes: int          # size of the finished tar
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.indices)
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:06d}.tar"
+
+
+def plan_shards(source: Source, opts: ShardOptions) -> list[PlannedShard]:
+    max_size, max_count = opts.limits()
+    seed = opts.shuffle_seed if opts.shuffle_seed is not None else 0
+    splits = assign_splits(source, opts.val_fraction, seed)
+    order = sorted(splits, key=lambda s: (SPLIT_ORDER.index(s) if s in SPLIT_ORDER else 9, s))
+    shards = []
+    for number, split in enumerate(order):
+        part, indices = splits[split]
+        if opts.shuffle_seed is not None:
+            indices = np.random.default_rng([opts.shuffle_seed, 1, number]).permutation(indices)
+        sizes = source.parts[part].sizes[indices]
+        for k, (a, b) in enumerate(pack(sizes, max_size, max_count)):
+            shards.append(PlannedShard(split, shard_name(split, k), part, indices[a:b],
+                                       tar_file_bytes(int(sizes[a:b].sum()))))
+    return shards
+
+
+def assign_splits(source: Source, val_fraction: float, seed: int) -> dict[str, tuple[str, np.ndarray]]:
+    """{split: (part, positions in the part)}; a val split is drawn from `train` when asked."""
+    splits = {name: (name, np.arange(len(part))) for name, part in source.parts.items()}
+    if not val_fraction:
+        return splits
+    if "val" in source.parts:
+        raise UserError(f"{source.path} already has a val split; drop --val-fraction")
+    train = source.parts["train"]
+    is_val = choose_val(len(train), train.labels, val_fraction, np.random.default_rng([seed, 0]))
+    if is_val.all() or not is_val.any():
+        raise UserError(f"--val-fraction {val_fraction} of {len(train)} samples leaves "
+                        f"{'no train' if is_val.all() else 'no val'} samples")
+    splits["train"] = ("train", np.flatnonzero(~is_val))
+    splits["val"] = ("train", np.flatnonzero(is_val))
+    return splits
+
+
+def choose_val(n: int, labels: np.ndarray | None, fraction: float,
+               rng: np.random.Generator) -> np.ndarray:
+    """A mask of round(n * fraction) samples, stratified by class when labels are known."""
+    k = max(1, round(n * fraction))
+    if labels is None:
+        picked = rng.permutation(n)[:k]
+    else:
+        classes, counts = np.unique(labels, return_counts=True)
+        quota = counts * fraction
+        take = np.floor(quota).astype(np.int64)
+        # largest remainders first, so the per-class counts add up to k
+        extra = np.argsort(-(quota - take), kind="stable")[: max(0, k - int(take.sum()))]
+        take[extra] += 1
+        take = np.minimum(take, counts)
+        picked = np.concatenate([rng.permutation(np.flatnonzero(labels == c))[:t]
+                                 for c, t in zip(classes, take, strict=True)])
+    mask = np.zeros(n, dtype=bool)
+    mask[picked] = True
+    return mask
+
+
+def pack(sizes: np.ndarray, max_size: int | None, max_count: int | None) -> list[tuple[int, int]]:
+    """Consecutive [start, end) ranges: at most max_count samples, and a finished tar of at most
+    max_size bytes (a single larger sample gets a shard of its own)."""
+    n = len(sizes)
+    csum = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    budget = (max_size // TAR_RECORD) * TAR_RECORD - TAR_END if max_size else None
+    ranges, start = [], 0
+    while start < n:
+        end = n if not max_count else min(n, start + max_count)
+        if budget is not None:
+            fit = int(np.searchsorted(csum, csum[start] + budget, side="right")) - 1
+            end = min(end, max(fit, start + 1))
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def fingerprint(source: Source, opts: ShardOptions, shards: list[PlannedShard]) -> str:
+    """Identity of a plan: the inputs (paths, sizes, mtimes), the options and the assignment."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"plan": PLAN_VERSION, "source": source.describe(),
+                         "options": opts.plan_options(), "fields": source.fields,
+                         "inputs": source.inputs}, sort_keys=True).encode())
+    for s in shards:
+        h.update(f"\n{s.name} {s.part} {s.bytes} ".encode())
+        h.update(s.indices.astype(np.int64).tobytes())
+    for name, part in source.parts.items():
+        h.update(f"\n{name}:".encode() + "\0".join(part.keys).encode())
+    return h.hexdigest()

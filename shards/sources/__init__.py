@@ -1,0 +1,27 @@
+"""Input formats of `ringfeed shard`; `open_source` scans one into a `Source`."""
+
+from __future__ import annotations
+
+from shards.errors import UserError
+from shards.options import FORMATS, ShardOptions
+from shards.sources.base import Part, Source
+
+
+def open_source(opts: ShardOptions) -> Source:
+    """Scan `opts.src` as `opts.format`: every bad input raises a UserError before any write."""
+    if opts.format in ("jsonl", "csv"):
+        from shards.sources.tabular import Tabular
+        return Tabular(opts)
+    if opts.format in ("npz", "npy"):
+        from shards.sources.arrays import Arrays
+        return Arrays(opts)
+    if opts.format == "imagefolder":
+        from shards.sources.imagefolder import ImageFolder
+        return ImageFolder(opts)
+    if opts.format == "text":
+        from shards.sources.text import Text
+        return Text(opts)
+    raise UserError(f"unknown --format {opts.format!r} (choose from: {', '.join(FORMATS)})")
+
+
+__all__ = ["Part", "Source", "open_source"]

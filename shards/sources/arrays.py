@@ -1,0 +1,98 @@
+"""`npz` / `npy`: arrays sharing a leading sample axis -> one `<name>.npy` member per array.
+
+SRC is an .npz file, an .npy file, a folder of .npy files (one array each, named by the file), or
+a folder of such per split (`train.npz` + `val.npz`, `train/` + `val/`). `--field y=cls` stores
+array `y` as another member kind (here a class index) instead of `y.npy`.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shards.errors import UserError
+from shards.keys import check_ext, safe_key
+from shards.members import encode, kind_of, member_tar_bytes
+from shards.options import ShardOptions
+from shards.sources.base import Part, Source, int_sizes, require_exists, source_splits, visible
+
+
+class Arrays(Source):
+    def __init__(self, opts: ShardOptions):
+        super().__init__(opts.src)
+        self.format = opts.format
+        require_exists(opts.src)
+        self.options = {"fields": dict(opts.fields)}
+        self._arrays: dict[str, dict[str, np.ndarray]] = {}
+        self._exts: dict[str, str] = {}
+        splits = source_splits(opts.src)
+        for part, path in (splits or {"train": opts.src}).items():
+            arrays = self._load(path)
+            unknown = set(opts.fields) - set(arrays)
+            if unknown:
+                raise UserError(f"{path}: no array {sorted(unknown)[0]!r} "
+                                f"(arrays: {', '.join(arrays)})")
+            lengths = {name: (a.shape[0] if a.ndim else None) for name, a in arrays.items()}
+            if len(set(lengths.values())) != 1 or None in lengths.values():
+                shapes = ", ".join(f"{n}{tuple(a.shape)}" for n, a in arrays.items())
+                raise UserError(f"{path}: arrays must share their first (sample) axis: {shapes}")
+            n = next(iter(lengths.values()))
+            if n == 0:
+                raise UserError(f"{path}: the arrays hold no samples (first axis is 0)")
+            for name in arrays:
+                ext = opts.fields.get(name) or f"{safe_key(name).lower()}.npy"
+                self._exts[name] = check_ext(ext.lower(), f"{path}: array {name!r}")
+            if len(set(self._exts.values())) != len(self._exts):
+                raise UserError(f"{path}: two arrays map to the same member ({self._exts}); "
+                                "rename them or use --field")
+            sizes = np.zeros(n, dtype=np.int64)
+            for name, array in arrays.items():
+                sizes += self._member_sizes(name, array, f"{path}: array {name!r}")
+            width = max(6, len(str(n - 1)))
+            self.parts[part] = Part([f"{i:0{width}d}" for i in range(n)], int_sizes(sizes))
+            self._arrays[part] = arrays
+        self.fields = {ext: kind_of(ext) for ext in self._exts.values()}
+
+    def _load(self, path: Path) -> dict[str, np.ndarray]:
+        if path.is_dir():
+            files = [p for p in visible(path) if p.suffix == ".npy"]
+            if not files:
+                raise UserError(f"{path}: no .npy files in this folder")
+            return {p.stem: self._load_npy(p) for p in files}
+        if path.suffix == ".npz" or zipfile.is_zipfile(path):
+            self.record_input(path)
+            try:
+                with np.load(path, allow_pickle=False) as npz:
+                    # read once: an NpzFile re-reads (and inflates) an array on every access
+                    arrays = {name: npz[name] for name in npz.files}
+            except (OSError, ValueError, zipfile.BadZipFile) as e:
+                raise UserError(f"{path}: not a readable .npz file ({e})") from None
+            if not arrays:
+                raise UserError(f"{path}: the .npz holds no arrays")
+            return arrays
+        return {path.stem: self._load_npy(path)}
+
+    def _load_npy(self, path: Path) -> np.ndarray:
+        self.record_input(path)
+        try:
+            return np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise UserError(f"{path}: not a readable .npy file ({e})") from None
+
+    def _member_sizes(self, name: str, array: np.ndarray, where: str) -> np.ndarray:
+        ext = self._exts[name]
+        if array.dtype.hasobject:
+            raise UserError(f"{where}: object arrays are not supported (use numeric or string dtypes)")
+        if kind_of(ext) == "npy":  # every sample has the same shape, so the same .npy size
+            return np.full(len(array), member_tar_bytes(len(encode(ext, array[0], where))))
+        return int_sizes([member_tar_bytes(len(encode(ext, v, f"{where}[{i}]")))
+                          for i, v in enumerate(array)])
+
+    def sample(self, part: str, index: int) -> dict[str, Any]:
+        arrays = self._arrays[part]
+        where = f"{self.path} sample {index}"
+        return {"__key__": self.parts[part].keys[index],
+                **{self._exts[n]: encode(self._exts[n], a[index], where) for n, a in arrays.items()}}

@@ -1,0 +1,100 @@
+"""What every input format provides to the planner and the shard writers.
+
+A source is scanned once, up front (every bad input is reported before anything is written), into
+parts: a split the source already has (`train`, `val`, ...) or the whole dataset (`train`). A part
+knows each sample's key and the exact bytes its members take in a tar, so shards can be planned
+before any is written; `sample(part, i)` then produces the members, in any process.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shards.errors import UserError
+
+# Source-provided split names (file or folder stems) -> the split name used in shard names.
+SPLIT_NAMES = {"train": "train", "training": "train", "val": "val", "valid": "val",
+               "validation": "val", "dev": "val", "test": "test"}
+
+
+@dataclass
+class Part:
+    """One split's samples in source order."""
+
+    keys: list[str]
+    sizes: np.ndarray                 # int64: tar bytes of each sample's members
+    labels: np.ndarray | None = None  # class index per sample, for a stratified val split
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class Source(ABC):
+    """A scanned input dataset. Subclasses fill the fields in `__init__` and define `sample`."""
+
+    format = ""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.parts: dict[str, Part] = {}
+        self.fields: dict[str, str] = {}  # member ext -> kind
+        self.options: dict[str, Any] = {}  # format options, recorded in the manifest
+        self.class_names: list[str] | None = None
+        self.text: dict[str, Any] | None = None
+        self.skipped: list[dict[str, str]] = []
+        self.inputs: list[tuple[str, int, int]] = []  # (file, size, mtime_ns): the plan's identity
+
+    @abstractmethod
+    def sample(self, part: str, index: int) -> dict[str, Any]:
+        """The sample's members as bytes, plus `__key__`."""
+
+    def close(self) -> None:
+        """Release files and work space the scan created (none by default)."""
+        return None
+
+    def record_input(self, path: str | Path, st: os.stat_result | None = None) -> None:
+        st = st or os.stat(path)
+        self.inputs.append((str(path), st.st_size, st.st_mtime_ns))
+
+    def describe(self) -> dict[str, Any]:
+        return {"format": self.format, "path": str(self.path), "options": self.options}
+
+
+def visible(path: Path) -> list[Path]:
+    """Entries of a folder, sorted, without hidden ones (.DS_Store, .git, ...)."""
+    return sorted(p for p in path.iterdir() if not p.name.startswith("."))
+
+
+def split_name(path: Path) -> str | None:
+    return SPLIT_NAMES.get(path.name.split(".", 1)[0].lower())
+
+
+def source_splits(src: Path) -> dict[str, Path] | None:
+    """{split: path} when every visible entry of folder `src` is named like a split."""
+    if not src.is_dir():
+        return None
+    entries = visible(src)
+    named: dict[str, Path] = {}
+    for entry in entries:
+        split = split_name(entry)
+        if split is None:
+            return None
+        if split in named:
+            raise UserError(f"{named[split]} and {entry} are both split {split!r} (keep one)")
+        named[split] = entry
+    return named if "train" in named else None
+
+
+def require_exists(src: Path) -> None:
+    if not src.exists():
+        raise UserError(f"{src}: no such file or folder")
+
+
+def int_sizes(values: Any) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)

@@ -1,0 +1,146 @@
+"""`SRC/<class>/<image>` (or `SRC/{train,val}/<class>/<image>`) -> {<ext>: original bytes, cls}."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shards.errors import UserError
+from shards.keys import check_unique, safe_key
+from shards.members import IMAGE_EXTS, member_tar_bytes
+from shards.options import ShardOptions
+from shards.parallel import parallel_map
+from shards.sources.base import Part, Source, int_sizes, require_exists, source_splits, visible
+
+# PIL format name -> member extension; also the spelling used for a file's own extension.
+PIL_EXTS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "GIF": "gif", "BMP": "bmp",
+            "WEBP": "webp", "TIFF": "tiff", "PPM": "ppm"}
+CANONICAL_EXT = {"jpeg": "jpg", "tif": "tiff", "pgm": "ppm", "pbm": "ppm"}
+
+
+@dataclass
+class _Found:
+    path: str
+    rel: str         # path relative to the part folder, for keys and messages
+    label: int
+    size: int
+    mtime_ns: int
+
+
+def _identify(_shared: Any, path: str) -> tuple[str | None, str | None]:
+    """(member ext, None) for an image PIL recognises, else (None, why it is skipped)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            fmt = im.format
+    except UnidentifiedImageError:
+        return None, "not an image (PIL cannot identify it)"
+    except OSError as e:
+        return None, f"unreadable ({e.strerror or e})"
+    own = Path(path).suffix.lower().lstrip(".")
+    if own in IMAGE_EXTS:
+        return CANONICAL_EXT.get(own, own), None
+    if fmt in PIL_EXTS:
+        return PIL_EXTS[fmt], None
+    return None, f"unsupported image format {fmt}"
+
+
+class ImageFolder(Source):
+    format = "imagefolder"
+
+    def __init__(self, opts: ShardOptions):
+        super().__init__(opts.src)
+        require_exists(opts.src)
+        if not opts.src.is_dir():
+            raise UserError(f"{opts.src}: not a folder (imagefolder expects SRC/<class>/<image files>)")
+        part_dirs = self._split_dirs(opts.src) or {"train": opts.src}
+        classes = {part: [d for d in visible(path) if d.is_dir()] for part, path in part_dirs.items()}
+        self.class_names = sorted({d.name for dirs in classes.values() for d in dirs})
+        label_of = {name: i for i, name in enumerate(self.class_names)}
+
+        found: dict[str, list[_Found]] = {}
+        for part, path in part_dirs.items():
+            found[part] = []
+            for f in visible(path):
+                if not f.is_dir():
+                    self.skipped.append({"path": str(f), "reason": "not inside a class folder"})
+            for class_dir in classes[part]:
+                found[part].extend(self._walk(class_dir, path, label_of[class_dir.name]))
+        every = [f for fs in found.values() for f in fs]
+        if not every:
+            raise UserError(f"{opts.src}: no image files found (expected SRC/<class>/<image files>)")
+
+        verdicts = list(parallel_map(_identify, [f.path for f in every], opts.workers, None, 256))
+        exts = {}
+        for f, (ext, why) in zip(every, verdicts, strict=True):
+            if ext is None:
+                self.skipped.append({"path": f.path, "reason": why})
+            else:
+                exts[f.path] = ext
+        if self.skipped and opts.strict:
+            first = self.skipped[0]
+            raise UserError(f"{first['path']}: {first['reason']}; {len(self.skipped)} file(s) "
+                            "cannot be used (remove them, or drop --strict to skip and list them)")
+
+        self._paths: dict[str, list[str]] = {}
+        self._exts: dict[str, list[str]] = {}
+        self._sizes: dict[str, np.ndarray] = {}
+        for part, fs in found.items():
+            fs = [f for f in fs if f.path in exts]
+            if not fs:
+                raise UserError(f"{part_dirs[part]}: no usable image files")
+            keys = [safe_key(f"{Path(f.rel).with_suffix('')}") for f in fs]
+            check_unique(keys, [f.rel for f in fs], f"{part_dirs[part]}")
+            labels = np.array([f.label for f in fs], dtype=np.int64)
+            sizes = int_sizes([f.size for f in fs])
+            cls_len = np.array([len(str(i)) for i in range(len(self.class_names))])[labels]
+            tar_bytes = [member_tar_bytes(s) + member_tar_bytes(c) for s, c in zip(sizes, cls_len, strict=True)]
+            self.parts[part] = Part(keys, int_sizes(tar_bytes), labels)
+            self._paths[part] = [f.path for f in fs]
+            self._exts[part] = [exts[f.path] for f in fs]
+            self._sizes[part] = sizes
+            self.inputs.extend((f.path, f.size, f.mtime_ns) for f in fs)
+        self.fields = {ext: "image" for ext in sorted(set(exts.values()))} | {"cls": "int"}
+
+    @staticmethod
+    def _split_dirs(src: Path) -> dict[str, Path] | None:
+        """`SRC/train/<class>/...`: split folders that hold class folders, not images."""
+        splits = source_splits(src)
+        if not splits or not all(p.is_dir() for p in splits.values()):
+            return None
+        if any(not e.is_dir() for p in splits.values() for e in visible(p)):
+            return None
+        return splits
+
+    def _walk(self, class_dir: Path, part_dir: Path, label: int) -> list[_Found]:
+        found = []
+        for root, dirs, files in os.walk(class_dir, followlinks=True):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for name in sorted(files):
+                if name.startswith("."):
+                    continue
+                path = os.path.join(root, name)
+                try:
+                    st = os.stat(path)
+                except OSError as e:
+                    self.skipped.append({"path": path, "reason": f"unreadable ({e.strerror})"})
+                    continue
+                rel = os.path.relpath(path, part_dir)
+                found.append(_Found(path, rel, label, st.st_size, st.st_mtime_ns))
+        return found
+
+    def sample(self, part: str, index: int) -> dict[str, Any]:
+        path = self._paths[part][index]
+        with open(path, "rb") as f:
+            data = f.read()
+        if len(data) != self._sizes[part][index]:
+            raise UserError(f"{path} changed while sharding (was {self._sizes[part][index]} "
+                            f"bytes, now {len(data)}); run the same command again")
+        label = int(self.parts[part].labels[index])
+        return {"__key__": self.parts[part].keys[index], self._exts[part][index]: data,
+                "cls": b"%d" % label}

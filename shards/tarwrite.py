@@ -1,0 +1,61 @@
+"""Write one planned shard: webdataset's TarWriter with fixed headers, hashed while written,
+under a temporary name until complete.
+
+Fixed mtime, owner and mode make a shard's bytes a function of its samples alone, so any
+process (and any rerun) writes the same file for the same plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from shards.errors import UserError
+from shards.fsutil import atomic_open
+from shards.manifest import ShardInfo
+from shards.plan import PlannedShard
+from shards.sources import Source
+
+TAR_MTIME = 946684800  # 2000-01-01T00:00:00Z (1970 makes GNU tar warn on extraction)
+TAR_OWNER = "ringfeed"
+TAR_MODE = 0o444
+
+
+class HashingWriter:
+    """A write-only file wrapper that hashes and counts what passes through."""
+
+    def __init__(self, f: IO[bytes]):
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def write_shard(source: Source, shard: PlannedShard, out_dir: Path,
+                on_sample: Callable[[int], None] | None = None) -> ShardInfo:
+    """Write `shard` to `out_dir/shard.name` (temp file + rename) and describe the result."""
+    from webdataset import TarWriter  # imports torch: keep it out of `ringfeed --help`
+
+    path = out_dir / shard.name
+    with atomic_open(path, "wb") as f:
+        out = HashingWriter(f)
+        with TarWriter(out, encoder=False, mtime=TAR_MTIME, user=TAR_OWNER, group=TAR_OWNER,
+                       mode=TAR_MODE) as tar:
+            for index in shard.indices:
+                size = tar.write(source.sample(shard.part, int(index)))
+                if on_sample:
+                    on_sample(size)
+        if out.size != shard.bytes:
+            # sizes come from the scan; a difference means the input changed since
+            raise UserError(f"{path}: {out.size} bytes written, {shard.bytes} planned: the "
+                            f"input under {source.path} changed while sharding; run again")
+    return ShardInfo(shard.name, shard.num_samples, out.size, out.sha256.hexdigest())

@@ -1,0 +1,70 @@
+"""`ringfeed verify OUT`: re-hash every shard and re-count its samples against the manifest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shards.errors import UserError
+from shards.manifest import Manifest, ManifestError, ShardInfo
+from shards.parallel import parallel_map
+from shards.tarread import TarReadError, scan_tar, shard_url
+
+
+@dataclass
+class ShardCheck:
+    split: str
+    name: str
+    problems: list[str] = field(default_factory=list)
+    num_samples: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Verification:
+    manifest: Manifest
+    checks: list[ShardCheck]
+
+    @property
+    def bad(self) -> list[ShardCheck]:
+        return [c for c in self.checks if c.problems]
+
+
+def load_manifest(out: Path) -> Manifest:
+    try:
+        return Manifest.load(out)
+    except ManifestError as e:
+        raise UserError(str(e)) from None
+
+
+def verify(out: Path, workers: int = 1) -> Verification:
+    manifest = load_manifest(out)
+    tasks = [(split, info) for split, s in manifest.splits.items() for info in s.shards]
+    checks = list(parallel_map(_check, tasks, workers, str(out), 1))
+    return Verification(manifest, checks)
+
+
+def _check(out: str, task: tuple[str, ShardInfo]) -> ShardCheck:
+    split, info = task
+    check = ShardCheck(split, info.name)
+    try:
+        scan = scan_tar(shard_url(out, info.name))
+    except FileNotFoundError:
+        check.problems.append("missing")
+        return check
+    except TarReadError as e:
+        check.problems.append(str(e))
+        return check
+    except OSError as e:
+        check.problems.append(f"unreadable ({e})")
+        return check
+    check.num_samples, check.bytes = scan.num_samples, scan.bytes
+    if scan.bytes != info.bytes:
+        check.problems.append(f"{scan.bytes} bytes, manifest says {info.bytes}")
+    if info.sha256 is not None and scan.sha256 != info.sha256:
+        check.problems.append("sha256 differs from the manifest (content changed)")
+    if scan.num_samples != info.num_samples:
+        check.problems.append(f"{scan.num_samples} samples, manifest says {info.num_samples}")
+    if scan.duplicate_keys:
+        check.problems.append(f"sample key {scan.duplicate_keys[0]!r} appears more than once")
+    return check
