@@ -27,7 +27,6 @@ from pipeline.plan import (
     SegmentConfig,
     SegmentPlan,
     batches_for,
-    consumed_by_worker,
 )
 from pipeline.reader import count_samples, iter_samples
 from pipeline.source import (
@@ -210,13 +209,14 @@ class ShardPipeline:
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return self._iterate(count=True)
+        return self.iterate(count=True)
 
-    def _iterate(self, count: bool) -> Iterator[dict[str, Any]]:
+    def iterate(self, count: bool = True) -> Iterator[dict[str, Any]]:
         """Batches in the order torch's DataLoader with `num_workers` workers yields them.
         `count`: mark a batch consumed when it is handed out (else the caller marks it)."""
         plan, t0 = self.begin()
-        streams = [self.stream(plan, w, t0) for w in range(plan.config.streams)]
+        streams = [WorkerStream.resuming(self.spec, plan, self.rank, w, t0)
+                   for w in range(plan.config.streams)]
         source = (iter(streams[0]) if self.num_workers == 0
                   else _interleave(streams, t0, plan.batches, max(1, self.prefetch)))
         try:
@@ -226,20 +226,20 @@ class ShardPipeline:
                     batch = next(source)
                 except StopIteration:
                     return
-                self._stats.waited(time.perf_counter() - started)
-                self._stats.add(batch.pop("__stats__"))
-                if count:
-                    self.mark_consumed(batch.pop("__batch__"), len(batch["__index__"]),
-                                       strict=True)
-                yield batch
+                yield self.received(batch, time.perf_counter() - started, count)
         finally:
             source.close()
 
-    def stream(self, plan: SegmentPlan, w: int, t0: int) -> WorkerStream:
-        """Worker stream `w` of this rank, resuming after the rank's first `t0` batches."""
-        streams = plan.config.streams
-        return WorkerStream(self.spec, plan.worker(self.rank, w),
-                            consumed_by_worker(t0, streams, w), plan.epoch, plan.index, streams, w)
+    def received(self, batch: dict[str, Any], waited_s: float, count: bool = True
+                 ) -> dict[str, Any]:
+        """Book a batch arriving from a worker stream: its counters, the consumer's wait, and
+        (`count`) its consumption. Returns the batch without its bookkeeping fields."""
+        self._stats.waited(waited_s)
+        self._stats.add(batch.pop("__stats__"))
+        if count:
+            tag = batch.pop("__batch__")
+            self.mark_consumed(tag.tolist(), len(batch["__index__"]), strict=True)
+        return batch
 
     def mark_consumed(self, tag: Sequence[int], samples: int, strict: bool = False) -> bool:
         """A batch tagged [epoch, segment, t] reached the training loop. Returns False (or

@@ -24,7 +24,7 @@ import numpy as np
 from pipeline.cache import Prefetcher, ShardCache
 from pipeline.decode import Decoder
 from pipeline.errors import PipelineDataError
-from pipeline.plan import Layout, WorkerPlan
+from pipeline.plan import Layout, SegmentPlan, WorkerPlan, consumed_by_worker
 from pipeline.reader import BadSample, read_positions
 from pipeline.source import ShardRef
 from pipeline.stats import StreamCounters
@@ -87,6 +87,14 @@ class WorkerStream:
         self.streams, self.w = streams, w
         self.counters = StreamCounters()
         self._warned: set[str] = set()
+
+    @classmethod
+    def resuming(cls, spec: StreamSpec, plan: SegmentPlan, rank: int, w: int, t0: int
+                 ) -> WorkerStream:
+        """Worker stream `w` of `rank`, after the rank's first `t0` batches of the segment."""
+        streams = plan.config.streams
+        return cls(spec, plan.worker(rank, w), consumed_by_worker(t0, streams, w), plan.epoch,
+                   plan.index, streams, w)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         plan, b = self.plan, self.plan.batch_size

@@ -1,0 +1,116 @@
+"""PyTorch adapter: a DataLoader over the pipeline's worker streams.
+
+`make_loader(pipe)` returns an iterable of batches (numpy arrays become tensors, lists stay
+lists) in exactly the order of `iter(pipe)`: DataLoader worker i runs worker stream
+(i + t0) % W, where t0 is the rank's batch count already consumed, so the DataLoader's
+round-robin picks up where the consumed batches stopped. Each batch handed to the caller
+advances the pipeline's consumed counter (so `pipe.state_dict()` is exact).
+
+Persistent workers keep their copy of the dataset, so the iteration to run (epoch, segments,
+t0) reaches them through a small shared-memory buffer written before each pass.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from pipeline.core import ShardPipeline
+from pipeline.errors import PipelineDataError
+from pipeline.plan import Planner, Segment
+from pipeline.stream import StreamSpec, WorkerStream
+
+_STATE_BYTES = 1 << 16
+
+
+class _PassState:
+    """The pass to run, as JSON in shared memory (readable by fork- or spawn-started workers)."""
+
+    def __init__(self) -> None:
+        self._buffer = multiprocessing.Array("c", _STATE_BYTES)
+
+    def write(self, state: dict[str, Any]) -> None:
+        data = json.dumps(state).encode()
+        if len(data) >= _STATE_BYTES:
+            raise ValueError(f"pipeline pass state too large ({len(data)} bytes)")
+        with self._buffer.get_lock():
+            self._buffer.value = data
+
+    def read(self) -> dict[str, Any]:
+        with self._buffer.get_lock():
+            return json.loads(self._buffer.value.decode())
+
+
+class _StreamDataset(IterableDataset):
+    def __init__(self, spec: StreamSpec, planner: Planner, rank: int, state: _PassState) -> None:
+        self.spec, self.planner, self.rank, self.state = spec, planner, rank, state
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        state = self.state.read()
+        segments = [Segment.from_dict(d, {}) for d in state["segments"]]
+        plan = self.planner.plans(state["epoch"], segments)[-1]
+        t0 = state["t0"]
+        w = ((info.id if info else 0) + t0) % plan.config.streams
+        stream = WorkerStream.resuming(self.spec, plan, self.rank, w, t0)
+        try:
+            yield from stream
+        except PipelineDataError as e:  # a clean one-line error, not a worker traceback
+            yield {"__error__": str(e)}
+
+
+class TorchLoader:
+    """Iterate for one pass over the rest of the current epoch (the next epoch once this one
+    is complete); `len()` is the full epoch's batch count."""
+
+    def __init__(self, pipe: ShardPipeline, **loader_kwargs: Any) -> None:
+        self.pipe = pipe
+        self._state = _PassState()
+        dataset = _StreamDataset(pipe.spec, Planner(pipe.layout, pipe.seed, pipe.shuffle),
+                                 pipe.rank, self._state)
+        workers = pipe.num_workers
+        options: dict[str, Any] = {
+            "batch_size": None,  # the streams batch themselves
+            "num_workers": workers,
+            "pin_memory": torch.cuda.is_available(),
+            "persistent_workers": workers > 0,
+        }
+        if workers > 0:
+            options["prefetch_factor"] = max(1, pipe.prefetch)
+        options.update(loader_kwargs)
+        self.loader = DataLoader(dataset, **options)
+
+    def __len__(self) -> int:
+        return self.pipe.batches_per_epoch
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        pipe = self.pipe
+        plan, t0 = pipe.begin()
+        self._state.write({"epoch": plan.epoch, "segments": pipe.state_dict()["segments"],
+                           "t0": t0})
+        batches = iter(self.loader)
+        while True:
+            started = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            if "__error__" in batch:
+                raise PipelineDataError(batch["__error__"])
+            yield pipe.received(batch, time.perf_counter() - started)
+
+
+def make_loader(pipe: ShardPipeline, **loader_kwargs: Any) -> TorchLoader:
+    """A DataLoader-backed iterable with `pipe.num_workers` workers, pin_memory when CUDA is
+    available and persistent workers; extra keyword arguments go to DataLoader (timeout,
+    multiprocessing_context, ...). Yields dict[str, torch.Tensor | list]."""
+    if "num_workers" in loader_kwargs or "batch_size" in loader_kwargs:
+        raise ValueError("set num_workers and batch_size on the ShardPipeline (they shape the "
+                         "plan), not on the loader")
+    return TorchLoader(pipe, **loader_kwargs)
