@@ -1,0 +1,111 @@
+"""What the shared loop needs from a framework layer, and the pieces both layers share.
+
+A backend owns the model, the optimizer, the loss scaler and Horovod for one framework. The
+loop (train/loop.py) never touches tensors; it calls these methods with pipeline batches and
+plain Python numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from train.data import DataSpec
+
+# Per-step agreement vector, allreduced with op=Average on every step. Any rank's request
+# makes the average > 0 on all ranks, so every rank takes the same decision at the same step.
+STATS_LOSS, STATS_SAVE, STATS_STOP = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    size: int
+    local_rank: int
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over all ranks and micro-batches of this step
+    applied: bool  # False: the update was skipped (fp16 overflow, or a non-finite loss)
+    save_requested: bool = False
+    stop_requested: bool = False
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+
+    @classmethod
+    def from_stats(cls, stats: list[float], applied: bool, **extra: Any) -> StepResult:
+        return cls(loss=stats[STATS_LOSS], applied=applied, save_requested=stats[STATS_SAVE] > 0,
+                   stop_requested=stats[STATS_STOP] > 0, **extra)
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss)
+
+
+class Backend(Protocol):
+    name: str
+    dist: Dist
+
+    def build(self, spec: DataSpec) -> None:
+        """Create model, optimizer, loss scaler; make all ranks start from rank 0's weights."""
+
+    def loader(self, pipe) -> Any:
+        """An iterable over `pipe`'s batches as framework tensors; iter() once per epoch."""
+
+    def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
+                   requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
+        """One optimizer step over len(micro_batches) accumulated micro-batches, one gradient
+        allreduce. `requests` = (save, stop) flags of this rank, agreed across ranks."""
+
+    def eval_batch(self, batch: dict[str, Any]) -> dict[str, float]:
+        """Sums over the batch's valid samples: "count", "loss" and each metric."""
+
+    def allreduce_sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Element-wise sum across ranks (same keys on every rank)."""
+
+    def rng_states(self) -> Any:
+        """Collective: every rank's RNG state, gathered on rank 0 (None elsewhere)."""
+
+    def write_payload(self, directory: Path, rng_states: Any) -> None:
+        """Rank 0: model, optimizer, scaler (and RNG states) into `directory`."""
+
+    def read_payload(self, directory: Path) -> None:
+        """Rank 0: load what write_payload wrote into the live objects."""
+
+    def sync_from_root(self, resumed: bool) -> None:
+        """Collective: all ranks take rank 0's state (weights; after a resume also optimizer,
+        scaler and, at the same world size, each rank's own RNG state)."""
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Collective: rank 0's `obj` on every rank."""
+
+    def weights(self) -> list[Any]:
+        """The model's parameters as numpy arrays (tests, equivalence checks)."""
+
+
+def make_backend(cfg) -> Backend:
+    """Import the framework named by cfg.framework (and Horovod for it), hvd.init() included."""
+    if cfg.framework == "torch":
+        from train.torch_backend import TorchBackend
+
+        return TorchBackend(cfg)
+    from train.tf_backend import TFBackend
+
+    return TFBackend(cfg)
+
+
+def metric_sums(per_sample: dict[str, Any], valid: Any | None, to_float) -> dict[str, float]:
+    """{"count", name: sum of per-sample values over valid samples} with `to_float(x)` turning a
+    framework vector into a Python float sum; the padding of `balance: pad` is excluded."""
+    first = next(iter(per_sample.values()))
+    sums = {"count": float(len(first)) if valid is None else to_float(valid)}
+    for name, values in per_sample.items():
+        sums[name] = to_float(values if valid is None else values * valid)
+    return sums

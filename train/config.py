@@ -1,0 +1,329 @@
+"""The `ringfeed train` config: schema with defaults, YAML + `--set a.b=value` overrides, and
+up-front validation.
+
+Everything here runs before Horovod, torch or TensorFlow is imported, so a bad config costs
+about a second and prints one line (`ringfeed: error: ...`, exit 2) on every rank instead of a
+traceback after the ranks have started.
+
+Relative paths (data, checkpoint and output dirs) are resolved against the current directory,
+as the shell would.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+)
+
+from shards.errors import UserError
+from shards.fsutil import parse_size
+from shards.manifest import Manifest, ManifestError
+
+BUILTIN_MODELS = ("mlp", "cnn", "gpt")
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+CHECKPOINT_GLOB = "ckpt-*"  # the checkpoint module's directory names; see train/checkpoint.py
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors (a typo must not silently fall back to a default).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _import_path_or_none(value: str | None, field: str) -> str | None:
+    if value is not None and not IMPORT_PATH.match(value):
+        raise ValueError(f"{field} must be an import path 'module:function', got {value!r}")
+    return value
+
+
+class ModelSection(_Section):
+    name: str = "mlp"  # mlp | cnn | gpt | "package.module:function"
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known_model(cls, v: str) -> str:
+        if v not in BUILTIN_MODELS and not IMPORT_PATH.match(v):
+            raise ValueError(
+                f"unknown model {v!r} (built-in: {', '.join(BUILTIN_MODELS)}; "
+                "or a user model as 'module:function')"
+            )
+        return v
+
+
+class NormalizeSection(_Section):
+    mean: list[float]
+    std: list[float]
+
+
+class DataSection(_Section):
+    train: str  # a shard dir/URL with manifest.json, or a list/brace pattern of shard URLs
+    val: str | None = None  # default: the same source as `train` (its `val_split`)
+    train_split: str = "train"
+    val_split: str | None = "val"  # null: no validation
+    batch_size: PositiveInt = 32  # per rank, per micro-batch
+    global_batch_size: PositiveInt | None = None  # if set: batch_size = this / (ranks * accumulate)
+    num_workers: NonNegativeInt = 0
+    shuffle: bool = True
+    shuffle_buffer: NonNegativeInt = 1000
+    input_key: str | None = None  # default: inferred from the manifest's fields
+    target_key: str | None = None
+    image_size: tuple[PositiveInt, PositiveInt] | None = None  # (height, width)
+    normalize: NormalizeSection | None = None
+    decode: str | None = None  # "module:function", called on each raw sample dict
+    transform: str | None = None  # "module:function", called on each decoded sample
+    on_error: Literal["skip", "fail"] = "skip"
+    balance: Literal["drop", "pad"] = "drop"
+    cache_dir: str | None = None
+    cache_limit: int | str | None = None  # bytes or '20GB'
+    prefetch: NonNegativeInt = 2
+    allow_pipe: bool = False
+
+    @field_validator("decode", "transform")
+    @classmethod
+    def _hook(cls, v: str | None, info) -> str | None:
+        return _import_path_or_none(v, f"data.{info.field_name}")
+
+    @field_validator("cache_limit")
+    @classmethod
+    def _size(cls, v: int | str | None) -> int | None:
+        return None if v is None else parse_size(v)
+
+
+class OptimSection(_Section):
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: PositiveFloat = 0.01  # for one rank and one micro-batch; see scale_lr_with_world_size
+    momentum: float = Field(0.9, ge=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    # Horovod's linear scaling rule (pytorch_imagenet_resnet50.py): the peak lr is
+    # lr * world_size * accumulate, i.e. proportional to the global batch.
+    scale_lr_with_world_size: bool = True
+    warmup_steps: NonNegativeInt = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)  # cosine floor, as a fraction of the peak
+
+
+class TrainSection(_Section):
+    epochs: PositiveInt | None = 1
+    max_steps: PositiveInt | None = None  # optimizer steps; wins over epochs when set
+    accumulate: PositiveInt = 1  # micro-batches per optimizer step (one allreduce per step)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    grad_clip: PositiveFloat | None = None  # max global L2 norm of the averaged gradient
+    seed: int = 0
+    fp16_allreduce: bool = False  # compress gradients to fp16 for the allreduce
+    log_every: PositiveInt = 10
+    val_every: PositiveInt | None = None  # steps; null: at the end of every epoch
+    loss: str | None = None  # "module:function"(outputs, targets) -> per-sample losses
+    metrics: str | None = None  # "module:function"(outputs, targets) -> {name: per-sample}
+
+    @field_validator("loss", "metrics")
+    @classmethod
+    def _hook(cls, v: str | None, info) -> str | None:
+        return _import_path_or_none(v, f"train.{info.field_name}")
+
+
+class CheckpointSection(_Section):
+    dir: str | None = None  # default: <output.dir>/checkpoints
+    every_steps: PositiveInt | None = None  # plus one at the end of the run
+    keep: PositiveInt = 3
+    save_on_signal: bool = True  # SIGTERM: save and exit 143; SIGUSR1: save and go on
+    resume: str = "none"  # none | auto (newest complete checkpoint) | a checkpoint path
+
+
+class OutputSection(_Section):
+    dir: str = "runs/ringfeed"
+    tensorboard: bool = True
+
+
+class RunConfig(_Section):
+    framework: Literal["torch", "tensorflow"] = "torch"
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection
+    optim: OptimSection = Field(default_factory=OptimSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    output: OutputSection = Field(default_factory=OutputSection)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(self.output.dir) / "checkpoints")
+
+    @property
+    def val_source(self) -> str | None:
+        if self.data.val_split is None:
+            return None
+        return self.data.val or self.data.train
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def launcher_world_size() -> int:
+    """The number of ranks, read from the launcher's environment before Horovod starts
+    (horovodrun/Gloo, Open MPI, MPICH/PMI); 1 for a plain process."""
+    for var in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+def template() -> str:
+    """All keys with their defaults (`ringfeed train --print-config` without a CONFIG)."""
+    return RunConfig(data=DataSection(train="<shard dir with manifest.json>")).to_yaml()
+
+
+def load_config(path: str | Path, overrides: list[str] = (), resume: str | None = None,
+                check_paths: bool = True) -> RunConfig:
+    """Load, override, validate. Raises UserError (one line naming the field) on any problem."""
+    raw = _read_yaml(Path(path))
+    for item in overrides:
+        _apply_override(raw, item)
+    if resume is not None:
+        raw.setdefault("checkpoint", {})
+        if not isinstance(raw["checkpoint"], dict):
+            raise UserError(f"{path}: checkpoint: expected a mapping")
+        raw["checkpoint"]["resume"] = resume
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise UserError(f"{path}: {_describe(e)}") from None
+    _check_consistency(cfg, path)
+    if check_paths:
+        _check_paths(cfg, path)
+    return cfg
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: config file not found") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of sections (framework, model, data, ...)")
+    return data
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.max_steps=100")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"--set {item!r}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def _describe(error: ValidationError) -> str:
+    """pydantic's errors as one line: `data.batch_size: ... (got 'abc')`; typos get a hint."""
+    parts = []
+    for err in error.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            parts.append(f"{loc}: unknown key{_hint(err['loc'])}")
+        elif err["type"] == "missing":
+            parts.append(f"{loc}: required key is missing")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            got = err.get("input")
+            shown = "" if isinstance(got, (dict, type(None))) else f" (got {got!r})"
+            parts.append(f"{loc}: {msg}{shown}")
+    return "; ".join(parts)
+
+
+def _hint(loc: tuple) -> str:
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    valid = ", ".join(model.model_fields)
+    return f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {valid})"
+
+
+def _check_consistency(cfg: RunConfig, path: str | Path) -> None:
+    t, d = cfg.train, cfg.data
+    if t.epochs is None and t.max_steps is None:
+        raise UserError(f"{path}: train: set train.epochs or train.max_steps")
+    if d.global_batch_size is not None:
+        ranks = launcher_world_size()
+        per_step = ranks * t.accumulate
+        if d.global_batch_size % per_step:
+            raise UserError(
+                f"{path}: data.global_batch_size={d.global_batch_size} is not divisible by "
+                f"ranks ({ranks}) x train.accumulate ({t.accumulate}) = {per_step}"
+            )
+        d.batch_size = d.global_batch_size // per_step
+    if d.normalize is not None and len(d.normalize.mean) != len(d.normalize.std):
+        raise UserError(f"{path}: data.normalize: mean and std must have the same length")
+    if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():
+        raise UserError(f"{path}: checkpoint.resume: {cfg.checkpoint.resume} does not exist "
+                        "(use auto, none or a checkpoint directory)")
+    for field, value in (("model.name", cfg.model.name if ":" in cfg.model.name else None),
+                         ("data.decode", d.decode), ("data.transform", d.transform),
+                         ("train.loss", t.loss), ("train.metrics", t.metrics)):
+        if value is not None:
+            module = value.split(":")[0]
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise UserError(f"{path}: {field}: module {module!r} not found "
+                                "(is it on PYTHONPATH?)")
+
+
+def _check_paths(cfg: RunConfig, path: str | Path) -> None:
+    """Shards exist and hold the splits asked for; checkpoints are not silently mixed."""
+    sources = [("data.train", cfg.data.train, cfg.data.train_split)]
+    if cfg.val_source is not None:
+        sources.append(("data.val" if cfg.data.val else "data.train", cfg.val_source,
+                        cfg.data.val_split))
+    for field, source, split in sources:
+        if "://" in source or any(c in source for c in "{*,"):
+            continue  # remote or a shard list: the pipeline checks it (with retries)
+        if not Path(source).exists():
+            raise UserError(f"{path}: {field}: {source} does not exist (run `ringfeed shard` "
+                            "first, or fix the path)")
+        try:
+            manifest = Manifest.load(source)
+            manifest.split(split)
+        except ManifestError as e:
+            raise UserError(f"{path}: {field}: {e}") from None
+        for key_field in ("input_key", "target_key"):
+            key = getattr(cfg.data, key_field)
+            if key and manifest.fields and key not in manifest.fields:
+                raise UserError(f"{path}: data.{key_field}: {key!r} is not a field of {source} "
+                                f"(fields: {', '.join(manifest.fields)})")
+    ckpt_dir = cfg.checkpoint_dir
+    if cfg.checkpoint.resume == "none" and ckpt_dir.is_dir() and any(ckpt_dir.glob(CHECKPOINT_GLOB)):
+        raise UserError(
+            f"{path}: checkpoint.dir {ckpt_dir} already holds checkpoints of an earlier run; "
+            "continue it with --resume auto, or choose another output.dir / checkpoint.dir"
+        )

@@ -1,0 +1,221 @@
+"""Rank 0's view of a run: progress bar or log lines, `metrics.jsonl`, TensorBoard event files,
+and the end-of-run summary with the "is input the bottleneck" line.
+
+Framework-free on purpose: TensorBoard events are written with tensorboard's own record writer
+and protos (torch's SummaryWriter and tf.summary would drag the other framework in).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from shards.fsutil import atomic_write_text
+
+# Data-wait share of step time above which we call the input pipeline the bottleneck.
+BOTTLENECK_SHARE = 0.20
+MINOR_SHARE = 0.05
+
+
+class EventWriter:
+    """Appends scalar summaries to a TensorBoard event file (tensorboard's RecordWriter)."""
+
+    def __init__(self, logdir: Path):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+        logdir.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.ringfeed"
+        self._file: IO[bytes] = open(logdir / name, "ab")  # noqa: SIM115 - closed in close()
+        self._records = RecordWriter(self._file)
+        self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        summary = self._summary_pb2.Summary(value=[
+            self._summary_pb2.Summary.Value(tag=tag, simple_value=float(v))
+            for tag, v in values.items()
+        ])
+        self._write(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+
+    def _write(self, event) -> None:
+        self._records.write(event.SerializeToString())
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class Throughput:
+    """Step-time accounting for one rank: where the time between optimizer steps went."""
+
+    steps: int = 0
+    samples: int = 0
+    step_s: float = 0.0  # wall time of train steps, data waits included
+    data_wait_s: float = 0.0
+
+    def add(self, samples: int, step_s: float, data_wait_s: float) -> None:
+        self.steps += 1
+        self.samples += samples
+        self.step_s += step_s
+        self.data_wait_s += data_wait_s
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def data_wait_share(self) -> float:
+        return self.data_wait_s / self.step_s if self.step_s > 0 else 0.0
+
+
+def bottleneck_line(share: float) -> str:
+    pct = f"{100 * share:.1f}%"
+    if share >= BOTTLENECK_SHARE:
+        return (f"input IS the bottleneck: ranks waited on data for {pct} of step time "
+                "(raise data.num_workers, set data.cache_dir for remote shards, or make "
+                "decode/transform cheaper)")
+    if share >= MINOR_SHARE:
+        return f"input is a minor cost: ranks waited on data for {pct} of step time"
+    return f"input is not the bottleneck: ranks waited on data for {pct} of step time"
+
+
+@dataclass
+class RunLogger:
+    """Everything rank 0 reports. On other ranks every method is a no-op."""
+
+    out_dir: Path
+    enabled: bool
+    total_steps: int
+    global_batch: int
+    log_every: int
+    tensorboard: bool = True
+    start_step: int = 0
+    stream: IO[str] = field(default_factory=lambda: sys.stderr)
+
+    def __post_init__(self) -> None:
+        self.window = Throughput()
+        self._window_loss = 0.0
+        self._bar = None
+        self._events: EventWriter | None = None
+        self._jsonl: IO[str] | None = None
+        if not self.enabled:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        _truncate_after(self.metrics_path, self.start_step)
+        self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 - closed in close()
+        if self.tensorboard:
+            self._events = EventWriter(self.out_dir / "tensorboard")
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total_steps, initial=self.start_step, unit="step",
+                             dynamic_ncols=True, file=self.stream)
+
+    def info(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=self.stream)
+        else:
+            print(message, file=self.stream, flush=True)
+
+    def train_step(self, step: int, epoch: int, loss: float, lr: float, step_s: float,
+                   data_wait_s: float, extra: dict[str, float] | None = None) -> None:
+        """Called after every optimizer step (`step` counts completed steps)."""
+        if not self.enabled:
+            return
+        self.window.add(self.global_batch, step_s, data_wait_s)
+        self._window_loss += loss
+        if self._bar is not None:
+            self._bar.update(1)
+        if step % self.log_every and step != self.total_steps:
+            return
+        record = {"step": step, "epoch": epoch, "loss": self._window_loss / self.window.steps,
+                  "lr": lr, "samples_per_s": self.window.samples_per_s,
+                  "data_wait": self.window.data_wait_share, **(extra or {})}
+        self._record(record)
+        text = (f"loss {record['loss']:.4f}  {record['samples_per_s']:.0f} samples/s  "
+                f"data-wait {100 * record['data_wait']:.0f}%  lr {lr:.3g}")
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=True)
+        else:
+            self.info(f"step {step}/{self.total_steps}  epoch {epoch}  {text}")
+        self.window = Throughput()
+        self._window_loss = 0.0
+
+    def validation(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self._record({"step": step, "epoch": epoch, **{f"val_{k}": v for k, v in metrics.items()}})
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        self.info(f"validation at step {step}: {shown}")
+
+    def _record(self, record: dict[str, Any]) -> None:
+        assert self._jsonl is not None
+        record = {**record, "time": round(time.time(), 3)}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._events is not None:
+            self._events.scalars(record["step"], {
+                k: v for k, v in record.items()
+                if k not in ("step", "epoch", "time") and isinstance(v, (int, float))
+                and math.isfinite(v)
+            })
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        """Print the end-of-run summary and write it to `summary.json`."""
+        if not self.enabled:
+            return
+        atomic_write_text(self.out_dir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+        lines = [f"ringfeed train: {summary['status']} at step {summary['step']} "
+                 f"(epoch {summary['epoch']}), {summary['train_seconds']:.1f}s training"]
+        if summary.get("final_loss") is not None:
+            lines.append(f"  final train loss   {summary['final_loss']:.4f}")
+        for k, v in (summary.get("val") or {}).items():
+            lines.append(f"  final val {k:<9}{v:.4f}")
+        lines.append(f"  throughput         {summary['samples_per_s']:.1f} samples/s "
+                     f"({summary['world_size']} ranks, global batch {self.global_batch})")
+        lines.append(f"  data wait          {bottleneck_line(summary['data_wait_share'])}")
+        lines.append(f"  metrics            {self.metrics_path}")
+        if self._events is not None:
+            lines.append(f"  tensorboard        {self.out_dir / 'tensorboard'}")
+        if summary.get("checkpoint"):
+            lines.append(f"  last checkpoint    {summary['checkpoint']}")
+        self.info("\n".join(lines))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._events is not None:
+            self._events.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """A resumed run rewrites its history from the checkpoint's step on: drop later records
+    (written by the interrupted run) so metrics.jsonl reads as one consistent run."""
+    if not path.exists():
+        return
+    if step == 0:
+        path.unlink()
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and _step_of(line) <= step]
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 0

@@ -1,0 +1,48 @@
+"""Model registry: the built-ins (`mlp`, `cnn`, `gpt`, one file per framework) and user models
+named "module:function".
+
+A user factory is called with the config's `model.args` as keywords, plus `spec` (the DataSpec:
+input shape, number of classes, vocabulary, sequence length) and `framework` if its signature
+asks for them. It returns a `torch.nn.Module` or a Keras model. Every model receives the batch's
+input field as the pipeline yields it (images HWC, channels last, float in [0, 1] or normalized;
+tokens as int64 ids) and returns logits: (batch, classes) or (batch, seq, vocab).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shards.errors import UserError
+from train.config import BUILTIN_MODELS
+from train.data import DataSpec
+from train.userhooks import call_with_optional, load_callable
+
+
+def build_model(framework: str, name: str, args: dict[str, Any], spec: DataSpec) -> Any:
+    if name in BUILTIN_MODELS:
+        if framework == "torch":
+            from train.models import torch_models as builders
+        else:
+            from train.models import keras_models as builders
+        try:
+            return builders.build(name, spec, **args)
+        except TypeError as e:  # an unknown model.args key
+            raise UserError(f"model.args for {name!r}: {e}") from None
+    factory = load_callable(name, "model.name")
+    model = call_with_optional(factory, args, {"spec": spec, "framework": framework})
+    _check_type(framework, name, model)
+    return model
+
+
+def _check_type(framework: str, name: str, model: Any) -> None:
+    if framework == "torch":
+        import torch
+
+        ok, expected = isinstance(model, torch.nn.Module), "a torch.nn.Module"
+    else:
+        import keras
+
+        ok, expected = isinstance(model, keras.Model), "a keras.Model"
+    if not ok:
+        raise UserError(f"model.name: {name} returned {type(model).__name__}, expected {expected} "
+                        f"(framework: {framework})")

@@ -1,0 +1,67 @@
+"""Built-in Keras 3 models, the same architectures as torch_models.py (`mlp`, `cnn`, `gpt`).
+Logits come out in float32 even under a mixed precision policy (Keras' advice for stable
+softmax/loss)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import keras
+from keras import layers
+
+from train.data import DataSpec
+
+
+def mlp(spec: DataSpec, num_classes: int, hidden: Sequence[int] = (256, 128),
+        dropout: float = 0.0) -> keras.Model:
+    inputs = keras.Input(spec.input_shape)
+    x = layers.Flatten()(inputs)
+    for h in hidden:
+        x = layers.Dropout(dropout)(layers.Dense(h, activation="relu")(x))
+    return keras.Model(inputs, _logits(x, num_classes), name="mlp")
+
+
+def cnn(spec: DataSpec, num_classes: int, width: int = 32, dropout: float = 0.0) -> keras.Model:
+    w = width
+    inputs = keras.Input(spec.input_shape)  # NHWC, as the pipeline yields it
+    x = layers.Conv2D(w, 3, padding="same", activation="relu")(inputs)
+    x = layers.Conv2D(w, 3, padding="same", activation="relu")(x)
+    x = layers.MaxPooling2D(2)(x)
+    x = layers.Conv2D(2 * w, 3, padding="same", activation="relu")(x)
+    x = layers.MaxPooling2D(2)(x)
+    x = layers.Conv2D(2 * w, 3, padding="same", activation="relu")(x)
+    x = layers.Dropout(dropout)(layers.GlobalAveragePooling2D()(x))
+    return keras.Model(inputs, _logits(x, num_classes), name="cnn")
+
+
+def gpt(spec: DataSpec, vocab_size: int, n_layer: int = 2, n_head: int = 4, d_model: int = 128,
+        dropout: float = 0.0) -> keras.Model:
+    seq_len = spec.input_shape[0]
+    init = keras.initializers.RandomNormal(stddev=0.02)
+    tokens = keras.Input((seq_len,), dtype="int32")
+    x = layers.Embedding(vocab_size, d_model, embeddings_initializer=init)(tokens)
+    positions = layers.Embedding(seq_len, d_model, embeddings_initializer=init)(
+        keras.ops.arange(seq_len))
+    x = layers.Dropout(dropout)(x + positions)
+    for _ in range(n_layer):
+        h = layers.LayerNormalization(epsilon=1e-5)(x)
+        h = layers.MultiHeadAttention(n_head, d_model // n_head, dropout=dropout,
+                                      kernel_initializer=init)(h, h, use_causal_mask=True)
+        x = x + h
+        h = layers.LayerNormalization(epsilon=1e-5)(x)
+        h = layers.Dense(4 * d_model, activation="gelu", kernel_initializer=init)(h)
+        h = layers.Dense(d_model, kernel_initializer=init)(h)
+        x = x + layers.Dropout(dropout)(h)
+    x = layers.LayerNormalization(epsilon=1e-5)(x)
+    return keras.Model(tokens, _logits(x, vocab_size, use_bias=False, init=init), name="gpt")
+
+
+def _logits(x, units: int, use_bias: bool = True, init="glorot_uniform"):
+    return layers.Dense(units, use_bias=use_bias, kernel_initializer=init, dtype="float32")(x)
+
+
+def build(name: str, spec: DataSpec, **args) -> keras.Model:
+    if name == "gpt":
+        return gpt(spec, spec.require("vocab_size"), **args)
+    num_classes = args.pop("num_classes", None) or spec.require("num_classes")
+    return (mlp if name == "mlp" else cnn)(spec, num_classes, **args)

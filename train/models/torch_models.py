@@ -1,0 +1,110 @@
+"""Built-in PyTorch models: `mlp`, `cnn` (small image classifier), `gpt` (small causal
+transformer, nanoGPT-style). No batch norm: per-rank batch statistics would make 2 ranks x b
+differ from 1 rank x 2b, and the equivalence tests hold the trainer to that."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.data import DataSpec
+
+
+class MLP(nn.Module):
+    def __init__(self, in_features: int, num_classes: int, hidden: Sequence[int] = (256, 128),
+                 dropout: float = 0.0):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = in_features
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU(), nn.Dropout(dropout)]
+            width = h
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class CNN(nn.Module):
+    """Three 3x3 conv stages and global average pooling; takes NHWC (the pipeline's layout)."""
+
+    def __init__(self, in_channels: int, num_classes: int, width: int = 32,
+                 dropout: float = 0.0):
+        super().__init__()
+        w = width
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, w, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(w, w, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(w, 2 * w, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(2 * w, 2 * w, 3, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout),
+        )
+        self.head = nn.Linear(2 * w, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x.permute(0, 3, 1, 2)))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float):
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                 nn.Linear(4 * d_model, d_model), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size: int, seq_len: int, n_layer: int = 2, n_head: int = 4,
+                 d_model: int = 128, dropout: float = 0.0):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith(("proj.weight", "mlp.2.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tok(idx) + self.pos(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build(name: str, spec: DataSpec, **args) -> nn.Module:
+    if name == "gpt":
+        return GPT(spec.require("vocab_size"), spec.input_shape[0], **args)
+    num_classes = args.pop("num_classes", None) or spec.require("num_classes")
+    if name == "mlp":
+        return MLP(math.prod(spec.input_shape), num_classes, **args)
+    return CNN(spec.input_shape[-1], num_classes, **args)

@@ -1,0 +1,187 @@
+"""TensorFlow 2 + Keras 3 + Horovod: a custom tf.function step (horovod.tensorflow.keras does
+not work with Keras 3), a Keras dtype policy for bf16/fp16, LossScaleOptimizer for fp16,
+tf.train.Checkpoint for checkpoints.
+
+Accumulation: the k micro-batch gradients are summed locally with plain GradientTapes and
+reduced once per optimizer step with `hvd.grouped_allreduce` - the same call
+`hvd.DistributedGradientTape` makes for one tape, here applied to the accumulated sum. Horovod
+is handed the underlying tf.Variables (`v.value`): Keras 3 variables have no `.ref()`.
+The fp16 finite check (inside LossScaleOptimizer.apply) runs on the reduced gradients, which
+are identical on every rank, so an overflow on one rank skips the step on all of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
+
+from train.backend import STATS_LOSS, Dist, StepResult, metric_sums
+from train.data import DataSpec, split_batch
+from train.models import build_model
+from train.userhooks import load_callable
+
+CHECKPOINT_PREFIX = "tf_checkpoint"
+POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
+
+
+def cross_entropy(logits: tf.Tensor, targets: tf.Tensor) -> tf.Tensor:
+    """Per-sample cross entropy; for sequences (B, T, V) the mean over the T positions."""
+    losses = keras.losses.sparse_categorical_crossentropy(
+        targets, tf.cast(logits, tf.float32), from_logits=True)
+    return tf.reduce_mean(losses, axis=1) if losses.shape.rank == 2 else losses
+
+
+def accuracy(logits: tf.Tensor, targets: tf.Tensor) -> dict[str, tf.Tensor]:
+    predicted = tf.argmax(logits, axis=-1, output_type=tf.int64)
+    correct = tf.cast(tf.equal(predicted, tf.cast(targets, tf.int64)), tf.float32)
+    return {"accuracy": tf.reduce_mean(correct, axis=1) if correct.shape.rank == 2 else correct}
+
+
+def make_optimizer(optim, grad_clip: float | None) -> keras.optimizers.Optimizer:
+    """Keras' weight_decay is decoupled (AdamW-style) for every optimizer, unlike torch's SGD
+    and Adam, which add it to the gradient."""
+    common = {"learning_rate": optim.lr, "global_clipnorm": grad_clip,
+              "weight_decay": optim.weight_decay or None}
+    if optim.name == "sgd":
+        return keras.optimizers.SGD(momentum=optim.momentum, **common)
+    cls = keras.optimizers.Adam if optim.name == "adam" else keras.optimizers.AdamW
+    beta_1, beta_2 = optim.betas
+    return cls(beta_1=beta_1, beta_2=beta_2, epsilon=1e-8, **common)
+
+
+class TFBackend:
+    name = "tensorflow"
+
+    def __init__(self, cfg):
+        hvd.init()
+        self.cfg = cfg
+        self.dist = Dist(hvd.rank(), hvd.size(), hvd.local_rank())
+        gpus = tf.config.list_physical_devices("GPU")
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        if gpus:  # one GPU per local rank
+            tf.config.set_visible_devices(gpus[self.dist.local_rank % len(gpus)], "GPU")
+
+    # -- setup --------------------------------------------------------------------------------
+    def build(self, spec: DataSpec) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        self.spec = spec
+        keras.mixed_precision.set_dtype_policy(POLICIES[t.precision])
+        keras.utils.set_random_seed(t.seed)
+        self.model = build_model("tensorflow", cfg.model.name, dict(cfg.model.args), spec)
+        self.inner_optimizer = make_optimizer(cfg.optim, t.grad_clip)
+        self.optimizer = (keras.optimizers.LossScaleOptimizer(self.inner_optimizer)
+                          if t.precision == "fp16" else self.inner_optimizer)
+        self.optimizer.build(self.model.trainable_variables)
+        self.compression = hvd.Compression.fp16 if t.fp16_allreduce else hvd.Compression.none
+        self.loss_fn = load_callable(t.loss, "train.loss") if t.loss else cross_entropy
+        self.metrics_fn = load_callable(t.metrics, "train.metrics") if t.metrics else accuracy
+        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
+        self._gradients = tf.function(self._gradients_fn)
+        self._apply = tf.function(self._apply_fn)
+        self._evaluate = tf.function(self._evaluate_fn)
+        keras.utils.set_random_seed(t.seed * 1000 + self.dist.rank + 1)  # per-rank stream
+
+    def loader(self, pipe):
+        from pipeline.tf import make_dataset
+
+        return make_dataset(pipe)
+
+    # -- steps --------------------------------------------------------------------------------
+    def _prepare(self, batch: dict[str, Any]) -> tuple[tf.Tensor, tf.Tensor, Any]:
+        x, y, valid = split_batch(batch, self.spec)
+        x = tf.convert_to_tensor(x)
+        if x.dtype == tf.uint8:
+            x = tf.cast(x, tf.float32) / 255.0
+        elif x.dtype.is_floating:
+            x = tf.cast(x, tf.float32)
+        return x, tf.convert_to_tensor(y), valid
+
+    def _gradients_fn(self, micro_x: list, micro_y: list, requests: tf.Tensor):
+        variables = self.model.trainable_variables
+        total = None
+        loss_sum = tf.constant(0.0)
+        for x, y in zip(micro_x, micro_y, strict=True):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.cast(self.loss_fn(self.model(x, training=True), y),
+                                              tf.float32))
+                scaled = self.optimizer.scale_loss(loss)  # identity unless fp16
+            grads = tape.gradient(scaled, [v.value for v in variables])
+            grads = [tf.zeros_like(v.value) if g is None else g
+                     for g, v in zip(grads, variables, strict=True)]
+            total = grads if total is None else [a + g for a, g in zip(total, grads, strict=True)]
+            loss_sum += loss
+        k = float(len(micro_x))
+        reduced = hvd.grouped_allreduce([g / k for g in total], op=hvd.Average,
+                                        compression=self.compression)
+        stats = hvd.allreduce(tf.concat([[loss_sum / k], requests], 0), op=hvd.Average,
+                              name="ringfeed_step_stats")
+        return reduced, stats
+
+    def _apply_fn(self, grads: list):
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+        norm = tf.linalg.global_norm(grads)
+        self.optimizer.apply(grads, self.model.trainable_variables)
+        return finite, norm
+
+    def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
+                   requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
+        self.inner_optimizer.learning_rate.assign(lr)
+        prepared = [self._prepare(b) for b in micro_batches]
+        grads, stats = self._gradients([p[0] for p in prepared], [p[1] for p in prepared],
+                                       tf.constant(requests, tf.float32))
+        stats = [float(v) for v in stats.numpy()]
+        if not np.isfinite(stats[STATS_LOSS]):
+            return StepResult.from_stats(stats, applied=False)
+        fp16 = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        scale = float(self.optimizer.dynamic_scale.numpy()) if fp16 else None
+        finite, norm = self._apply(grads)
+        grad_norm = float(norm) / (scale or 1.0) if self.cfg.train.grad_clip else None
+        return StepResult.from_stats(stats, applied=bool(finite) or not fp16,
+                                     grad_norm=grad_norm, loss_scale=scale)
+
+    def _evaluate_fn(self, x, y):
+        out = self.model(x, training=False)
+        return {"loss": tf.cast(self.loss_fn(out, y), tf.float32),
+                **{k: tf.cast(v, tf.float32) for k, v in self.metrics_fn(out, y).items()}}
+
+    def eval_batch(self, batch: dict[str, Any]) -> dict[str, float]:
+        x, y, valid = self._prepare(batch)
+        n = int(y.shape[0])
+        per_sample = {k: np.broadcast_to(v.numpy(), (n,)).astype(np.float64)
+                      for k, v in self._evaluate(x, y).items()}
+        valid = None if valid is None else np.asarray(valid, dtype=np.float64)
+        return metric_sums(per_sample, valid, lambda v: float(np.sum(v)))
+
+    def allreduce_sum(self, values: dict[str, float]) -> dict[str, float]:
+        summed = hvd.allreduce(tf.constant(list(values.values()), tf.float64), op=hvd.Sum,
+                               name="ringfeed_sums")
+        return dict(zip(values, summed.numpy().tolist(), strict=True))
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return hvd.broadcast_object(obj, root_rank=0, name="ringfeed_object")
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def rng_states(self) -> None:
+        # Keras keeps dropout RNG state in each layer's SeedGenerator variable, so it is
+        # saved with the model; nothing per rank to gather.
+        return None
+
+    def write_payload(self, directory: Path, rng_states: Any) -> None:
+        self.checkpoint.write(str(Path(directory) / CHECKPOINT_PREFIX))
+
+    def read_payload(self, directory: Path) -> None:
+        status = self.checkpoint.read(str(Path(directory) / CHECKPOINT_PREFIX))
+        status.assert_existing_objects_matched()
+
+    def sync_from_root(self, resumed: bool) -> None:
+        variables = self.model.variables + self.optimizer.variables
+        hvd.broadcast_variables([v.value for v in variables], root_rank=0)
+
+    def weights(self) -> list[Any]:
+        return [v.numpy().copy() for v in self.model.weights]

@@ -1,0 +1,208 @@
+"""PyTorch + Horovod: DistributedOptimizer with backward_passes_per_step for accumulation,
+autocast (bf16/fp16) and GradScaler (fp16), checkpoints loadable with weights_only=True.
+
+The fp16 step follows Horovod's recipe so that the overflow check sees the *allreduced*
+gradients, which are identical on every rank: synchronize() -> unscale_() -> clip ->
+step() under skip_synchronize(). An inf on one rank becomes an inf on all ranks after the
+average, so GradScaler skips the step on all of them together.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+
+from train.backend import Dist, StepResult, metric_sums
+from train.data import DataSpec, split_batch
+from train.models import build_model
+from train.userhooks import load_callable
+
+STATE_FILE = "state.pt"
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-sample cross entropy; for sequences (B, T, V) the mean over the T positions."""
+    logits = logits.float()
+    if logits.dim() == 3:
+        b, t, v = logits.shape
+        return F.cross_entropy(logits.reshape(b * t, v), targets.reshape(b * t),
+                               reduction="none").view(b, t).mean(1)
+    return F.cross_entropy(logits, targets, reduction="none")
+
+
+def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    correct = (logits.argmax(-1) == targets).float()
+    return {"accuracy": correct.mean(1) if correct.dim() == 2 else correct}
+
+
+def make_optimizer(optim, params) -> torch.optim.Optimizer:
+    if optim.name == "sgd":
+        return torch.optim.SGD(params, lr=optim.lr, momentum=optim.momentum,
+                               weight_decay=optim.weight_decay)
+    cls = torch.optim.Adam if optim.name == "adam" else torch.optim.AdamW
+    return cls(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, cfg):
+        hvd.init()
+        self.cfg = cfg
+        self.dist = Dist(hvd.rank(), hvd.size(), hvd.local_rank())
+        if torch.cuda.is_available():  # one GPU per local rank
+            torch.cuda.set_device(self.dist.local_rank)
+            self.device = torch.device("cuda", self.dist.local_rank)
+        else:
+            self.device = torch.device("cpu")
+        self.amp_dtype = AMP_DTYPES.get(cfg.train.precision)
+        self._loaded_rng: list[dict[str, torch.Tensor]] | None = None
+
+    # -- setup --------------------------------------------------------------------------------
+    def build(self, spec: DataSpec) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        self.spec = spec
+        torch.manual_seed(t.seed)
+        self.model = build_model("torch", cfg.model.name, dict(cfg.model.args), spec)
+        self.model.to(self.device)
+        self.optimizer = hvd.DistributedOptimizer(
+            make_optimizer(cfg.optim, self.model.parameters()),
+            named_parameters=self.model.named_parameters(),
+            compression=hvd.Compression.fp16 if t.fp16_allreduce else hvd.Compression.none,
+            backward_passes_per_step=t.accumulate,
+            op=hvd.Average,
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
+        self.loss_fn = load_callable(t.loss, "train.loss") if t.loss else cross_entropy
+        self.metrics_fn = load_callable(t.metrics, "train.metrics") if t.metrics else accuracy
+        # Each rank its own random stream (dropout masks differ across replicas, as in DDP).
+        torch.manual_seed(t.seed * 1000 + self.dist.rank + 1)
+
+    def loader(self, pipe):
+        from pipeline.torch import make_loader
+
+        return make_loader(pipe)
+
+    # -- steps --------------------------------------------------------------------------------
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.amp_dtype,
+                              enabled=self.amp_dtype is not None)
+
+    def _prepare(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        x, y, valid = split_batch(batch, self.spec)
+        x = torch.as_tensor(x).to(self.device, non_blocking=True)
+        if x.dtype == torch.uint8:
+            x = x.float().div_(255.0)
+        elif x.is_floating_point():
+            x = x.float()
+        y = torch.as_tensor(y).to(self.device, non_blocking=True)
+        if valid is not None:
+            valid = torch.as_tensor(valid).to(self.device).float()
+        return x, y, valid
+
+    def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
+                   requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        k = len(micro_batches)
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            x, y, _ = self._prepare(batch)
+            with self._autocast():
+                loss = self.loss_fn(self.model(x), y).float().mean()
+            # The k-th backward triggers Horovod's allreduce (backward_passes_per_step=k);
+            # dividing by k makes the accumulated gradient the mean over k micro-batches.
+            self.scaler.scale(loss / k).backward()
+            loss_sum += loss.detach()
+        stats = torch.stack([loss_sum.cpu() / k, *torch.tensor(requests, dtype=torch.float32)])
+        stats = hvd.allreduce(stats, op=hvd.Average, name="ringfeed.step_stats").tolist()
+        self.optimizer.synchronize()
+        if not math.isfinite(stats[0]):
+            self.optimizer.zero_grad()
+            return StepResult.from_stats(stats, applied=False)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = None
+        if self.cfg.train.grad_clip:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                             self.cfg.train.grad_clip))
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        with self.optimizer.skip_synchronize():
+            self.scaler.step(self.optimizer)
+        self.scaler.update()
+        # update() lowers the scale exactly when it skipped the step for an inf/NaN gradient.
+        applied = scale is None or self.scaler.get_scale() >= scale
+        self.optimizer.zero_grad()
+        return StepResult.from_stats(stats, applied=applied, grad_norm=grad_norm,
+                                     loss_scale=scale)
+
+    @torch.no_grad()
+    def eval_batch(self, batch: dict[str, Any]) -> dict[str, float]:
+        self.model.eval()
+        try:
+            x, y, valid = self._prepare(batch)
+            with self._autocast():
+                out = self.model(x)
+            per_sample = {"loss": self.loss_fn(out, y), **self.metrics_fn(out, y)}
+        finally:
+            self.model.train()
+        per_sample = {k: v.float().expand(len(y)) if v.dim() == 0 else v.float()
+                      for k, v in per_sample.items()}
+        return metric_sums(per_sample, valid, lambda v: float(v.sum()))
+
+    def allreduce_sum(self, values: dict[str, float]) -> dict[str, float]:
+        summed = hvd.allreduce(torch.tensor(list(values.values()), dtype=torch.float64),
+                               op=hvd.Sum, name="ringfeed.sums")
+        return dict(zip(values, summed.tolist(), strict=True))
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return hvd.broadcast_object(obj, root_rank=0, name="ringfeed.object")
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def rng_states(self) -> list[dict[str, torch.Tensor]] | None:
+        state = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        gathered = hvd.allgather_object(state, name="ringfeed.rng")
+        return gathered if self.dist.is_root else None
+
+    def write_payload(self, directory: Path, rng_states: Any) -> None:
+        torch.save({"model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "scaler": self.scaler.state_dict(),
+                    "rng": rng_states}, Path(directory) / STATE_FILE)
+
+    def read_payload(self, directory: Path) -> None:
+        # weights_only: tensors and plain containers only, no arbitrary pickle.
+        state = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self._loaded_rng = state["rng"]
+
+    def sync_from_root(self, resumed: bool) -> None:
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if not resumed:
+            # Fresh optimizers are empty and identical on every rank. (Horovod's
+            # broadcast_optimizer_state would run a zero-gradient step to create the state,
+            # which applies weight decay and advances Adam's step count once.)
+            return
+        root = self.dist.is_root
+        opt_state, scaler_state, rng = self.broadcast_object(
+            (self.optimizer.state_dict(), self.scaler.state_dict(), self._loaded_rng)
+            if root else None)
+        if not root:
+            self.optimizer.load_state_dict(opt_state)
+            self.scaler.load_state_dict(scaler_state)
+        if rng and len(rng) == self.dist.size:  # same world size: each rank its own stream
+            torch.set_rng_state(rng[self.dist.rank]["torch"])
+            if "cuda" in rng[self.dist.rank] and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng[self.dist.rank]["cuda"], self.device)
+
+    def weights(self) -> list[Any]:
+        return [v.detach().cpu().numpy().copy() for v in self.model.state_dict().values()]
