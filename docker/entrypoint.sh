@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Entry point of the ringfeed images, and the ssh setup that tests/test_multinode.py reuses.
 #
-#   entrypoint.sh keygen DIR                         client key pair + authorized_keys in DIR
-#                                                    (once per job, shared by all its containers)
+#   entrypoint.sh keygen DIR                         client key pair + authorized_keys in DIR, made
+#                                                    once per job and shared by all its containers
 #   entrypoint.sh sshd-config DIR PORT AUTH_KEYS     host key + sshd_config under DIR; prints the
 #                                                    config's path (works without root)
 #   entrypoint.sh ssh-config KEY PORT KNOWN_HOSTS    client config (for ~/.ssh/config) on stdout
 #   entrypoint.sh CMD [ARG...]                       optional sshd + wait for peers, then exec CMD
 #
 # Env for the last form: RINGFEED_SSHD=1 starts sshd on RINGFEED_SSH_PORT (2222) with the key
-# pair from RINGFEED_SSH_DIR (/var/lib/ringfeed/ssh, a volume shared by the job's containers);
+# pair in RINGFEED_SSH_DIR (/var/lib/ringfeed/ssh, a volume shared by the job's containers;
+# made there by the first container to start);
 # RINGFEED_WAIT_FOR_SSH="host1 host2" waits (RINGFEED_WAIT_S, 120 s) until each host accepts ssh.
 # Keys are made at run time, never baked into an image.
 set -euo pipefail
@@ -17,19 +18,28 @@ set -euo pipefail
 die() { echo "ringfeed-entrypoint: $*" >&2; exit 1; }
 
 keygen() {
-  local dir="$1"
+  local dir="$1" waited=0
   mkdir -p "$dir"
   chmod 700 "$dir"
-  if [ ! -s "$dir/id_ed25519" ]; then
-    # Made under a temporary name and renamed, so a concurrent reader never sees half a key.
+  [ -s "$dir/authorized_keys" ] && return 0
+  # Every container of a job may call this at once: the one that makes the lock directory
+  # makes the pair, the others wait for authorized_keys, which is renamed into place last.
+  if mkdir "$dir/.keygen.lock" 2>/dev/null; then
     rm -f "$dir/.new_key" "$dir/.new_key.pub"
     ssh-keygen -q -t ed25519 -N "" -C "ringfeed-job" -f "$dir/.new_key"
+    chmod 600 "$dir/.new_key" "$dir/.new_key.pub"
     cp "$dir/.new_key.pub" "$dir/.authorized_keys.new"
+    mv "$dir/.new_key" "$dir/id_ed25519"
     mv "$dir/.new_key.pub" "$dir/id_ed25519.pub"
     mv "$dir/.authorized_keys.new" "$dir/authorized_keys"
-    mv "$dir/.new_key" "$dir/id_ed25519"
+    rmdir "$dir/.keygen.lock"
+  else
+    until [ -s "$dir/authorized_keys" ]; do
+      [ "$waited" -lt 60 ] || die "no key pair in $dir after 60 s; if no other container is making one, remove $dir/.keygen.lock"
+      sleep 1
+      waited=$((waited + 1))
+    done
   fi
-  chmod 600 "$dir/id_ed25519" "$dir/authorized_keys"
 }
 
 sshd_config() {
@@ -75,8 +85,7 @@ EOF
 start_sshd() {
   local shared="${RINGFEED_SSH_DIR:-/var/lib/ringfeed/ssh}" port="${RINGFEED_SSH_PORT:-2222}"
   local state="$HOME/.ringfeed-sshd" config
-  [ -s "$shared/id_ed25519" ] \
-    || die "no key pair in $shared; run 'ringfeed-entrypoint keygen $shared' once for the job (docker compose does this in its keygen service)"
+  keygen "$shared"
   config="$(sshd_config "$state" "$port" "$shared/authorized_keys")"
   mkdir -p "$HOME/.ssh"
   chmod 700 "$HOME/.ssh"

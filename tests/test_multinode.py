@@ -4,18 +4,26 @@ and `horovodrun -np 2 -H 192.168.77.1:1,192.168.77.2:1` (Gloo over ssh) across t
 Host A and host B are network namespaces joined by one veth pair whose ends are both named eth0
 (Horovod needs one interface name on all hosts), with 192.168.77.1/.2 inside the namespaces only;
 the machine's own network is never touched. sshd (Debian's openssh-server) runs in each namespace
-on port 2222, configured by docker/entrypoint.sh, the same script the images use, with a client
-key and host keys the test makes in a temporary directory. horovodrun starts in A: rank 0 runs
-there, rank 1 is started in B over ssh. Needs root, `ip netns` and sshd; skipped otherwise.
+on port 2222 with keys the test makes, configured by docker/entrypoint.sh (the images' entry
+point). horovodrun starts in A: rank 0 runs there, rank 1 is started in B over ssh.
+
+1. The recipe as root: sshd and horovodrun run as root with a test client config.
+2. The images' path: docker/entrypoint.sh with RINGFEED_SSHD=1 as an unprivileged user, as in
+   docker-compose.yml (job key made at start in a shared directory, sshd without root, the
+   user's ~/.ssh/config, waiting for the peer's sshd), then horovodrun as that user.
+Needs root, `ip netns`, sshd (and util-linux's unshare/setpriv for 2); skipped otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import signal
+import stat
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +31,7 @@ from pathlib import Path
 
 import helpers
 import pytest
-from helpers import BIN, REPO, Result, run
+from helpers import BIN, REPO, run
 
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
 WORKER = Path(__file__).resolve().parent / "multinode_worker.py"
@@ -31,13 +39,18 @@ SSHD = "/usr/sbin/sshd"  # sshd refuses to start from a relative path
 SSH_PORT = 2222
 ADDRESSES = ("192.168.77.1", "192.168.77.2")
 NS_PREFIX = "rfmn"
+HOROVODRUN_ACROSS = ["-np", "2", "-H", f"{ADDRESSES[0]}:1,{ADDRESSES[1]}:1", "-p", str(SSH_PORT),
+                     "--gloo", "--network-interface", "eth0", "--disable-cache",
+                     "--start-timeout", "60"]
 
 
-@dataclass
-class TwoHosts:
-    namespaces: tuple[str, str]
-    env: dict[str, str]  # PATH leads to an `ssh` that uses the test's client config
+def training_command(out: Path) -> list[str]:
+    # TODO(issue 5): once `ringfeed train` lands, this is the line to swap for
+    # [str(BIN / "ringfeed"), "train", CONFIG, "--set", ...] (and assert on its metrics.jsonl).
+    return [str(BIN / "python"), str(WORKER), str(out), "--steps", "5"]
 
+
+# ---- prerequisites and the two namespaces ------------------------------------------------------
 
 def _missing_prerequisite() -> str | None:
     if os.geteuid() != 0:
@@ -61,15 +74,6 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
-def _remove_stale_namespaces() -> None:
-    """Namespaces left by an earlier run of this test that was killed before its cleanup."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
-        owner = name[len(NS_PREFIX):-1]
-        if name.startswith(NS_PREFIX) and owner.isdigit() and not Path(f"/proc/{owner}").exists():
-            _teardown_namespace(name)
-
-
 def _teardown_namespace(name: str) -> None:
     # Everything still running in the namespace (sshd, its sessions, a stuck rank) was started
     # by this test; kill it, then the namespace (which takes its veth end with it).
@@ -82,9 +86,71 @@ def _teardown_namespace(name: str) -> None:
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+def _remove_stale_namespaces() -> None:
+    """Namespaces left by an earlier run of this test that was killed before its cleanup."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        owner = name[len(NS_PREFIX):-1]
+        if name.startswith(NS_PREFIX) and owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            _teardown_namespace(name)
+
+
+@pytest.fixture
+def namespaces() -> Iterator[tuple[str, str]]:
+    """Hosts A and B: eth0 with 192.168.77.1 and .2, one veth link between them, lo up."""
+    reason = _missing_prerequisite()
+    if reason:
+        pytest.skip(reason)
+    _remove_stale_namespaces()
+    pair = (f"{NS_PREFIX}{os.getpid()}a", f"{NS_PREFIX}{os.getpid()}b")
+    try:
+        for ns in pair:
+            _ip("netns", "add", ns)
+        _ip("link", "add", "eth0", "netns", pair[0], "type", "veth",
+            "peer", "name", "eth0", "netns", pair[1])
+        for ns, address in zip(pair, ADDRESSES, strict=True):
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield pair
+    finally:
+        for ns in pair:
+            _teardown_namespace(ns)
+
+
 def _entrypoint(*args: str) -> str:
     return subprocess.run(["bash", str(ENTRYPOINT), *args], check=True, capture_output=True,
                           text=True, timeout=60).stdout
+
+
+def _assert_trained_across_hosts(out: Path) -> None:
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["size"] for r in ranks] == [2, 2]
+    # One rank per host: different namespaces, each on its own address ...
+    assert {r["address"] for r in ranks} == set(ADDRESSES)
+    assert ranks[0]["netns"] != ranks[1]["netns"]
+    # ... and each learned the other's from an allgather, i.e. over the veth link.
+    for r in ranks:
+        assert sorted((e["rank"], e["address"], e["netns"]) for e in r["everyone"]) == sorted(
+            (q["rank"], q["address"], q["netns"]) for q in ranks)
+    # Broadcast: rank 1 started from other weights and took rank 0's.
+    assert ranks[1]["initial_local"] != ranks[0]["initial_local"]
+    assert ranks[1]["initial"] == ranks[0]["initial"] == ranks[0]["initial_local"]
+    # Allreduce: both replicas end identical, moved from the start, and equal to one process
+    # doing the same SGD on the full batches (what averaging the two halves' gradients means).
+    assert ranks[0]["final"] == ranks[1]["final"] == ranks[0]["all_final"][1]
+    assert ranks[0]["final"] != ranks[0]["initial"]
+    assert ranks[0]["final"] == pytest.approx(ranks[0]["reference_final"], rel=1e-9, abs=1e-12)
+    # The halves really differed (each rank saw its own data).
+    assert ranks[0]["local_losses"] != ranks[1]["local_losses"]
+
+
+# ---- 1. the recipe, as root ----------------------------------------------------------------------
+
+@dataclass
+class RootHosts:
+    namespaces: tuple[str, str]
+    env: dict[str, str]  # PATH leads to an `ssh` that uses the test's client config
 
 
 def _wait_for_ssh(env: dict[str, str], namespace: str, address: str, deadline_s: float) -> None:
@@ -99,25 +165,11 @@ def _wait_for_ssh(env: dict[str, str], namespace: str, address: str, deadline_s:
 
 
 @pytest.fixture
-def two_hosts(tmp_path: Path) -> Iterator[TwoHosts]:
-    reason = _missing_prerequisite()
-    if reason:
-        pytest.skip(reason)
-    _remove_stale_namespaces()
-    namespaces = (f"{NS_PREFIX}{os.getpid()}a", f"{NS_PREFIX}{os.getpid()}b")
+def root_hosts(namespaces: tuple[str, str], tmp_path: Path) -> Iterator[RootHosts]:
     ssh_dir = tmp_path / "ssh"  # keys, configs, logs: removed at the end, pass or fail
     keys = ssh_dir / "keys"
     sshd_procs: list[subprocess.Popen] = []
     try:
-        for ns in namespaces:
-            _ip("netns", "add", ns)
-        _ip("link", "add", "eth0", "netns", namespaces[0], "type", "veth",
-            "peer", "name", "eth0", "netns", namespaces[1])
-        for ns, address in zip(namespaces, ADDRESSES, strict=True):
-            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-
         _entrypoint("keygen", str(keys))
         # sshd as root needs its privilege-separation directory (the package's service makes it).
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
@@ -125,8 +177,8 @@ def two_hosts(tmp_path: Path) -> Iterator[TwoHosts]:
             config = _entrypoint("sshd-config", str(ssh_dir / f"sshd-{ns}"), str(SSH_PORT),
                                  str(keys / "authorized_keys")).strip()
             log = open(ssh_dir / f"sshd-{ns}.log", "w")  # the child keeps its own descriptor
-            # The images' config is for an unprivileged user; the test runs as root, whose keys
-            # live in a temporary (world-writable-parent) directory.
+            # The images' config is for an unprivileged user; here root logs in, with keys in a
+            # temporary directory whose parents are world-writable.
             sshd_procs.append(subprocess.Popen(
                 ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", config,
                  "-o", f"ListenAddress={address}", "-o", "PermitRootLogin=prohibit-password",
@@ -144,55 +196,120 @@ def two_hosts(tmp_path: Path) -> Iterator[TwoHosts]:
         (wrapper_dir / "ssh").write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F "{client_config}" "$@"\n')
         (wrapper_dir / "ssh").chmod(0o755)
         env = helpers.test_env(PATH=f"{wrapper_dir}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}")
-
         for ns in namespaces:
             for address in ADDRESSES:
                 _wait_for_ssh(env, ns, address, deadline_s=30)
-        yield TwoHosts(namespaces, env)
+        yield RootHosts(namespaces, env)
     finally:
         for proc in sshd_procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
-        for ns in namespaces:
-            _teardown_namespace(ns)
         shutil.rmtree(ssh_dir, ignore_errors=True)
 
 
-def _horovodrun_across(hosts: TwoHosts, command: list[str], timeout: float) -> Result:
-    launcher = ["ip", "netns", "exec", hosts.namespaces[0], str(BIN / "horovodrun"),
-                "-np", "2", "-H", f"{ADDRESSES[0]}:1,{ADDRESSES[1]}:1", "-p", str(SSH_PORT),
-                "--gloo", "--network-interface", "eth0", "--disable-cache",
-                "--start-timeout", "60"]
-    return run([*launcher, *command], timeout=timeout, cwd=REPO, env=hosts.env)
+@pytest.mark.slow
+def test_horovodrun_trains_across_two_netns_hosts(root_hosts: RootHosts, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    launcher = ["ip", "netns", "exec", root_hosts.namespaces[0], str(BIN / "horovodrun"),
+                *HOROVODRUN_ACROSS]
+    result = run([*launcher, *training_command(out)], timeout=240, cwd=REPO, env=root_hosts.env)
+    assert result.returncode == 0 and not result.timed_out, result.output[-4000:]
+    _assert_trained_across_hosts(out)
+
+
+# ---- 2. the images' entry point, as an unprivileged user ---------------------------------------
+
+USER = "rfjob"
+
+
+def _free_uid() -> int:
+    uid = 54321
+    while True:
+        try:
+            pwd.getpwuid(uid)
+            uid += 1
+        except KeyError:
+            return uid
+
+
+def _user_view(sandbox: Path, uid: int, needed: list[Path]) -> str:
+    """Shell lines, run in a private mount namespace, that give the job user a passwd entry
+    (home: SANDBOX/home) and a way to every path in `needed`: a directory the user cannot
+    traverse (e.g. /root holding the venv's interpreter) is covered, in that namespace only, by
+    a tmpfs holding just the needed children, bind-mounted back."""
+    lines = ["set -eu"]
+    for name, entry in (("passwd", f"{USER}:x:{uid}:{uid}::{sandbox}/home:/bin/bash"),
+                        ("group", f"{USER}:x:{uid}:")):
+        (sandbox / name).write_text(Path(f"/etc/{name}").read_text() + entry + "\n")
+        lines.append(f"mount --bind {sandbox}/{name} /etc/{name}")
+    blocked: dict[Path, set[str]] = {}
+    for path in needed:
+        for parent in reversed(path.parents):
+            if not parent.stat().st_mode & stat.S_IXOTH:
+                blocked.setdefault(parent, set()).add(path.relative_to(parent).parts[0])
+    for i, (directory, children) in enumerate(sorted(blocked.items())):
+        staged = sandbox / "exposed" / str(i)
+        lines += [f"mkdir -p {staged / c}" for c in children]
+        lines += [f"mount --bind {directory / c} {staged / c}" for c in children]
+        lines.append(f"mount -t tmpfs -o mode=755 tmpfs {directory}")
+        for c in children:
+            lines += [f"mkdir {directory / c}", f"mount --bind {staged / c} {directory / c}"]
+    lines.append(f'exec setpriv --reuid={uid} --regid={uid} --clear-groups env -i "$@"')
+    return "\n".join(lines)
 
 
 @pytest.mark.slow
-def test_horovodrun_trains_across_two_netns_hosts(two_hosts: TwoHosts, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    # TODO(issue 5): once `ringfeed train` lands, this is the line to swap for
-    # [str(BIN / "ringfeed"), "train", CONFIG, "--set", ...] (and assert on its metrics.jsonl).
-    training = [str(BIN / "python"), str(WORKER), str(out), "--steps", "5"]
-    result = _horovodrun_across(two_hosts, training, timeout=240)
-    assert result.returncode == 0 and not result.timed_out, result.output[-4000:]
+def test_image_entrypoint_as_unprivileged_user_across_two_netns_hosts(
+        namespaces: tuple[str, str]) -> None:
+    for tool in ("unshare", "setpriv"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"`{tool}` not found (Debian: util-linux)")
+    # Not under pytest's tmp_path: its parent is private to root.
+    sandbox = Path(tempfile.mkdtemp(prefix="ringfeed-job-"))
+    host_b = None
+    try:
+        sandbox.chmod(0o755)
+        uid = _free_uid()
+        home, out = sandbox / "home", sandbox / "home" / "out"
+        home.mkdir()
+        os.chown(home, uid, uid)
+        view = _user_view(sandbox, uid, [Path(os.path.realpath(BIN / "python")), REPO, sandbox])
+        # What docker-compose.yml gives each node: the image's env and RINGFEED_SSHD=1. The job's
+        # key directory sits under the home (the image uses /var/lib/ringfeed/ssh), because
+        # sshd's StrictModes rejects the world-writable /tmp above it.
+        env = [f"HOME={home}", f"PATH={BIN}:/usr/bin:/bin", "OMP_NUM_THREADS=1",
+               "PYTHONUNBUFFERED=1", "TF_CPP_MIN_LOG_LEVEL=2", "CUDA_VISIBLE_DEVICES=",
+               "RINGFEED_SSHD=1", f"RINGFEED_SSH_DIR={home}/ssh-job",
+               f"RINGFEED_SSH_PORT={SSH_PORT}"]
 
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["size"] for r in ranks] == [2, 2]
-    # One rank per host: different namespaces, each on its own address ...
-    assert {r["address"] for r in ranks} == set(ADDRESSES)
-    assert ranks[0]["netns"] != ranks[1]["netns"]
-    # ... and each learned the other's from an allgather, i.e. over the veth link.
-    for r in ranks:
-        assert sorted((e["rank"], e["address"], e["netns"]) for e in r["everyone"]) == sorted(
-            (q["rank"], q["address"], q["netns"]) for q in ranks)
+        def on_host(ns: str, *command: str, extra_env: tuple[str, ...] = ()) -> list[str]:
+            return ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private",
+                    "bash", "-c", view, "view", *env, *extra_env, "bash", str(ENTRYPOINT),
+                    *command]
 
-    # Broadcast: rank 1 started from other weights and took rank 0's.
-    assert ranks[1]["initial_local"] != ranks[0]["initial_local"]
-    assert ranks[1]["initial"] == ranks[0]["initial"] == ranks[0]["initial_local"]
-    # Allreduce: both replicas end identical, moved from the start, and equal to one process
-    # doing the same SGD on the full batches (what averaging the two halves' gradients means).
-    assert ranks[0]["final"] == ranks[1]["final"] == ranks[0]["all_final"][1]
-    assert ranks[0]["final"] != ranks[0]["initial"]
-    assert ranks[0]["final"] == pytest.approx(ranks[0]["reference_final"], rel=1e-9, abs=1e-12)
-    # The halves really differed (each rank saw its own data).
-    assert ranks[0]["local_losses"] != ranks[1]["local_losses"]
+        # Both "hosts" share this one home, so B goes first and has made the host key and
+        # started sshd before A starts (separate containers each have their own home).
+        sshd_log = home / ".ringfeed-sshd" / "sshd.log"
+        host_b = subprocess.Popen(on_host(namespaces[1], "sleep", "600"), cwd=home,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not (sshd_log.exists() and "Server listening" in sshd_log.read_text()):
+            assert host_b.poll() is None, f"host B's entry point exited with {host_b.returncode}"
+            assert time.monotonic() < deadline, "host B's sshd did not start within 60 s"
+            time.sleep(0.3)
+
+        result = run(on_host(namespaces[0], "horovodrun", *HOROVODRUN_ACROSS,
+                             *training_command(out),
+                             extra_env=(f"RINGFEED_WAIT_FOR_SSH={ADDRESSES[1]}", "RINGFEED_WAIT_S=30")),
+                     timeout=240, cwd=home)
+        log = sshd_log.read_text() if sshd_log.exists() else "(no sshd log)"
+        assert result.returncode == 0 and not result.timed_out, result.output[-4000:] + log
+        assert f"Accepted publickey for {USER}" in log  # rank 1 really came in over ssh
+        _assert_trained_across_hosts(out)
+    finally:
+        if host_b is not None and host_b.poll() is None:
+            os.killpg(host_b.pid, signal.SIGKILL)
+            host_b.wait(timeout=10)
+        shutil.rmtree(sandbox, ignore_errors=True)
