@@ -32,7 +32,6 @@ from pipeline.errors import PipelineDataError
 from pipeline.source import ShardRef, local_path
 from shards.fsutil import sha256_file
 
-DATA_SUFFIX = ".tar"
 LOCK_SUFFIX = ".lock"
 PART_SUFFIX = ".part"
 
@@ -92,12 +91,13 @@ class ShardCache:
     def entry_path(self, ref: ShardRef) -> Path:
         digest = hashlib.sha1(ref.url.encode()).hexdigest()[:16]
         name = ref.url.rstrip("/").rsplit("/", 1)[-1] or "shard"
-        return self.cache_dir / f"{digest}-{name[:80]}{DATA_SUFFIX}"
+        return self.cache_dir / f"{digest}-{name[:80]}"
 
     def entries(self) -> list[Path]:
         if not self.cache_dir.is_dir():
             return []
-        return [p for p in self.cache_dir.iterdir() if p.name.endswith(DATA_SUFFIX)]
+        return [p for p in self.cache_dir.iterdir()
+                if not p.name.startswith(".") and not p.name.endswith(LOCK_SUFFIX)]
 
     def evict(self) -> int:
         """Remove least-recently-used unlocked entries until the cache fits; returns bytes freed."""

@@ -195,11 +195,12 @@ class ShardPipeline:
         with self._lock:
             self.epoch, self.segments = epoch, segments
             if segments[-1].config != self.config and not self._epoch_complete():
+                # a segment that consumed nothing changes nothing: replace it, don't stack it
                 while len(self.segments) > 1 and self.segments[-1].batches_consumed == 0:
                     self.segments.pop()
                 if self.segments[-1].batches_consumed == 0:
                     self.segments = [Segment(self.config)]
-                else:
+                elif self.segments[-1].config != self.config:
                     self.segments.append(Segment(self.config))
 
     def stats(self) -> dict[str, Any]:

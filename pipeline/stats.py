@@ -82,6 +82,7 @@ class PipelineStats:
                 "bytes_per_s": rate(c["bytes_read"]),
                 "bytes_downloaded": c["bytes_downloaded"],
                 "shards_opened": c["shards_opened"],
+                "samples_read": c["samples_read"],
                 "cache_hits": c["cache_hits"],
                 "cache_misses": c["cache_misses"],
                 "cache_hit_rate": c["cache_hits"] / lookups if lookups else None,

@@ -1,0 +1,370 @@
+"""ShardPipeline: rank balance, determinism, exact resume, resume across world sizes, decoding,
+bad data, inputs. Ranks run in-process with explicit rank/world_size (the horovodrun test is in
+test_pipeline_hvd.py); shards are real webdataset tars written by tests/pipeline_util.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from pipeline_util import collect, png_bytes, valid_ids, write_shards
+
+from pipeline import PipelineDataError, PipelineError, ShardPipeline
+
+UNEVEN = [1, 23, 3, 17, 2, 9, 5]  # 60 samples; one shard far bigger than the others
+B = 4
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("uneven")
+    write_shards(d, UNEVEN)
+    return d
+
+
+def make(source, **kw) -> ShardPipeline:
+    kw.setdefault("batch_size", B)
+    kw.setdefault("shuffle_buffer", 7)
+    kw.setdefault("seed", 5)
+    return ShardPipeline(source, **kw)
+
+
+def run_ranks(source, world: int, **kw) -> list[list[dict]]:
+    return [collect(make(source, rank=r, world_size=world, **kw)) for r in range(world)]
+
+
+# -- rank balance ----------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("balance", ["drop", "pad"])
+def test_every_rank_same_batch_count_and_samples_once(uneven, world, balance):
+    n = sum(UNEVEN)
+    per_rank = run_ranks(uneven, world, balance=balance, num_workers=2 if world == 2 else 0)
+    expected = make(uneven, rank=0, world_size=world, balance=balance).batches_per_epoch
+    assert [len(r) for r in per_rank] == [expected] * world
+    assert all(len(b["index"]) == B for r in per_rank for b in r)
+    ids = [g for r in per_rank for g in valid_ids(r)]
+    assert len(ids) == len(set(ids)), "a sample was seen twice in one epoch"
+    missing = set(range(n)) - set(ids)
+    if balance == "drop":
+        assert expected == (n // world) // B
+        assert len(missing) == n - world * expected * B < world * B
+    else:
+        assert not missing
+        invalid = sum(not v for r in per_rank for b in r for v in b["valid"])
+        assert invalid == world * expected * B - n
+
+
+def test_balance_is_by_samples_not_shards(uneven):
+    # 7 shards over 3 ranks: by shard count one rank would get the 23-sample shard and others
+    # far less; by sample count every rank reads 20 of the 60 samples.
+    per_rank = run_ranks(uneven, 3, balance="pad", batch_size=5)
+    assert [len(valid_ids(r)) for r in per_rank] == [20, 20, 20]
+
+
+def test_drop_with_no_full_batch_is_a_clear_error(tmp_path):
+    write_shards(tmp_path, [3, 2])
+    with pytest.raises(PipelineError, match="balance='pad'"):
+        make(tmp_path, world_size=2, rank=0, batch_size=4)
+    assert make(tmp_path, world_size=2, rank=1, batch_size=4, balance="pad").batches_per_epoch == 1
+
+
+# -- determinism -----------------------------------------------------------------------------
+def test_same_seed_same_batches_other_epoch_other_order(uneven):
+    first = collect(make(uneven, rank=1, world_size=2))
+    assert first == collect(make(uneven, rank=1, world_size=2))
+    other_epoch = make(uneven, rank=1, world_size=2)
+    other_epoch.set_epoch(1)
+    second = collect(other_epoch)
+    assert [b["index"] for b in second] != [b["index"] for b in first]
+    other_seed = collect(make(uneven, rank=1, world_size=2, seed=6))
+    assert [b["index"] for b in other_seed] != [b["index"] for b in first]
+
+
+def test_no_shuffle_is_manifest_order(uneven):
+    batches = collect(make(uneven, shuffle=False))
+    assert valid_ids(batches) == list(range((sum(UNEVEN) // B) * B))
+
+
+def test_iterating_again_moves_to_next_epoch(uneven):
+    pipe = make(uneven)
+    first, second = collect(pipe), collect(pipe)
+    assert pipe.epoch == 1
+    fresh = make(uneven)
+    fresh.set_epoch(1)
+    assert second == collect(fresh) != first
+
+
+# -- exact resume ----------------------------------------------------------------------------
+def resumed(source, k: int, loader, **kw) -> tuple[list[dict], list[dict]]:
+    """(uninterrupted epoch, first k batches + the rest after a JSON state round trip)."""
+    full = collect(loader(make(source, **kw)))
+    pipe = make(source, **kw)
+    head = []
+    for batch in loader(pipe):
+        head += collect([batch])
+        if len(head) == k:
+            break
+    state = json.loads(json.dumps(pipe.state_dict()))
+    again = make(source, **kw)
+    again.load_state_dict(state)
+    assert again.batches_remaining == len(full) - k
+    return full, head + collect(loader(again))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("k", [1, 4])
+def test_exact_resume_torch_loader(uneven, workers, k):
+    from pipeline.torch import make_loader
+
+    full, stitched = resumed(uneven, k, make_loader, rank=1, world_size=2, num_workers=workers)
+    assert stitched == full
+
+
+def test_exact_resume_in_process_threads(uneven):
+    full, stitched = resumed(uneven, 3, iter, rank=0, world_size=1, num_workers=3)
+    assert stitched == full
+
+
+def test_resume_skips_consumed_shards_and_does_not_decode_consumed_samples(tmp_path):
+    write_shards(tmp_path, [8, 8, 8, 8])
+    decoded = Counter()
+
+    def count_decode(sample):
+        decoded["n"] += 1
+        return sample
+
+    pipe = make(tmp_path, shuffle=False, decode=count_decode)
+    it = iter(pipe)
+    for _ in range(5):  # 20 samples: shards 0 and 1 complete, shard 2 half
+        next(it)
+    state = pipe.state_dict()
+    decoded.clear()
+    again = make(tmp_path, shuffle=False, decode=count_decode)
+    again.load_state_dict(state)
+    rest = collect(again)
+    assert valid_ids(rest) == list(range(20, 32))
+    assert again.stats()["shards_opened"] == 2
+    assert again.stats()["samples_read"] == 12
+    assert decoded["n"] == 12
+
+
+def test_state_of_another_dataset_is_refused(uneven, tmp_path):
+    write_shards(tmp_path, [4, 4])
+    with pytest.raises(PipelineError, match="num_samples"):
+        make(tmp_path).load_state_dict(make(uneven).state_dict())
+
+
+# -- resume on another world size ------------------------------------------------------------
+def run_segment(source, world: int, state: dict | None, stop_after: int | None, **kw):
+    """All ranks of one segment in lockstep; returns (valid ids seen, state, batches per rank)."""
+    pipes = [make(source, rank=r, world_size=world, **kw) for r in range(world)]
+    if state is not None:
+        for p in pipes:
+            p.load_state_dict(json.loads(json.dumps(state)))
+    remaining = pipes[0].batches_remaining
+    counts, seen = [], []
+    for p in pipes:
+        got = []
+        for batch in p:
+            got += collect([batch])
+            if stop_after is not None and len(got) == stop_after:
+                break
+        counts.append(len(got))
+        seen += valid_ids(got)
+    states = [p.state_dict() for p in pipes]
+    assert all(s == states[0] for s in states), "ranks disagree on the state"
+    assert len(set(counts)) == 1, f"ranks yielded different batch counts: {counts}"
+    if stop_after is None:
+        assert counts[0] == remaining
+    return seen, states[0]
+
+
+@pytest.mark.parametrize("balance", ["drop", "pad"])
+@pytest.mark.parametrize("sizes", [[2, 3], [3, 2], [3, 2, 3]], ids=["2to3", "3to2", "3to2to3"])
+def test_resume_on_other_world_size_sees_every_sample_once(uneven, sizes, balance):
+    seen, state = [], None
+    for i, world in enumerate(sizes):
+        last = i == len(sizes) - 1
+        ids, state = run_segment(uneven, world, state, None if last else 2, balance=balance,
+                                 num_workers=i % 2)
+        seen += ids
+    n, final_world = sum(UNEVEN), sizes[-1]
+    assert len(seen) == len(set(seen)), "a consumed sample was repeated after the resize"
+    missing = set(range(n)) - set(seen)
+    if balance == "pad":
+        assert not missing
+    else:  # only the final segment's tail is dropped
+        assert len(missing) < final_world * B
+    assert len(state["segments"]) == len(sizes)
+
+
+def test_resize_then_resize_back_before_consuming_keeps_one_segment(uneven):
+    _, state = run_segment(uneven, 2, None, 2)
+    three = make(uneven, rank=0, world_size=3)
+    three.load_state_dict(state)
+    back = make(uneven, rank=0, world_size=2)
+    back.load_state_dict(three.state_dict())
+    assert back.state_dict()["segments"] == state["segments"]
+
+
+# -- decoding --------------------------------------------------------------------------------
+def write_mixed(directory: Path, n: int = 6) -> None:
+    with wds.TarWriter(str(directory / "mixed-000000.tar")) as sink:
+        for i in range(n):
+            rgb = np.zeros((6, 10, 3), dtype=np.uint8) + i * 10
+            gray = io.BytesIO()
+            from PIL import Image
+
+            Image.fromarray(np.full((6, 10), 200, dtype=np.uint8)).save(gray, format="PNG")
+            sink.write({"__key__": f"k{i}", "jpg": _jpeg(rgb), "gray.png": gray.getvalue(),
+                        "cls": str(i).encode(), "json": json.dumps({"i": i}).encode(),
+                        "txt": f"text {i}".encode(),
+                        "tokens.npy": np.arange(i, i + 5, dtype=np.uint16),
+                        "raw": b"\x00\x01"})
+
+
+def _jpeg(array: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="JPEG", quality=100)
+    return buf.getvalue()
+
+
+def test_decoding_of_each_field_kind(tmp_path):
+    write_mixed(tmp_path)
+    pipe = ShardPipeline(str(tmp_path / "mixed-000000.tar"), batch_size=3, shuffle=False,
+                         image_size=(4, 5), normalize=(0.5, 0.25))
+    batch = next(iter(pipe))
+    assert batch["jpg"].shape == (3, 4, 5, 3) and batch["jpg"].dtype == np.float32
+    assert batch["gray.png"].shape == (3, 4, 5, 1)
+    np.testing.assert_allclose(batch["gray.png"], (200 / 255 - 0.5) / 0.25, rtol=1e-5)
+    assert batch["cls"].tolist() == [0, 1, 2] and batch["cls"].dtype == np.int64
+    assert batch["json"] == [{"i": 0}, {"i": 1}, {"i": 2}]
+    assert batch["txt"] == ["text 0", "text 1", "text 2"]
+    assert batch["tokens.npy"].dtype == np.int64 and batch["tokens.npy"][2].tolist() == [2, 3, 4, 5, 6]
+    assert batch["raw"] == [b"\x00\x01"] * 3
+    assert batch["__key__"] == ["k0", "k1", "k2"]
+    plain = next(iter(ShardPipeline(str(tmp_path / "mixed-000000.tar"), batch_size=3,
+                                    shuffle=False)))
+    assert plain["jpg"].shape == (3, 6, 10, 3) and plain["jpg"].dtype == np.uint8
+
+
+def test_user_decode_and_transform(tmp_path):
+    write_mixed(tmp_path)
+
+    def decode(sample):
+        sample["raw"] = len(sample["raw"])
+        return sample
+
+    def transform(sample):
+        return {"label": sample["cls"] * 2, "size": sample["raw"]}
+
+    batch = next(iter(ShardPipeline(str(tmp_path / "mixed-000000.tar"), batch_size=2,
+                                    shuffle=False, decode=decode, transform=transform)))
+    assert batch["label"].tolist() == [0, 2] and batch["size"].tolist() == [2, 2]
+
+
+# -- bad data --------------------------------------------------------------------------------
+def damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "corrupt":  # garbage over the middle member headers
+        mid = len(data) // 2
+        path.write_bytes(data[:mid] + b"\xde\xad" * 1024 + data[mid + 2048:])
+    elif how == "image":  # one undecodable png
+        members = []
+        with tarfile.open(path) as tar:
+            for m in tar.getmembers():
+                members.append((m, tar.extractfile(m).read()))
+        with tarfile.open(path, "w") as tar:
+            for m, payload in members:
+                if m.name == "s0001_00002.png":
+                    payload = b"not a png at all"
+                    m.size = len(payload)
+                tar.addfile(m, io.BytesIO(payload))
+
+
+@pytest.mark.parametrize("how", ["truncate", "corrupt", "image"])
+def test_skip_policy_keeps_batch_counts_counts_and_warns_once(tmp_path, how, caplog):
+    paths = write_shards(tmp_path, [10, 12, 10], images=True)
+    healthy = collect(make(tmp_path, rank=1, world_size=2))
+    damage(paths[1], how)
+    caplog.set_level(logging.WARNING, logger="ringfeed.pipeline")
+    counts = []
+    skipped = 0
+    for rank in (0, 1):
+        pipe = make(tmp_path, rank=rank, world_size=2)
+        batches = collect(pipe)
+        counts.append(len(batches))
+        skipped += pipe.stats()["skipped"]
+        for url in pipe.stats()["skipped_by_shard"]:
+            assert url.endswith("train-000001.tar")
+    assert counts == [len(healthy)] * 2
+    assert skipped >= 1 if how == "image" else skipped > 2
+    assert how != "image" or skipped == 1
+    warnings = [r for r in caplog.records if "train-000001.tar" in r.getMessage()]
+    assert 1 <= len(warnings) <= 2  # once per shard per rank that reads it
+
+
+@pytest.mark.parametrize("how", ["truncate", "corrupt", "image"])
+def test_fail_policy_names_shard_and_key(tmp_path, how):
+    paths = write_shards(tmp_path, [10, 12, 10], images=True)
+    damage(paths[1], how)
+    pipe = make(tmp_path, on_error="fail", shuffle=False)
+    with pytest.raises(PipelineDataError, match=r"train-000001\.tar: sample") as err:
+        collect(pipe)
+    if how == "image":
+        assert "'s0001_00002'" in str(err.value)
+
+
+def test_fail_policy_through_torch_workers_is_one_clear_error(tmp_path):
+    from pipeline.torch import make_loader
+
+    paths = write_shards(tmp_path, [10, 12, 10], images=True)
+    damage(paths[1], "image")
+    pipe = make(tmp_path, on_error="fail", num_workers=2)
+    with pytest.raises(PipelineDataError) as err:
+        collect(make_loader(pipe))
+    assert "s0001_00002" in str(err.value) and "Traceback" not in str(err.value)
+
+
+def test_missing_shard_is_an_error_after_retries(tmp_path):
+    paths = write_shards(tmp_path, [6, 6])
+    paths[1].unlink()
+    pipe = make(tmp_path, shuffle=False, retries=2)
+    with pytest.raises(PipelineDataError, match=r"train-000001\.tar: cannot read shard after 2"):
+        collect(pipe)
+
+
+# -- inputs ----------------------------------------------------------------------------------
+def test_shard_list_without_manifest_counts_samples(uneven):
+    pattern = str(uneven / "train-{000000..000006}.tar")
+    from_list = make(pattern, rank=1, world_size=2)
+    assert from_list.manifest is None
+    assert collect(from_list) == collect(make(uneven, rank=1, world_size=2))
+
+
+def test_pipe_urls_refused_unless_allowed(uneven):
+    urls = [f"pipe:cat {p}" for p in sorted(uneven.glob("*.tar"))]
+    with pytest.raises(PipelineError, match="allow_pipe=True"):
+        make(urls, cache_dir=uneven / "cache")
+    allowed = make(urls, allow_pipe=True, cache_dir=uneven.parent / "pipe-cache", shuffle=False)
+    assert valid_ids(collect(allowed)) == list(range(sum(UNEVEN) // B * B))
+
+
+def test_rank_out_of_range_and_bad_options(uneven):
+    with pytest.raises(PipelineError, match="rank 2"):
+        make(uneven, rank=2, world_size=2)
+    with pytest.raises(PipelineError, match="balance"):
+        make(uneven, balance="even")
+    with pytest.raises(PipelineError, match="split 'val'"):
+        make(uneven, split="val")
