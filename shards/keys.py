@@ -1,8 +1,10 @@
 """Sample keys and tar member names that every tar reader splits the same way.
 
 webdataset splits a member name at the first '.' of its last path component: `KEY.EXT`. So a key
-may hold no '.', no '/' (and hence no '..'), must be unique inside a tar, and `KEY.EXT` must fit
-the 100-byte name field of a ustar header.
+may hold no '.', no '/' (and hence no '..') and must be unique inside a tar. Keys are also ASCII
+and `KEY.EXT` fits the 100-byte name field of a tar header, so no member needs an extra (pax)
+header: each member takes exactly 512 bytes + its padded data, which lets shards be planned by
+size before they are written.
 """
 
 from __future__ import annotations
@@ -13,23 +15,24 @@ from collections.abc import Sequence
 
 from shards.errors import UserError
 
-MAX_KEY_BYTES = 64
+MAX_KEY_CHARS = 64
 MAX_EXT_CHARS = 32
-_UNSAFE = re.compile(r"[^\w\-]+")  # \w is Unicode-aware: non-ASCII letters survive
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-]+")
 _EXT = re.compile(r"^[a-z0-9][a-z0-9_\-]*(\.[a-z0-9][a-z0-9_\-]*)*$")
 
 
 def safe_key(text: str) -> str:
     """A readable key derived from `text` ('cat/img 01.jpeg' -> 'cat_img_01_jpeg').
 
-    Unsafe runs become one '_'; a name too long for a tar header is cut and given a short hash of
-    the full name, so long names stay distinct.
+    Runs of other characters become one '_' (two names that then meet are reported by
+    `check_unique`). A name that is too long or not ASCII is cut and given a short hash of the
+    full name, so such names stay distinct.
     """
     key = _UNSAFE.sub("_", text).strip("_")
-    if len(key.encode()) <= MAX_KEY_BYTES and key:
+    if key and len(key) <= MAX_KEY_CHARS and text.isascii():
         return key
     digest = hashlib.sha1(text.encode()).hexdigest()[:10]
-    head = key.encode()[: MAX_KEY_BYTES - len(digest) - 1].decode(errors="ignore")
+    head = key[: MAX_KEY_CHARS - len(digest) - 1]
     return f"{head}_{digest}" if head else digest
 
 

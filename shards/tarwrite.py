@@ -56,6 +56,6 @@ def write_shard(source: Source, shard: PlannedShard, out_dir: Path,
                     on_sample(size)
         if out.size != shard.bytes:
             # sizes come from the scan; a difference means the input changed since
-            raise UserError(f"{path}: {out.size} bytes written, {shard.bytes} planned: the "
-                            f"input under {source.path} changed while sharding; run again")
+            raise UserError(f"{path}: {out.size} bytes written, {shard.bytes} planned: did "
+                            f"the input under {source.path} change while sharding? Run again")
     return ShardInfo(shard.name, shard.num_samples, out.size, out.sha256.hexdigest())

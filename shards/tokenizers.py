@@ -1,6 +1,6 @@
 """Tokenizers for `--format text`: byte-level by default, or one from an installed package.
 
-`--tokenizer module:attr` names an object (or a no-argument factory returning one) with
+`--tokenizer module:attr` names an object (or a class / no-argument factory making one) with
 `encode(str) -> list[int]`, an end-of-document id (`eos_id`, `eos_token_id` or `eot_token`) and a
 vocabulary size (`vocab_size`, `n_vocab` or `len()`); e.g. a tiktoken Encoding or a Hugging Face
 tokenizer already on disk. Nothing is downloaded: the import must work offline.
@@ -68,8 +68,11 @@ def load_tokenizer(spec: str) -> Tokenizer:
         raise UserError(f"--tokenizer {spec}: cannot import {module_name} ({e})") from None
     except AttributeError:
         raise UserError(f"--tokenizer {spec}: module {module_name} has no {attr!r}") from None
-    if not hasattr(obj, "encode") and callable(obj):
-        obj = obj()
+    if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "encode")):
+        try:
+            obj = obj()  # a class or a factory
+        except Exception as e:
+            raise UserError(f"--tokenizer {spec}: creating it failed ({type(e).__name__}: {e})") from None
     if not callable(getattr(obj, "encode", None)):
         raise UserError(f"--tokenizer {spec}: has no encode(str) method")
     eos = _first_int(obj, _EOS_ATTRS)

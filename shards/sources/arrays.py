@@ -52,7 +52,9 @@ class Arrays(Source):
             for name, array in arrays.items():
                 sizes += self._member_sizes(name, array, f"{path}: array {name!r}")
             width = max(6, len(str(n - 1)))
-            self.parts[part] = Part([f"{i:0{width}d}" for i in range(n)], int_sizes(sizes))
+            labels = next((np.asarray(arrays[name], dtype=np.int64) for name, ext in
+                           self._exts.items() if ext == "cls"), None)  # for a stratified val split
+            self.parts[part] = Part([f"{i:0{width}d}" for i in range(n)], int_sizes(sizes), labels)
             self._arrays[part] = arrays
         self.fields = {ext: kind_of(ext) for ext in self._exts.values()}
 

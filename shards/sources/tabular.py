@@ -78,7 +78,7 @@ class Tabular(Source):
         rest_seen = False
 
         for part, files in self._part_files(opts.src).items():
-            keys, sizes, rows, origins = [], [], [], []
+            keys, sizes, rows, origins, labels = [], [], [], [], []
             for path in files:
                 index = len(self._files)
                 self._files.append(str(path))
@@ -90,6 +90,8 @@ class Tabular(Source):
                     sizes.append(sum(member_tar_bytes(v if isinstance(v, int) else len(v))
                                      for v in members.values()))
                     rows.append((index, offset))
+                    if "cls" in members:  # class labels: a stratified val split
+                        labels.append(int(members["cls"]))
                     origins.append(where)
                     if self._key_field is not None:
                         keys.append(safe_key(str(self._value(index, row, self._key_field, where))))
@@ -99,7 +101,8 @@ class Tabular(Source):
                 width = max(6, len(str(len(rows) - 1)))
                 keys = [f"{i:0{width}d}" for i in range(len(rows))]
             check_unique(keys, origins, f"split {part!r}")
-            self.parts[part] = Part(keys, int_sizes(sizes))
+            self.parts[part] = Part(keys, int_sizes(sizes),
+                                    np.array(labels, dtype=np.int64) if labels else None)
             self._rows[part] = np.array(rows, dtype=np.int64)
         self.fields = {ext: kind_of(ext) for ext in self._map.values()}
         if rest_seen:

@@ -1,0 +1,187 @@
+"""`ringfeed shard` throughput: 1 and 2 worker processes vs webdataset's ShardWriter (one
+process) on the same generated image folder.
+
+    .venv/bin/python benchmarks/shard_bench.py            # ~300 MB of PNG/JPEG files
+    .venv/bin/python benchmarks/shard_bench.py --quick    # a few MB, seconds (smoke test)
+
+The image folder (random-content PNG and JPEG files, 10 classes) is generated once into the temp
+dir and reused. Every contender reads the same files (page cache warmed first) and writes
+uncompressed tars of the original bytes plus a `cls` member to a fresh folder; the best of
+--repeat runs counts. Prints MB/s (input image bytes per second of wall time) and the ratios;
+writes benchmarks/results/shard_bench.json and .png. It measures, it does not assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+RESULTS = REPO / "benchmarks" / "results"
+CLASSES = 10
+IMAGE_SIDE = 256  # random 256x256 RGB: ~197 KB as PNG, ~60-140 KB as JPEG
+
+
+def image_folder(total_mb: float, root: Path | None = None) -> Path:
+    """A cached SRC/<class>/<image> tree of about `total_mb` MB."""
+    from PIL import Image
+
+    root = root or Path(tempfile.gettempdir()) / "ringfeed-bench"
+    path = root / f"images-{total_mb:g}MB-v1"
+    if path.is_dir():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".generating-"))
+    rng = np.random.default_rng(0)
+    written, i = 0, 0
+    while written < total_mb * 1e6:
+        # smooth gradients plus noise: files of realistic, varied sizes
+        base = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+        image = np.kron(base, np.ones((IMAGE_SIDE // 8, IMAGE_SIDE // 8, 1), np.uint8))
+        noise = rng.integers(0, int(rng.integers(8, 128)), image.shape, dtype=np.uint8)
+        pixels = Image.fromarray(image + noise)
+        folder = tmp / f"class{i % CLASSES}"
+        folder.mkdir(exist_ok=True)
+        file = folder / (f"{i:06d}.png" if i % 2 else f"{i:06d}.jpg")
+        pixels.save(file, quality=95) if file.suffix == ".jpg" else pixels.save(file)
+        written += file.stat().st_size
+        i += 1
+    try:
+        tmp.rename(path)
+    except OSError:  # another run generated it meanwhile
+        shutil.rmtree(tmp)
+    return path
+
+
+def _files(src: Path) -> list[tuple[Path, int]]:
+    classes = sorted(d.name for d in src.iterdir())
+    return [(f, label) for label, c in enumerate(classes) for f in sorted((src / c).iterdir())]
+
+
+def _warm(src: Path) -> int:
+    return sum(len(f.read_bytes()) for f, _ in _files(src))
+
+
+def run_ringfeed(src: Path, out: Path, workers: int, max_size: str) -> float:
+    from train.cli import main as ringfeed
+
+    start = time.perf_counter()
+    code = ringfeed(["shard", str(src), str(out), "--format", "imagefolder", "--max-size",
+                     max_size, "--workers", str(workers), "--no-progress"])
+    seconds = time.perf_counter() - start
+    if code != 0:
+        raise RuntimeError(f"ringfeed shard exited {code}")
+    return seconds
+
+
+def run_shardwriter(src: Path, out: Path, max_size: str) -> float:
+    from webdataset import ShardWriter
+
+    from shards.fsutil import parse_size
+
+    out.mkdir(parents=True)
+    start = time.perf_counter()
+    with ShardWriter(str(out / "shard-%06d.tar"), maxsize=parse_size(max_size),
+                     maxcount=10**9, verbose=0) as sink:
+        for path, label in _files(src):
+            sink.write({"__key__": f"{path.parent.name}_{path.stem}",
+                        path.suffix[1:]: path.read_bytes(), "cls": label})
+    return time.perf_counter() - start
+
+
+def _digests(out: Path) -> dict[str, str]:
+    return {s["name"]: s["sha256"] for split in json.loads((out / "manifest.json").read_text())
+            ["splits"].values() for s in split["shards"]}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["mb_per_s"])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bars = ax.bar(names, [results["mb_per_s"][n] for n in names],
+                  color=["#4c72b0", "#55a868", "#c44e52"])
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set_ylabel("MB/s (input bytes / wall s)")
+    ax.set_title(f"sharding {results['dataset_mb']:.0f} MB of images, {results['cpus']} CPUs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few MB, one repeat (smoke test)")
+    ap.add_argument("--mb", type=float, help="dataset size in MB (default 300, quick 4)")
+    ap.add_argument("--repeat", type=int, help="runs per contender, best counts (default 3)")
+    ap.add_argument("--max-size", default=None, help="shard size (default 32MB, quick 1MB)")
+    ap.add_argument("--data-dir", type=Path, help="where the generated images are cached")
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    mb = args.mb or (4 if args.quick else 300)
+    repeat = args.repeat or (1 if args.quick else 3)
+    max_size = args.max_size or ("1MB" if args.quick else "32MB")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    src = image_folder(mb, args.data_dir)
+    data_bytes = _warm(src)
+    import webdataset  # noqa: F401  (imports torch: keep it out of the timings)
+
+    seconds: dict[str, list[float]] = {"ShardWriter (1 proc)": [], "ringfeed K=1": [],
+                                       "ringfeed K=2": []}
+    digests = {}
+    work = Path(tempfile.mkdtemp(prefix="ringfeed-shard-bench-"))
+    try:
+        for r in range(repeat):
+            for name in seconds:
+                out = work / f"{name.split()[-1]}-{r}"
+                if name.startswith("ShardWriter"):
+                    seconds[name].append(run_shardwriter(src, out, max_size))
+                else:
+                    workers = int(name[-1])
+                    seconds[name].append(run_ringfeed(src, out, workers, max_size))
+                    digests[workers] = _digests(out)
+                shutil.rmtree(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    best = {name: min(v) for name, v in seconds.items()}
+    rate = {name: data_bytes / 1e6 / s for name, s in best.items()}
+    sw, k1, k2 = (rate[n] for n in seconds)
+    results = {
+        "dataset": str(src), "dataset_mb": data_bytes / 1e6, "files": len(_files(src)),
+        "max_size": max_size, "repeat": repeat, "cpus": os.cpu_count(),
+        "load_avg_1m": os.getloadavg()[0], "seconds": seconds, "mb_per_s": rate,
+        "ratios": {"ringfeed K=1 / ShardWriter": k1 / sw, "ringfeed K=2 / ringfeed K=1": k2 / k1,
+                   "ringfeed K=2 / ShardWriter": k2 / sw},
+        "k1_k2_identical_shards": digests.get(1) == digests.get(2),
+    }
+    for name, value in rate.items():
+        print(f"{name:<22} {value:8.1f} MB/s   (best of {repeat}: {best[name]:.2f} s)")
+    for name, value in results["ratios"].items():
+        print(f"{name:<28} {value:5.2f}x")
+    print(f"K=1 and K=2 shards byte-identical: {results['k1_k2_identical_shards']}; "
+          f"{results['dataset_mb']:.0f} MB, {results['files']} files, load avg "
+          f"{results['load_avg_1m']:.1f} on {results['cpus']} CPUs")
+    args.results.mkdir(parents=True, exist_ok=True)
+    stem = "shard_bench_quick" if args.quick else "shard_bench"
+    (args.results / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.results / f"{stem}.png")
+    return results
+
+
+if __name__ == "__main__":
+    main()
