@@ -1,0 +1,294 @@
+"""`ringfeed shard` robustness: same bytes for any --workers, resume after kill -9, verify
+catching damaged shards, one-line errors (exit 2) for bad input, wds-index of webdataset's own
+shards, and the benchmark's quick mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import BIN, REPO, ringfeed, test_env
+from shards_util import cli, make_images, manifest, tree_bytes
+
+from shards.journal import JOURNAL, Journal
+from shards.manifest import ShardInfo
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return make_images(tmp_path_factory.mktemp("imgs") / "src", {"a": 23, "b": 17, "c": 11})
+
+
+def shard_args(src: Path, out: Path, *extra: str) -> list[str]:
+    return ["shard", str(src), str(out), "--format", "imagefolder", "--max-count", "4",
+            "--val-fraction", "0.2", "--shuffle-seed", "7", *extra]
+
+
+def test_two_workers_write_the_same_bytes_as_one(capsys, tmp_path, images):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert cli(capsys, *shard_args(images, one, "--workers", "1"))[0] == 0
+    result = ringfeed(*shard_args(images, two, "--workers", "2"), timeout=120)
+    assert result.returncode == 0, result.output
+    assert result.stderr == ""  # not a terminal: no progress bar
+    files = tree_bytes(one)
+    assert len(files) == 15 and files == tree_bytes(two)  # 14 shards + manifest, same bytes
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / "ringfeed"), *args], env=test_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def test_resume_after_kill_9_is_byte_identical(capsys, tmp_path):
+    # many small shards, so the kill lands mid-run: 240 samples, 2 per shard
+    src = make_images(tmp_path / "src", {"x": 120, "y": 120}, side=4)
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    args = ["shard", str(src), str(out), "--format", "imagefolder", "--max-count", "2",
+            "--shuffle-seed", "1", "--val-fraction", "0.1"]
+    proc = _start(args)
+    journal = Journal(out)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if len(journal.read()[1]) >= 1:  # a first shard is renamed and recorded
+                break
+            time.sleep(0.002)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    _, done = journal.read()
+    assert 1 <= len(done) < 120, "the kill should land mid-run"
+    assert not (out / "manifest.json").exists()
+    kept = {name: (out / name).stat().st_ino for name in done}
+
+    result = ringfeed(*args, timeout=120)
+    assert result.returncode == 0, result.output
+    assert f"kept {len(done)} finished shard(s)" in result.stdout
+    assert {name: (out / name).stat().st_ino for name in done} == kept  # not rewritten
+
+    assert cli(capsys, *[reference if a == str(out) else a for a in args])[0] == 0
+    assert tree_bytes(out) == tree_bytes(reference)  # no journal, no temp files left either
+
+
+def test_resume_rehashes_kept_shards_and_replaces_partial_ones(capsys, tmp_path, images):
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    assert cli(capsys, *shard_args(images, reference))[0] == 0
+    shutil.copytree(reference, out)
+    # the state a killed run leaves: a journal naming the plan and the shards it finished
+    m = manifest(out)
+    shards = [ShardInfo(**s) for split in m["splits"].values() for s in split["shards"]]
+    Journal(out).start(_plan_id(shard_args(images, out)), {s.name: s for s in shards[:6]})
+    (out / "manifest.json").unlink()
+    flipped = out / shards[1].name
+    data = bytearray(flipped.read_bytes())
+    data[700] ^= 0xFF
+    flipped.write_bytes(bytes(data))                     # recorded, but content changed
+    (out / shards[2].name).write_bytes(b"partial")        # recorded, but truncated
+    (out / shards[3].name).unlink()                       # recorded, but gone
+    (out / shards[8].name).write_bytes(b"partial tar")    # not recorded: written again
+    (out / f".{shards[9].name}.k3x9_a.tmp").write_bytes(b"half a shard")  # a killed write
+    inode0 = (out / shards[0].name).stat().st_ino
+
+    code, stdout, err = cli(capsys, *shard_args(images, out))
+    assert code == 0, err
+    assert "kept 3 finished shard(s)" in stdout  # shards 0, 4, 5
+    assert (out / shards[0].name).stat().st_ino == inode0
+    assert tree_bytes(out) == tree_bytes(reference)
+
+
+def _plan_id(args: list[str]) -> str:
+    """The plan fingerprint `ringfeed ARGS` writes first into its journal."""
+    from shards.cli import options_from_args
+    from shards.plan import fingerprint, plan_shards
+    from shards.sources import open_source
+    from train.cli import build_parser
+
+    opts = options_from_args(build_parser().parse_args(args))
+    source = open_source(opts)
+    try:
+        return fingerprint(source, opts, plan_shards(source, opts))
+    finally:
+        source.close()
+
+
+def test_unfinished_run_of_other_options_needs_overwrite(capsys, tmp_path, images):
+    out = tmp_path / "out"
+    assert cli(capsys, *shard_args(images, out))[0] == 0
+    Journal(out).start("some-other-plan", {})
+    code, _, err = cli(capsys, *shard_args(images, out, "--max-count", "5"))
+    assert code == 2 and "unfinished run with other input or options" in err
+    code, stdout, _ = cli(capsys, *shard_args(images, out, "--max-count", "5", "--overwrite"))
+    assert code == 0 and not (out / JOURNAL).exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["manifest.json"] + [s["name"] for sp in manifest(out)["splits"].values()
+                             for s in sp["shards"]])  # the old 4-per-shard files are gone
+
+
+def test_verify_names_every_bad_shard(capsys, tmp_path, images):
+    out = tmp_path / "out"
+    assert cli(capsys, *shard_args(images, out))[0] == 0
+    code, stdout, _ = cli(capsys, "verify", out, "--workers", "2")
+    assert code == 0 and "14 shards, 51 samples" in stdout and "all OK" in stdout
+
+    flipped, truncated, gone = out / "train-000002.tar", out / "train-000005.tar", out / "val-000001.tar"
+    data = bytearray(flipped.read_bytes())
+    data[600] ^= 0x01  # one bit inside the first member's data
+    flipped.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:1500])
+    gone.unlink()
+    m = manifest(out)
+    m["splits"]["train"]["shards"][7]["num_samples"] += 1  # a manifest that lies about a count
+    (out / "manifest.json").write_text(json.dumps(m))
+
+    code, stdout, _ = cli(capsys, "verify", out)
+    assert code == 1
+    bad = [line for line in stdout.splitlines() if line.startswith("BAD")]
+    assert len(bad) == 4
+    assert bad[0].startswith("BAD train/train-000002.tar: sha256 differs")
+    assert bad[1].startswith("BAD train/train-000005.tar:") and "1500 bytes" in bad[1]
+    assert "4 samples, manifest says 5" in bad[2] and "train-000007.tar" in bad[2]
+    assert bad[3] == "BAD val/val-000001.tar: missing"
+    assert "4 BAD" in stdout
+
+
+def _write_file(path: Path, text: str = "x") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _bad_inputs(tmp: Path, images: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (ringfeed args, text the one error line must contain)."""
+    empty = tmp / "empty"
+    empty.mkdir()
+    jsonl = _write_file(tmp / "rows.jsonl", json.dumps({"text": "hi", "label": 1}) + "\n")
+    csvf = _write_file(tmp / "rows.csv", "text,label\nhi,1\n")
+    junk = tmp / "junk"
+    shutil.copytree(images, junk)
+    _write_file(junk / "a" / "notes.txt", "not an image")
+    dangling = tmp / "dangling"
+    shutil.copytree(images, dangling)
+    (dangling / "b" / "gone.png").symlink_to(tmp / "nowhere.png")
+    twins = tmp / "twins"
+    shutil.copytree(images, twins)
+    shutil.copy(next((twins / "a").glob("*.png")), twins / "a" / "img000.png")  # img000.jpg too
+    full = tmp / "full"
+    _write_file(full / "notes.txt")
+    done = tmp / "done"
+    _write_file(done / "manifest.json", "{}")
+    out = str(tmp / "out")
+    return {
+        "missing SRC": (["shard", str(tmp / "nope"), out, "--format", "imagefolder"],
+                        "nope: no such file or folder"),
+        "empty SRC": (["shard", str(empty), out, "--format", "imagefolder"], "no image files found"),
+        "empty jsonl": (["shard", str(_write_file(tmp / "e.jsonl", "\n")), out, "--format", "jsonl"],
+                        "no rows"),
+        "unknown format": (["shard", str(images), out, "--format", "parquet"],
+                           "unknown --format 'parquet'"),
+        "jsonl field": (["shard", str(jsonl), out, "--format", "jsonl", "--field", "caption=txt"],
+                        "rows.jsonl:1: no field 'caption' (fields: text, label)"),
+        "csv column": (["shard", str(csvf), out, "--format", "csv", "--field", "lbl=cls"],
+                       "rows.csv: no column 'lbl' (columns: text, label)"),
+        "bad class value": (["shard", str(jsonl), out, "--format", "jsonl", "--field", "text=cls"],
+                            "field 'text': cannot store 'hi' as .cls"),
+        "non-image, strict": (["shard", str(junk), out, "--format", "imagefolder", "--strict"],
+                              "notes.txt: not an image"),
+        "unreadable, strict": (["shard", str(dangling), out, "--format", "imagefolder", "--strict"],
+                               "gone.png: unreadable"),
+        "key collision": (["shard", str(twins), out, "--format", "imagefolder"],
+                          "a/img000.jpg and a/img000.png both become sample key 'a_img000'"),
+        "OUT not empty": (["shard", str(images), str(full), "--format", "imagefolder"],
+                          "is not empty (1 entries, e.g. 'notes.txt')"),
+        "OUT has shards": (["shard", str(images), str(done), "--format", "imagefolder"],
+                           "already holds shards (manifest.json); pass --overwrite"),
+        "bad size": (["shard", str(images), out, "--format", "imagefolder", "--max-size", "lots"],
+                     "--max-size: not a size: 'lots'"),
+        "verify without manifest": (["verify", str(empty)], "no manifest.json"),
+    }
+
+
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, images):
+    cases = _bad_inputs(tmp_path, images)
+    for name, (args, expected) in cases.items():
+        before = tree_bytes(tmp_path)
+        code, stdout, err = cli(capsys, *args)
+        assert code == 2, f"{name}: exit {code}, {err}"
+        assert err.count("\n") == 1 and err.startswith("ringfeed: error: "), f"{name}: {err!r}"
+        assert expected in err, f"{name}: {err!r}"
+        assert tree_bytes(tmp_path) == before, f"{name}: wrote something"
+        assert not (tmp_path / "out").exists(), name
+
+
+def test_bad_input_through_the_console_script(tmp_path):
+    result = ringfeed("shard", str(tmp_path / "missing"), str(tmp_path / "out"), "--format",
+                      "imagefolder", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == f"ringfeed: error: {tmp_path}/missing: no such file or folder\n"
+
+
+def test_non_images_are_skipped_counted_and_listed(capsys, tmp_path, images):
+    src = tmp_path / "src"
+    shutil.copytree(images, src)
+    _write_file(src / "a" / "notes.txt", "not an image")
+    _write_file(src / "b" / "broken.png", "not a png either")
+    _write_file(src / "README", "top-level file")
+    out = tmp_path / "out"
+    code, stdout, _ = cli(capsys, "shard", src, out, "--format", "imagefolder")
+    assert code == 0 and "skipped 3 input file(s)" in stdout
+    m = manifest(out)
+    assert {(Path(s["path"]).name, s["reason"].split(" (")[0]) for s in m["skipped"]} == {
+        ("README", "not inside a class folder"), ("notes.txt", "not an image"),
+        ("broken.png", "not an image")}
+    assert sum(s["num_samples"] for s in m["splits"]["train"]["shards"]) == 51
+
+
+def test_wds_index_of_webdataset_shardwriter_output(capsys, tmp_path):
+    import webdataset as wds
+
+    shards = tmp_path / "wds"
+    shards.mkdir()
+    for split, n in (("train", 25), ("val", 7)):
+        with wds.ShardWriter(str(shards / f"{split}-%04d.tar"), maxcount=10, verbose=0) as sink:
+            for i in range(n):
+                sink.write({"__key__": f"{split}{i:03d}", "txt": f"sample {i}", "cls": i % 2,
+                            "x.npy": __import__("numpy").arange(i)})
+    code, stdout, err = cli(capsys, "shard", shards, "--format", "wds-index", "--workers", "2")
+    assert code == 0, err
+    m = manifest(shards)
+    assert m["fields"] == {"cls": "int", "txt": "text", "x.npy": "npy"}
+    assert [(s["name"], s["num_samples"]) for s in m["splits"]["train"]["shards"]] == [
+        ("train-0000.tar", 10), ("train-0001.tar", 10), ("train-0002.tar", 5)]
+    assert [s["num_samples"] for s in m["splits"]["val"]["shards"]] == [7]
+    assert cli(capsys, "verify", shards)[0] == 0
+    code, _, err = cli(capsys, "shard", shards, "--format", "wds-index")
+    assert code == 2 and "manifest.json exists; pass --overwrite" in err
+
+    elsewhere = tmp_path / "index"  # a manifest in another folder points back at the shards
+    assert cli(capsys, "shard", shards, elsewhere, "--format", "wds-index", "--split", "all")[0] == 0
+    names = [s["name"] for s in manifest(elsewhere)["splits"]["all"]["shards"]]
+    assert names[0] == "../wds/train-0000.tar" and len(names) == 4
+    assert cli(capsys, "verify", elsewhere)[0] == 0
+    urls = [str(elsewhere / n) for n in names]
+    assert len(list(wds.WebDataset(urls, shardshuffle=False))) == 32
+
+
+def test_benchmark_quick_mode(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("shard_bench", REPO / "benchmarks" / "shard_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = bench.main(["--quick", "--mb", "2", "--results", str(tmp_path / "results"),
+                     "--data-dir", str(tmp_path / "data")])
+    assert set(results["mb_per_s"]) == {"ShardWriter (1 proc)", "ringfeed K=1", "ringfeed K=2"}
+    assert all(v > 0 for v in results["mb_per_s"].values())
+    assert results["k1_k2_identical_shards"] is True
+    assert (tmp_path / "results" / "shard_bench_quick.png").stat().st_size > 0
+    assert json.loads((tmp_path / "results" / "shard_bench_quick.json").read_text())["files"] > 0
