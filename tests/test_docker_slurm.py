@@ -1,0 +1,108 @@
+"""docker/slurm/requeue.sh, the time-limit handling of the sbatch scripts, run by bash.
+
+No Slurm here: `scancel` and `scontrol` are small stand-ins on PATH that record their arguments
+(and, like Slurm, deliver scancel's signal to the job step). What is tested is the script's own
+control flow: the trap, the grace period, the requeue and the exit status.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from helpers import REPO
+
+REQUEUE_SH = REPO / "docker" / "slurm" / "requeue.sh"
+
+# A job step: writes its pid, then on SIGUSR1 "checkpoints" (a file) and exits 0 if SAVE_EXITS=1,
+# or keeps running (a trainer that saves and carries on).
+STEP = """#!/bin/bash
+echo $$ > "$WORK/step.pid"
+trap 'echo saved > "$WORK/saved"; [ "$SAVE_EXITS" = 1 ] && exit 0' USR1
+trap 'echo term > "$WORK/terminated"; exit 143' TERM
+for _ in $(seq 600); do sleep 0.05; [ -n "${EXIT_WITH:-}" ] && exit "$EXIT_WITH"; done
+"""
+SCANCEL = """#!/bin/bash
+echo "scancel $*" >> "$WORK/calls"
+[ "$1" = --signal=USR1 ] && kill -USR1 "$(cat "$WORK/step.pid")"
+exit 0
+"""
+SCONTROL = """#!/bin/bash
+echo "scontrol $*" >> "$WORK/calls"
+"""
+
+
+def _start(tmp_path: Path, mode: str, **env: str) -> subprocess.Popen:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("step", STEP), ("scancel", SCANCEL), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "WORK": str(tmp_path),
+                "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SAVE_EXITS": "1",
+                "RINGFEED_SAVE_GRACE_S": "2", **env}
+    script = f'source "{REQUEUE_SH}"; ringfeed_run_requeueable {mode} step'
+    proc = subprocess.Popen(["bash", "-c", script], env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "step.pid").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the step did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out
+
+
+def _calls(tmp_path: Path) -> list[str]:
+    calls = tmp_path / "calls"
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_no_signal_returns_the_launchers_status_and_does_not_requeue(tmp_path: Path) -> None:
+    proc = _start(tmp_path, "steps", EXIT_WITH="3")
+    rc, out = _finish(proc)
+    assert rc == 3, out
+    assert _calls(tmp_path) == []
+
+
+def test_time_limit_signal_checkpoints_the_steps_then_requeues(tmp_path: Path) -> None:
+    proc = _start(tmp_path, "steps")
+    proc.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@120` delivers
+    rc, out = _finish(proc)
+    assert (tmp_path / "saved").exists(), out
+    assert _calls(tmp_path) == ["scancel --signal=USR1 4242", "scontrol requeue 4242"]
+    assert rc == 0, out
+
+
+def test_a_step_that_keeps_running_is_requeued_after_the_grace_period(tmp_path: Path) -> None:
+    proc = _start(tmp_path, "steps", SAVE_EXITS="0")
+    started = time.monotonic()
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 20
+    while "scontrol requeue 4242" not in _calls(tmp_path):
+        assert time.monotonic() < deadline, f"no requeue: {_calls(tmp_path)}"
+        time.sleep(0.1)
+    # Only after the step had its grace period (RINGFEED_SAVE_GRACE_S=2) to finish.
+    assert time.monotonic() - started >= 2
+    assert (tmp_path / "saved").exists()
+    os.killpg(proc.pid, signal.SIGKILL)  # what the requeue does to the job in Slurm
+    proc.wait(timeout=10)
+
+
+def test_horovodrun_mode_sends_sigterm_to_the_launcher(tmp_path: Path) -> None:
+    proc = _start(tmp_path, "launcher")
+    proc.send_signal(signal.SIGUSR1)
+    rc, out = _finish(proc)
+    assert (tmp_path / "terminated").exists(), out
+    assert _calls(tmp_path) == ["scontrol requeue 4242"]
+    assert rc == 143, out
