@@ -17,17 +17,16 @@ from helpers import REPO
 
 REQUEUE_SH = REPO / "docker" / "slurm" / "requeue.sh"
 
-# A job step: writes its pid, then on SIGUSR1 "checkpoints" (a file) and exits 0 if SAVE_EXITS=1,
-# or keeps running (a trainer that saves and carries on).
+# A rank: writes its pid, and on SIGTERM "checkpoints" (a file) and exits 143 like
+# `ringfeed train`, or, with SAVE_EXITS=0, saves and hangs on (a stuck launcher).
 STEP = """#!/bin/bash
 echo $$ > "$WORK/step.pid"
-trap 'echo saved > "$WORK/saved"; [ "$SAVE_EXITS" = 1 ] && exit 0' USR1
-trap 'echo term > "$WORK/terminated"; exit 143' TERM
+trap 'echo saved > "$WORK/saved"; [ "$SAVE_EXITS" = 1 ] && exit 143' TERM
 for _ in $(seq 600); do sleep 0.05; [ -n "${EXIT_WITH:-}" ] && exit "$EXIT_WITH"; done
 """
 SCANCEL = """#!/bin/bash
 echo "scancel $*" >> "$WORK/calls"
-[ "$1" = --signal=USR1 ] && kill -USR1 "$(cat "$WORK/step.pid")"
+[ "$1" = --signal=TERM ] && kill -TERM "$(cat "$WORK/step.pid")"
 exit 0
 """
 SCONTROL = """#!/bin/bash
@@ -75,13 +74,13 @@ def test_no_signal_returns_the_launchers_status_and_does_not_requeue(tmp_path: P
     assert _calls(tmp_path) == []
 
 
-def test_time_limit_signal_checkpoints_the_steps_then_requeues(tmp_path: Path) -> None:
+def test_time_limit_signal_stops_the_steps_with_a_checkpoint_then_requeues(tmp_path: Path) -> None:
     proc = _start(tmp_path, "steps")
     proc.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@120` delivers
     rc, out = _finish(proc)
     assert (tmp_path / "saved").exists(), out
-    assert _calls(tmp_path) == ["scancel --signal=USR1 4242", "scontrol requeue 4242"]
-    assert rc == 0, out
+    assert _calls(tmp_path) == ["scancel --signal=TERM 4242", "scontrol requeue 4242"]
+    assert rc == 143, out
 
 
 def test_a_step_that_keeps_running_is_requeued_after_the_grace_period(tmp_path: Path) -> None:
@@ -103,6 +102,6 @@ def test_horovodrun_mode_sends_sigterm_to_the_launcher(tmp_path: Path) -> None:
     proc = _start(tmp_path, "launcher")
     proc.send_signal(signal.SIGUSR1)
     rc, out = _finish(proc)
-    assert (tmp_path / "terminated").exists(), out
+    assert (tmp_path / "saved").exists(), out
     assert _calls(tmp_path) == ["scontrol requeue 4242"]
     assert rc == 143, out

@@ -3,12 +3,13 @@
 # its time limit checkpoints, requeues itself and resumes (`ringfeed train ... --resume auto`).
 #
 # The scripts ask Slurm for SIGUSR1 to the batch shell 120 s before the limit
-# (`#SBATCH --signal=B:USR1@120`). On it the ranks are told to checkpoint (the trainer saves on
-# SIGUSR1/SIGTERM), the launcher gets up to RINGFEED_SAVE_GRACE_S (60) to finish, then
-# `scontrol requeue`; the requeued job runs the script again and resumes from that checkpoint.
-#   ranks launched by srun (job steps):  SIGUSR1 to every step via scancel;
+# (`#SBATCH --signal=B:USR1@120`). On it the ranks get SIGTERM (`ringfeed train` then agrees
+# across ranks to stop, saves a checkpoint and exits 143), the launcher gets up to
+# RINGFEED_SAVE_GRACE_S (60) to finish, then `scontrol requeue`; the requeued job runs the script
+# again and `--resume auto` continues from that checkpoint.
+#   ranks launched by srun (job steps):  SIGTERM to every step via scancel;
 #   ranks launched by horovodrun:        SIGTERM to horovodrun, which passes it to its local
-#                                        ranks (rank 0, the one that saves, runs on this node).
+#                                        ranks (rank 0 runs on this node) and stops the others.
 # Preemption needs nothing here: Slurm sends SIGTERM to the job's processes (the trainer saves)
 # and requeues a job submitted with --requeue by itself.
 
@@ -20,14 +21,14 @@ ringfeed_on_time_limit() {
   ringfeed_requeue_requested=1
   echo "ringfeed: time limit near: ranks checkpoint, then job ${SLURM_JOB_ID} is requeued"
   if [ "$ringfeed_ranks_are_steps" = 1 ]; then
-    scancel --signal=USR1 "${SLURM_JOB_ID}" || true
+    scancel --signal=TERM "${SLURM_JOB_ID}" || true
   elif [ -n "$ringfeed_launcher_pid" ]; then
     kill -TERM "$ringfeed_launcher_pid" 2>/dev/null || true
   fi
 }
 
 # ringfeed_run_requeueable steps|launcher LAUNCHER [ARG...]: runs the launcher (the first word
-# says who gets the checkpoint signal, see above); returns its exit status, and requeues the job
+# says who gets the SIGTERM, see above); returns its exit status, and requeues the job
 # if the time limit came near.
 ringfeed_run_requeueable() {
   local launcher rc=0 waited=0
