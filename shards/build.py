@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -129,7 +130,7 @@ def _write_task(shared: tuple[Source, Path, Progress], shard: PlannedShard) -> S
 
 
 def _write_all(source: Source, todo: list[PlannedShard], opts: ShardOptions,
-               finished: callable) -> None:
+               finished: Callable[[ShardInfo], None]) -> None:
     progress = Progress(sum(s.num_samples for s in todo), opts.progress)
     try:
         workers = min(opts.workers, len(todo))

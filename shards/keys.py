@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from shards.errors import UserError
 
@@ -36,14 +36,14 @@ def safe_key(text: str) -> str:
     return f"{head}_{digest}" if head else digest
 
 
-def check_unique(keys: Sequence[str], origins: Sequence[str], what: str) -> None:
-    """UserError naming both sources of the first key that two samples would share."""
+def check_unique(keys: Sequence[str], origin: Callable[[int], str], what: str) -> None:
+    """UserError naming both sources (`origin(i)`) of the first key two samples would share."""
     seen: dict[str, int] = {}
     for i, key in enumerate(keys):
         j = seen.setdefault(key, i)
         if j != i:
             raise UserError(
-                f"{origins[j]} and {origins[i]} both become sample key {key!r} in {what} "
+                f"{origin(j)} and {origin(i)} both become sample key {key!r} in {what} "
                 "(rename one of them)"
             )
 

@@ -121,5 +121,7 @@ def fingerprint(source: Source, opts: ShardOptions, shards: list[PlannedShard]) 
         h.update(f"\n{s.name} {s.part} {s.bytes} ".encode())
         h.update(s.indices.astype(np.int64).tobytes())
     for name, part in source.parts.items():
-        h.update(f"\n{name}:".encode() + "\0".join(part.keys).encode())
+        h.update(f"\n{name}:".encode())
+        for start in range(0, len(part.keys), 100_000):
+            h.update("\0".join(part.keys[start:start + 100_000]).encode() + b"\0")
     return h.hexdigest()

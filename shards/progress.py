@@ -24,6 +24,7 @@ class Progress:
         if self.enabled:
             from tqdm import tqdm
 
+            tqdm.monitor_interval = 0  # no monitor thread: shard writers are forked after this
             self._bar = tqdm(total=total_samples, desc=desc, unit="sample", file=sys.stderr,
                              dynamic_ncols=True, leave=False)
 

@@ -51,6 +51,9 @@ def test_resume_after_kill_9_is_byte_identical(capsys, tmp_path):
     out, reference = tmp_path / "out", tmp_path / "reference"
     args = ["shard", str(src), str(out), "--format", "imagefolder", "--max-count", "2",
             "--shuffle-seed", "1", "--val-fraction", "0.1"]
+    assert cli(capsys, *[str(reference) if a == str(out) else a for a in args])[0] == 0
+    expected = tree_bytes(reference)
+
     proc = _start(args)
     journal = Journal(out)
     deadline = time.monotonic() + 120
@@ -66,15 +69,15 @@ def test_resume_after_kill_9_is_byte_identical(capsys, tmp_path):
     _, done = journal.read()
     assert 1 <= len(done) < 120, "the kill should land mid-run"
     assert not (out / "manifest.json").exists()
+    finals = [p.name for p in out.glob("*.tar")]
+    assert all(tree_bytes(out)[name] == expected[name] for name in finals)  # never partial
     kept = {name: (out / name).stat().st_ino for name in done}
 
     result = ringfeed(*args, timeout=120)
     assert result.returncode == 0, result.output
     assert f"kept {len(done)} finished shard(s)" in result.stdout
     assert {name: (out / name).stat().st_ino for name in done} == kept  # not rewritten
-
-    assert cli(capsys, *[reference if a == str(out) else a for a in args])[0] == 0
-    assert tree_bytes(out) == tree_bytes(reference)  # no journal, no temp files left either
+    assert tree_bytes(out) == expected  # no journal, no temp files left either
 
 
 def test_resume_rehashes_kept_shards_and_replaces_partial_ones(capsys, tmp_path, images):

@@ -95,7 +95,7 @@ class ImageFolder(Source):
             if not fs:
                 raise UserError(f"{part_dirs[part]}: no usable image files")
             keys = [safe_key(f"{Path(f.rel).with_suffix('')}") for f in fs]
-            check_unique(keys, [f.rel for f in fs], f"{part_dirs[part]}")
+            check_unique(keys, lambda i, fs=fs: fs[i].rel, str(part_dirs[part]))
             labels = np.array([f.label for f in fs], dtype=np.int64)
             sizes = int_sizes([f.size for f in fs])
             cls_len = np.array([len(str(i)) for i in range(len(self.class_names))])[labels]

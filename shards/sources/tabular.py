@@ -40,7 +40,7 @@ def _jsonl_rows(f: IO[bytes]) -> Iterator[tuple[int, int, Any]]:
 
 
 def _csv_rows(f: IO[bytes]) -> Iterator[tuple[int, int, list[str]]]:
-    """(byte offset, line number, cells) per record; a quoted cell may span lines."""
+    """(byte offset, first line number, cells) per record; a quoted cell may span lines."""
     consumed = [0]
 
     def lines() -> Iterator[str]:
@@ -49,12 +49,12 @@ def _csv_rows(f: IO[bytes]) -> Iterator[tuple[int, int, list[str]]]:
             yield raw.decode("utf-8-sig" if consumed[0] == len(raw) else "utf-8")
 
     reader = csv.reader(lines())
-    start = 0
+    start, line = 0, 1
     try:
         for cells in reader:
             # csv pulls lines only as a record needs them: `consumed` is where the next one starts
-            yield start, reader.line_num, cells
-            start = consumed[0]
+            yield start, line, cells
+            start, line = consumed[0], reader.line_num + 1
     except (csv.Error, UnicodeDecodeError) as e:
         raise UserError(f"{f.name}:{reader.line_num}: not readable as UTF-8 CSV ({e})") from None
 
@@ -72,13 +72,14 @@ class Tabular(Source):
         self._key_field = opts.key_field
         self.options = {"fields": dict(opts.fields), "key": opts.key_field}
         self._files: list[str] = []
-        self._rows: dict[str, np.ndarray] = {}  # part -> [[file index, offset], ...]
+        self._rows: dict[str, np.ndarray] = {}  # part -> [[file index, offset, line], ...]
         self._header: dict[int, list[str]] = {}  # csv: file index -> column names
-        self._open: dict[int, IO[bytes]] = {}
+        self._open: dict[int, IO[bytes]] = {}  # files read by sample(), per process
+        self._open_pid = os.getpid()
         rest_seen = False
 
         for part, files in self._part_files(opts.src).items():
-            keys, sizes, rows, origins, labels = [], [], [], [], []
+            keys, sizes, rows, labels = [], [], [], []
             for path in files:
                 index = len(self._files)
                 self._files.append(str(path))
@@ -89,10 +90,9 @@ class Tabular(Source):
                     rest_seen |= REST in members
                     sizes.append(sum(member_tar_bytes(v if isinstance(v, int) else len(v))
                                      for v in members.values()))
-                    rows.append((index, offset))
+                    rows.append((index, offset, line))
                     if "cls" in members:  # class labels: a stratified val split
                         labels.append(int(members["cls"]))
-                    origins.append(where)
                     if self._key_field is not None:
                         keys.append(safe_key(str(self._value(index, row, self._key_field, where))))
             if not rows:
@@ -100,7 +100,8 @@ class Tabular(Source):
             if self._key_field is None:
                 width = max(6, len(str(len(rows) - 1)))
                 keys = [f"{i:0{width}d}" for i in range(len(rows))]
-            check_unique(keys, origins, f"split {part!r}")
+            check_unique(keys, lambda i, rows=rows: f"{self._files[rows[i][0]]}:{rows[i][2]}",
+                         f"split {part!r}")
             self.parts[part] = Part(keys, int_sizes(sizes),
                                     np.array(labels, dtype=np.int64) if labels else None)
             self._rows[part] = np.array(rows, dtype=np.int64)
@@ -146,8 +147,6 @@ class Tabular(Source):
     def _value(self, index: int, row: Any, name: str, where: str) -> Any:
         if self.format == "csv":
             return row[self._header[index].index(name)]
-        if not isinstance(row, dict):
-            raise UserError(f"{where}: not a JSON object")
         if name not in row:
             raise UserError(f"{where}: no field {name!r} (fields: {', '.join(row)})")
         return row[name]
@@ -156,6 +155,8 @@ class Tabular(Source):
                  read_files: bool = False) -> dict[str, bytes | int]:
         """Member ext -> bytes. Image files named by the row: their size while scanning, their
         bytes when `read_files` (at write time)."""
+        if self.format == "jsonl" and not isinstance(row, dict):
+            raise UserError(f"{where}: not a JSON object (each line must be one {{...}} row)")
         members: dict[str, bytes | int] = {}
         for name, ext in self._map.items():
             value = self._value(index, row, name, where)
@@ -180,6 +181,8 @@ class Tabular(Source):
             raise UserError(f"{where}: {path}: cannot read ({e.strerror})") from None
 
     def _row(self, index: int, offset: int) -> Any:
+        if self._open_pid != os.getpid():  # a forked writer must not share file offsets
+            self._open, self._open_pid = {}, os.getpid()
         f = self._open.get(index)
         if f is None:
             f = self._open[index] = open(self._files[index], "rb")
@@ -188,8 +191,8 @@ class Tabular(Source):
         return row
 
     def sample(self, part: str, index: int) -> dict[str, Any]:
-        file_index, offset = (int(v) for v in self._rows[part][index])
-        where = f"{self._files[file_index]} (byte {offset})"
+        file_index, offset, line = (int(v) for v in self._rows[part][index])
+        where = f"{self._files[file_index]}:{line}"
         row = self._row(file_index, offset)
         return {"__key__": self.parts[part].keys[index],
                 **self._members(file_index, row, where, read_files=True)}
