@@ -209,6 +209,7 @@ class Trainer:
         loader = backend.loader(self.train_pipe)
         self.val_loader = backend.loader(self.val_pipe) if self.val_pipe else None
         totals = Throughput()
+        first_step = state.step
         last_loss = None
         stopped = False
         try:
@@ -228,7 +229,8 @@ class Trainer:
                             "optim.lr, optim.warmup_steps, train.grad_clip, or fp32/bf16)")
                     state.step += 1
                     now = time.perf_counter()
-                    totals.add(self.global_batch, now - t_last, waited)
+                    if state.step > first_step + 1:  # the first step traces/compiles: not timed
+                        totals.add(self.global_batch, now - t_last, waited)
                     last_loss = result.loss
                     self.logger.train_step(state.step, state.epoch, result.loss, lr,
                                            now - t_last, waited, self._step_extras(result))

@@ -98,7 +98,7 @@ class RunLogger:
     log_every: int
     tensorboard: bool = True
     start_step: int = 0
-    stream: IO[str] = field(default_factory=lambda: sys.stderr)
+    stream: IO[str] = field(default_factory=lambda: sys.stdout)
 
     def __post_init__(self) -> None:
         self.window = Throughput()
@@ -114,11 +114,11 @@ class RunLogger:
         self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 - closed in close()
         if self.tensorboard:
             self._events = EventWriter(self.out_dir / "tensorboard")
-        if self.stream.isatty():
+        if sys.stderr.isatty():  # a live bar on a terminal; plain log lines otherwise
             from tqdm import tqdm
 
             self._bar = tqdm(total=self.total_steps, initial=self.start_step, unit="step",
-                             dynamic_ncols=True, file=self.stream)
+                             dynamic_ncols=True, file=sys.stderr)
 
     def info(self, message: str) -> None:
         if not self.enabled:

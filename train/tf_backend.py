@@ -112,7 +112,9 @@ class TFBackend:
                                               tf.float32))
                 scaled = self.optimizer.scale_loss(loss)  # identity unless fp16
             grads = tape.gradient(scaled, [v.value for v in variables])
-            grads = [tf.zeros_like(v.value) if g is None else g
+            # Unused variables get zeros; embedding gradients (IndexedSlices) are made dense,
+            # Horovod's sparse_as_dense, so they can be summed and reduced with the rest.
+            grads = [tf.zeros_like(v.value) if g is None else tf.convert_to_tensor(g)
                      for g, v in zip(grads, variables, strict=True)]
             total = grads if total is None else [a + g for a, g in zip(total, grads, strict=True)]
             loss_sum += loss

@@ -1,0 +1,100 @@
+"""The distributed math, proved numerically (CPU, fp32, relative tolerance 1e-6), for PyTorch and
+TensorFlow, through the real backend step functions and Horovod's real allreduce:
+
+(a) 2 ranks x batch b      == 1 rank x batch 2b
+(b) k micro-batches of b   == one batch of k*b   (1 rank, k = 2, 4; and 2 ranks x 2)
+plus Adam with gradient clipping, an fp16 overflow on ONE rank skipping the step on BOTH,
+bf16 really running in bf16, and the built-in cnn/gpt learning a fixed batch.
+
+One plain process and one `horovodrun -np 2` per framework run every scenario
+(tests/train_util.py) and write their weights; the tests here compare them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import BIN, REPO, horovodrun, run
+from train_util import INJECT_STEP, STEPS
+
+WORKER = REPO / "tests" / "train_util.py"
+RTOL = 1e-6
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=["torch", "tensorflow"])
+def runs(request, tmp_path_factory) -> dict:
+    framework = request.param
+    tmp = tmp_path_factory.mktemp(f"steps-{framework}")
+    cmd = [BIN / "python", WORKER, "steps", "--framework", framework, "--out"]
+    one = run([*cmd, tmp / "one.json"], timeout=240)
+    assert one.returncode == 0, one.output[-4000:]
+    two = horovodrun(2, [*cmd, tmp / "two.json"], timeout=300)
+    assert two.returncode == 0, two.output[-4000:]
+    one_rank = json.loads((tmp / "one.json").read_text())
+    two_ranks = json.loads((tmp / "two.json").read_text())
+    assert one_rank["size"] == 1 and two_ranks["size"] == 2
+    return {"framework": framework, "one": one_rank["ranks"][0], "two": two_ranks["ranks"]}
+
+
+def rel_diff(a: dict, b: dict, key_a: str = "weights", key_b: str = "weights") -> float:
+    """Max over tensors of max|a - b| / max|b|."""
+    return max(float(np.max(np.abs(np.subtract(x, y))) / max(np.max(np.abs(y)), 1e-30))
+               for x, y in zip(a[key_a], b[key_b], strict=True))
+
+
+def test_training_moved_the_weights(runs):
+    # Otherwise the equalities below would hold trivially.
+    assert rel_diff(runs["one"]["ref"], runs["one"]["ref"], "weights", "initial") > 1e-2
+
+
+def test_two_ranks_equal_one_rank_with_double_batch(runs):
+    ref = runs["one"]["ref"]
+    for rank in runs["two"]:
+        assert rel_diff(rank["dp"], ref) <= RTOL, rank["rank"]
+    assert rel_diff(runs["two"][0]["dp"], runs["two"][1]["dp"]) == 0.0  # replicas identical
+
+
+@pytest.mark.parametrize("scenario", ["acc2", "acc4"])
+def test_accumulated_micro_batches_equal_one_big_batch(runs, scenario):
+    assert rel_diff(runs["one"][scenario], runs["one"]["ref"]) <= RTOL
+
+
+def test_two_ranks_with_accumulation_equal_one_big_batch(runs):
+    for rank in runs["two"]:
+        assert rel_diff(rank["dp_acc2"], runs["one"]["ref"]) <= RTOL
+
+
+def test_adam_with_grad_clipping_data_parallel(runs):
+    for rank in runs["two"]:
+        assert rel_diff(rank["adam_dp"], runs["one"]["adam_ref"]) <= RTOL
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_all_ranks(runs):
+    per_rank = [rank["fp16_inject"]["steps"] for rank in runs["two"]]
+    for steps in per_rank:
+        assert len(steps) == STEPS
+        for s, step in enumerate(steps):
+            if s == INJECT_STEP:
+                assert not step["applied"] and not step["weights_changed"], step
+            else:
+                assert step["applied"] and step["weights_changed"], (s, step)
+        # GradScaler / LossScaleOptimizer halve the scale after the skipped step.
+        assert steps[INJECT_STEP + 1]["loss_scale"] == steps[INJECT_STEP]["loss_scale"] / 2
+    assert per_rank[0] == per_rank[1]
+    assert rel_diff(runs["two"][0]["fp16_inject"], runs["two"][1]["fp16_inject"]) == 0.0
+
+
+def test_bf16_runs_in_reduced_precision_close_to_fp32(runs):
+    diff = rel_diff(runs["one"]["bf16"], runs["one"]["ref"])
+    assert 1e-5 < diff < 0.1, diff  # not fp32 (it differs), not broken (it is close)
+
+
+@pytest.mark.parametrize("model", ["cnn", "gpt"])
+def test_builtin_models_fit_a_fixed_batch(runs, model):
+    losses = runs["one"]["overfit"][model]
+    assert all(np.isfinite(losses))
+    assert losses[-1] < 0.97 * losses[0], losses

@@ -1,0 +1,276 @@
+"""Helpers for the trainer tests: tiny shard sets and configs, user-model hooks, and the
+step-level worker that the equivalence tests run under horovodrun and as one process.
+
+Worker: `python tests/train_util.py steps --framework torch --out OUT.json` runs several
+scenarios through the real backend step function (Horovod's allreduce included) on fixed
+global batches, each rank feeding its own slice, and writes the final weights per scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+FEATURES, CLASSES = 8, 3
+GLOBAL_BATCH = 16  # = 2 ranks x 2 micro-batches x 4
+STEPS = 6
+INJECT_STEP = 2  # the fp16 scenario puts an inf into rank 1's gradient at this step
+
+
+# -- data ---------------------------------------------------------------------------------
+def toy_arrays(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A learnable 3-class problem: the label is the argmax of three fixed projections."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    w = np.random.default_rng(1234).normal(size=(FEATURES, CLASSES))
+    return x, (x @ w).argmax(1).astype(np.int64)
+
+
+def write_toy_shards(out: Path, n_train: int = 480, n_val: int = 96,
+                     per_shard: int = 50) -> Path:
+    """x.npy / y.npy shards with a manifest, written with webdataset's TarWriter."""
+    import webdataset as wds
+
+    from shards.fsutil import sha256_file
+    from shards.manifest import Manifest, ShardInfo, Split
+
+    out.mkdir(parents=True, exist_ok=True)
+    splits = {}
+    for split, n, seed in (("train", n_train, 0), ("val", n_val, 1)):
+        x, y = toy_arrays(n, seed)
+        infos = []
+        for s, start in enumerate(range(0, n, per_shard)):
+            name = f"{split}-{s:06d}.tar"
+            with wds.TarWriter(str(out / name)) as sink:
+                for i in range(start, min(n, start + per_shard)):
+                    sink.write({"__key__": f"{i:06d}", "x.npy": _npy(x[i]), "y.npy": _npy(y[i])})
+            infos.append(ShardInfo(name, min(n, start + per_shard) - start,
+                                   (out / name).stat().st_size, sha256_file(out / name)))
+        splits[split] = Split(infos)
+    Manifest(splits=splits, fields={"x.npy": "npy", "y.npy": "npy"}).save(out)
+    return out
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def write_config(path: Path, **sections: Any) -> Path:
+    path.write_text(yaml.safe_dump(sections, sort_keys=False))
+    return path
+
+
+def toy_config(shards: Path, out: Path, framework: str = "torch", **overrides: Any) -> dict:
+    """A small, fast config on the toy shards; `overrides` replace whole sections' keys."""
+    cfg = {
+        "framework": framework,
+        "model": {"name": "mlp", "args": {"num_classes": CLASSES, "hidden": [16]}},
+        "data": {"train": str(shards), "batch_size": 4},
+        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"epochs": 2, "log_every": 5},
+        "checkpoint": {"every_steps": 10, "keep": 10},
+        "output": {"dir": str(out)},
+    }
+    for section, values in overrides.items():
+        if isinstance(values, dict):
+            cfg.setdefault(section, {}).update(values)
+        else:
+            cfg[section] = values
+    return cfg
+
+
+# -- user models that inject an inf into one rank's gradient ------------------------------
+def inf_mlp_torch(spec, hidden: int = 16):
+    """An MLP whose hidden activation's gradient becomes inf while `model.armed` is set:
+    Linear's weight gradient on that rank overflows, the loss stays finite."""
+    import torch
+    from torch import nn
+
+    class Inject(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h, armed):
+            ctx.save_for_backward(armed)
+            return h.view_as(h)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (armed,) = ctx.saved_tensors
+            return torch.where(armed > 0, torch.full_like(grad, float("inf")), grad), None
+
+    class InfMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(spec.input_shape[0], hidden)
+            self.fc2 = nn.Linear(hidden, spec.num_classes)
+            self.register_buffer("armed", torch.zeros(()), persistent=False)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(Inject.apply(self.fc1(x), self.armed)))
+
+    return InfMLP()
+
+
+def inf_mlp_keras(spec, hidden: int = 16):
+    import keras
+    import tensorflow as tf
+
+    class Inject(keras.layers.Layer):
+        def build(self, shape):
+            self.armed = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                         name="armed")
+
+        def call(self, h):
+            armed = tf.cast(self.armed, h.dtype)
+
+            @tf.custom_gradient
+            def inject(v):
+                def grad(dy):
+                    return tf.where(armed > 0, tf.fill(tf.shape(dy), tf.constant(np.inf, dy.dtype)),
+                                    dy)
+                return tf.identity(v), grad
+            return inject(h)
+
+    inputs = keras.Input(spec.input_shape)
+    h = keras.layers.Dense(hidden)(inputs)
+    h = keras.layers.Activation("relu")(Inject(name="inject")(h))
+    return keras.Model(inputs, keras.layers.Dense(spec.num_classes, dtype="float32")(h))
+
+
+def inf_mlp(spec, framework: str, hidden: int = 16):
+    return (inf_mlp_torch if framework == "torch" else inf_mlp_keras)(spec, hidden)
+
+
+def _arm(backend, on: bool) -> None:
+    if backend.name == "torch":
+        backend.model.armed.fill_(1.0 if on else 0.0)
+    else:
+        backend.model.get_layer("inject").armed.assign(1.0 if on else 0.0)
+
+
+# -- the step-level worker ------------------------------------------------------------------
+def _backend(framework: str, accumulate: int, micro: int, spec=None, **train: Any):
+    from train.backend import make_backend
+    from train.config import RunConfig
+    from train.data import CLASSIFY, DataSpec
+
+    spec = spec or DataSpec(CLASSIFY, "x.npy", "y.npy", (FEATURES,), num_classes=CLASSES)
+    model = train.pop("model", {"name": "mlp", "args": {"hidden": [16]}})
+    cfg = RunConfig.model_validate({
+        "framework": framework, "model": model,
+        "data": {"train": "unused", "batch_size": micro},
+        "optim": {"name": train.pop("optim", "sgd"), "lr": 0.1, "momentum": 0.9,
+                  "scale_lr_with_world_size": False},
+        "train": {"accumulate": accumulate, "seed": 7, **train},
+    })
+    backend = make_backend(cfg)
+    backend.build(spec)
+    backend.sync_from_root(resumed=False)
+    return backend
+
+
+def _dist(framework: str) -> tuple[int, int]:
+    from train.backend import make_backend
+    from train.config import RunConfig
+
+    dist = make_backend(RunConfig(framework=framework, data={"train": "unused"})).dist
+    return dist.rank, dist.size
+
+
+def run_scenario(framework: str, accumulate: int, steps: int = STEPS, inject: bool = False,
+                 **train: Any) -> dict[str, Any]:
+    """`steps` optimizer steps on fixed global batches of GLOBAL_BATCH; rank r feeds rows
+    [r*G/N, (r+1)*G/N) split into `accumulate` micro-batches."""
+    rank, size = _dist(framework)
+    per_rank = GLOBAL_BATCH // size
+    micro = per_rank // accumulate
+    backend = _backend(framework, accumulate, micro, **train)
+    x, y = toy_arrays(GLOBAL_BATCH * steps, seed=99)
+    initial = backend.weights()
+    results = []
+    for s in range(steps):
+        rows = slice(s * GLOBAL_BATCH + rank * per_rank, s * GLOBAL_BATCH + (rank + 1) * per_rank)
+        xs, ys = x[rows], y[rows]
+        batches = [{"x.npy": xs[i * micro:(i + 1) * micro], "y.npy": ys[i * micro:(i + 1) * micro]}
+                   for i in range(accumulate)]
+        if inject:
+            _arm(backend, on=(s == INJECT_STEP and rank == 1))
+        before = [w.copy() for w in backend.weights()]
+        r = backend.train_step(batches, lr=0.1)
+        changed = any(not np.array_equal(a, b) for a, b in zip(before, backend.weights(),
+                                                               strict=True))
+        results.append({"loss": r.loss, "applied": r.applied, "loss_scale": r.loss_scale,
+                        "weights_changed": changed})
+    return {"rank": rank, "size": size, "steps": results,
+            "initial": [w.astype(np.float64).ravel().tolist() for w in initial],
+            "weights": [w.astype(np.float64).ravel().tolist() for w in backend.weights()]}
+
+
+def overfit_builtin(framework: str, name: str, steps: int = 8) -> list[float]:
+    """Losses of `steps` steps on one fixed batch: the built-in cnn (uint8 HWC images) and
+    gpt (token rows of seq_len + 1) must drive them down."""
+    from train.data import CLASSIFY, LM, DataSpec
+
+    rng = np.random.default_rng(5)
+    if name == "cnn":
+        spec = DataSpec(CLASSIFY, "png", "cls", (8, 8, 1), num_classes=CLASSES)
+        cls = rng.integers(0, CLASSES, 8)  # the class sets the brightness: learnable
+        png = cls[:, None, None, None] * 90 + rng.integers(0, 60, (8, 8, 8, 1))
+        batch = {"png": png.astype(np.uint8), "cls": cls}
+        args = {"width": 8}
+    else:
+        spec = DataSpec(LM, "tokens.npy", None, (16,), vocab_size=20)
+        batch = {"tokens.npy": rng.integers(0, 20, (4, 17))}
+        args = {"n_layer": 1, "d_model": 32, "n_head": 2}
+    backend = _backend(framework, 1, len(next(iter(batch.values()))), spec=spec,
+                       model={"name": name, "args": args}, optim="adam")
+    lr = 0.03 if name == "cnn" else 0.01
+    return [backend.train_step([batch], lr=lr).loss for _ in range(steps)]
+
+
+def steps_main(framework: str, out: Path) -> None:
+    """The scenarios for this world size; rank 0 writes `out` (every rank's results)."""
+    rank, size = _dist(framework)
+    scenarios: dict[str, Any] = {}
+    if size == 1:
+        scenarios["ref"] = run_scenario(framework, 1)  # 1 rank x 16
+        scenarios["acc2"] = run_scenario(framework, 2)  # 1 rank x 2 micro-batches of 8
+        scenarios["acc4"] = run_scenario(framework, 4)  # 1 rank x 4 micro-batches of 4
+        scenarios["bf16"] = run_scenario(framework, 1, precision="bf16")
+        scenarios["adam_ref"] = run_scenario(framework, 1, optim="adam", grad_clip=0.5)
+        scenarios["overfit"] = {name: overfit_builtin(framework, name) for name in ("cnn", "gpt")}
+    else:
+        scenarios["dp"] = run_scenario(framework, 1)  # 2 ranks x 8
+        scenarios["dp_acc2"] = run_scenario(framework, 2)  # 2 ranks x 2 micro-batches of 4
+        scenarios["adam_dp"] = run_scenario(framework, 1, optim="adam", grad_clip=0.5)
+        model = {"name": "train_util:inf_mlp", "args": {}}
+        scenarios["fp16_inject"] = run_scenario(framework, 1, inject=True, precision="fp16",
+                                                model=model)
+    if framework == "torch":
+        import horovod.torch as hvd
+    else:
+        import horovod.tensorflow as hvd
+    all_ranks = hvd.allgather_object(scenarios)
+    if rank == 0:
+        out.write_text(json.dumps({"size": size, "ranks": all_ranks}))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["steps"])
+    parser.add_argument("--framework", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    steps_main(args.framework, args.out)
