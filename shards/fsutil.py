@@ -35,6 +35,34 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+class HashingIO:
+    """Wraps a file being read or written: sha256 and byte count of what passes through."""
+
+    def __init__(self, f: IO[bytes]):
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def _seen(self, data: bytes) -> bytes:
+        self.sha256.update(data)
+        self.size += len(data)
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        return self._seen(self._f.read(n))
+
+    def write(self, data: bytes) -> int:
+        return self._f.write(self._seen(data))
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def drain(self, chunk: int = 1 << 20) -> None:
+        """Read (and hash) the rest of the file."""
+        while self.read(chunk):
+            pass
+
+
 @contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Write to a temp file in the same directory, fsync, then rename over `path`.

@@ -4,7 +4,6 @@ computed in the same pass. Shared by `verify`, `inspect` and `--format wds-index
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tarfile
 from collections import Counter
@@ -13,7 +12,7 @@ from typing import IO, Any
 
 import fsspec
 
-READ_CHUNK = 1 << 20
+from shards.fsutil import HashingIO
 
 
 class TarReadError(Exception):
@@ -30,25 +29,6 @@ class TarScan:
     first: list[dict[str, Any]] = field(default_factory=list)  # the first few samples
 
 
-class _HashingReader:
-    """A read-only file wrapper that hashes and counts what passes through."""
-
-    def __init__(self, f: IO[bytes]):
-        self._f = f
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._f.read(n)
-        self.sha256.update(data)
-        self.size += len(data)
-        return data
-
-    def drain(self) -> None:
-        while self.read(READ_CHUNK):
-            pass
-
-
 def open_shard(url: str) -> IO[bytes]:
     """A local path or any fsspec URL (http://, s3://, ...), opened for reading."""
     return fsspec.open(url, "rb").open()
@@ -61,7 +41,7 @@ def scan_tar(url: str, keep_first: int = 0) -> TarScan:
     scan = TarScan()
     seen: set[str] = set()
     with open_shard(url) as f:
-        reader = _HashingReader(f)
+        reader = HashingIO(f)
         members = tar_file_expander([{"url": url, "stream": reader}])
         try:
             for sample in group_by_keys(members):

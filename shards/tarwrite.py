@@ -7,13 +7,11 @@ process (and any rerun) writes the same file for the same plan.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
 
 from shards.errors import UserError
-from shards.fsutil import atomic_open
+from shards.fsutil import HashingIO, atomic_open
 from shards.manifest import ShardInfo
 from shards.plan import PlannedShard
 from shards.sources import Source
@@ -23,23 +21,6 @@ TAR_OWNER = "ringfeed"
 TAR_MODE = 0o444
 
 
-class HashingWriter:
-    """A write-only file wrapper that hashes and counts what passes through."""
-
-    def __init__(self, f: IO[bytes]):
-        self._f = f
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes) -> int:
-        self.sha256.update(data)
-        self.size += len(data)
-        return self._f.write(data)
-
-    def flush(self) -> None:
-        self._f.flush()
-
-
 def write_shard(source: Source, shard: PlannedShard, out_dir: Path,
                 on_sample: Callable[[int], None] | None = None) -> ShardInfo:
     """Write `shard` to `out_dir/shard.name` (temp file + rename) and describe the result."""
@@ -47,7 +28,7 @@ def write_shard(source: Source, shard: PlannedShard, out_dir: Path,
 
     path = out_dir / shard.name
     with atomic_open(path, "wb") as f:
-        out = HashingWriter(f)
+        out = HashingIO(f)
         with TarWriter(out, encoder=False, mtime=TAR_MTIME, user=TAR_OWNER, group=TAR_OWNER,
                        mode=TAR_MODE) as tar:
             for index in shard.indices:

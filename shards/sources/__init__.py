@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from shards.errors import UserError
 from shards.options import FORMATS, ShardOptions
-from shards.sources.base import Part, Source
+from shards.sources.base import Part, Source, require_exists
 
 
 def open_source(opts: ShardOptions) -> Source:
     """Scan `opts.src` as `opts.format`: every bad input raises a UserError before any write."""
+    if opts.format in FORMATS:
+        require_exists(opts.src)
     if opts.format in ("jsonl", "csv"):
         from shards.sources.tabular import Tabular
         return Tabular(opts)

@@ -17,14 +17,12 @@ from shards.errors import UserError
 from shards.keys import check_ext, safe_key
 from shards.members import encode, kind_of, member_tar_bytes
 from shards.options import ShardOptions
-from shards.sources.base import Part, Source, int_sizes, require_exists, source_splits, visible
+from shards.sources.base import Part, Source, int_sizes, source_splits, visible
 
 
 class Arrays(Source):
     def __init__(self, opts: ShardOptions):
-        super().__init__(opts.src)
-        self.format = opts.format
-        require_exists(opts.src)
+        super().__init__(opts)
         self.options = {"fields": dict(opts.fields)}
         self._arrays: dict[str, dict[str, np.ndarray]] = {}
         self._exts: dict[str, str] = {}

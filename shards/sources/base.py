@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from shards.errors import UserError
+from shards.options import ShardOptions
 
 # Source-provided split names (file or folder stems) -> the split name used in shard names.
 SPLIT_NAMES = {"train": "train", "training": "train", "val": "val", "valid": "val",
@@ -38,10 +39,11 @@ class Part:
 class Source(ABC):
     """A scanned input dataset. Subclasses fill the fields in `__init__` and define `sample`."""
 
-    format = ""
+    format = ""  # a subclass serving one format names it; others take --format's
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, opts: ShardOptions):
+        self.path = opts.src
+        self.format = self.format or opts.format
         self.parts: dict[str, Part] = {}
         self.fields: dict[str, str] = {}  # member ext -> kind
         self.options: dict[str, Any] = {}  # format options, recorded in the manifest

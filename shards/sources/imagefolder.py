@@ -14,7 +14,7 @@ from shards.keys import check_unique, safe_key
 from shards.members import IMAGE_EXTS, member_tar_bytes
 from shards.options import ShardOptions
 from shards.parallel import parallel_map
-from shards.sources.base import Part, Source, int_sizes, require_exists, source_splits, visible
+from shards.sources.base import Part, Source, int_sizes, source_splits, visible
 
 # PIL format name -> member extension; also the spelling used for a file's own extension.
 PIL_EXTS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "GIF": "gif", "BMP": "bmp",
@@ -54,8 +54,7 @@ class ImageFolder(Source):
     format = "imagefolder"
 
     def __init__(self, opts: ShardOptions):
-        super().__init__(opts.src)
-        require_exists(opts.src)
+        super().__init__(opts)
         if not opts.src.is_dir():
             raise UserError(f"{opts.src}: not a folder (imagefolder expects SRC/<class>/<image files>)")
         part_dirs = self._split_dirs(opts.src) or {"train": opts.src}

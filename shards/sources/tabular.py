@@ -21,7 +21,7 @@ from shards.errors import UserError
 from shards.keys import check_ext, check_unique, safe_key
 from shards.members import encode, json_bytes, kind_of, member_tar_bytes
 from shards.options import ShardOptions
-from shards.sources.base import Part, Source, int_sizes, require_exists, source_splits, visible
+from shards.sources.base import Part, Source, int_sizes, source_splits, visible
 
 SUFFIXES = {"jsonl": (".jsonl", ".ndjson"), "csv": (".csv",)}
 REST = "json"  # the member holding the fields no --field names
@@ -61,9 +61,7 @@ def _csv_rows(f: IO[bytes]) -> Iterator[tuple[int, int, list[str]]]:
 
 class Tabular(Source):
     def __init__(self, opts: ShardOptions):
-        super().__init__(opts.src)
-        self.format = opts.format
-        require_exists(opts.src)
+        super().__init__(opts)
         self._map = {name: check_ext(ext.lower(), f"--field {name}={ext}")
                      for name, ext in opts.fields.items()}
         if REST in self._map.values():

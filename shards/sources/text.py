@@ -20,7 +20,7 @@ from shards.errors import UserError
 from shards.members import member_tar_bytes, npy_bytes
 from shards.options import ShardOptions
 from shards.parallel import parallel_map
-from shards.sources.base import Part, Source, int_sizes, require_exists, source_splits
+from shards.sources.base import Part, Source, int_sizes, source_splits
 from shards.tokenizers import Tokenizer, load_tokenizer
 
 MEMBER = "tokens.npy"
@@ -60,8 +60,7 @@ class Text(Source):
     format = "text"
 
     def __init__(self, opts: ShardOptions):
-        super().__init__(opts.src)
-        require_exists(opts.src)
+        super().__init__(opts)
         if opts.seq_len < 1:
             raise UserError(f"--seq-len {opts.seq_len}: must be at least 1")
         self.tokenizer = load_tokenizer(opts.tokenizer)
