@@ -50,14 +50,14 @@ def created_by() -> str:
 
 def shard_dataset(opts: ShardOptions) -> ShardRun:
     start = time.monotonic()
-    check_out_dir(opts.out, opts.overwrite)
+    check_out_dir(opts.out, opts.overwrite, opts.src)
     source = open_source(opts)
     try:
         shards = plan_shards(source, opts)
         plan_id = fingerprint(source, opts, shards)
         journal = Journal(opts.out)
         kept = _resumable(journal, plan_id, shards, opts)
-        _clean_out_dir(opts.out, fresh=not kept and opts.overwrite)
+        _clean_out_dir(opts.out, fresh=opts.overwrite)
         journal.start(plan_id, kept)
         todo = [s for s in shards if s.name not in kept]
         infos = dict(kept)
@@ -76,8 +76,11 @@ def shard_dataset(opts: ShardOptions) -> ShardRun:
                     written=[s.name for s in todo], kept=sorted(kept))
 
 
-def check_out_dir(out: Path, overwrite: bool) -> None:
+def check_out_dir(out: Path, overwrite: bool, src: Path) -> None:
     """OUT must be new, empty, an unfinished run of ours (to resume), or --overwrite."""
+    if src.is_dir() and out.resolve().is_relative_to(src.resolve()):
+        raise UserError(f"{out} is inside SRC {src}: the shards would be read as input; "
+                        "choose an OUT outside SRC")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: exists and is not a folder (OUT is where shards go)")
     if not out.exists() or overwrite or (out / JOURNAL).exists():

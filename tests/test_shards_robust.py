@@ -211,6 +211,8 @@ def _bad_inputs(tmp: Path, images: Path) -> dict[str, tuple[list[str], str]]:
                           "is not empty (1 entries, e.g. 'notes.txt')"),
         "OUT has shards": (["shard", str(images), str(done), "--format", "imagefolder"],
                            "already holds shards (manifest.json); pass --overwrite"),
+        "OUT inside SRC": (["shard", str(images), str(images / "out"), "--format", "imagefolder"],
+                           "is inside SRC"),
         "bad size": (["shard", str(images), out, "--format", "imagefolder", "--max-size", "lots"],
                      "--max-size: not a size: 'lots'"),
         "verify without manifest": (["verify", str(empty)], "no manifest.json"),

@@ -35,14 +35,16 @@ def _identify(_shared: Any, path: str) -> tuple[str | None, str | None]:
     """(member ext, None) for an image PIL recognises, else (None, why it is skipped)."""
     from PIL import Image, UnidentifiedImageError
 
+    own = Path(path).suffix.lower().lstrip(".")
     try:
         with Image.open(path) as im:
             fmt = im.format
     except UnidentifiedImageError:
         return None, "not an image (PIL cannot identify it)"
+    except Image.DecompressionBombError:  # a real image, only very large: stored as it is
+        fmt = None
     except OSError as e:
         return None, f"unreadable ({e.strerror or e})"
-    own = Path(path).suffix.lower().lstrip(".")
     if own in IMAGE_EXTS:
         return CANONICAL_EXT.get(own, own), None
     if fmt in PIL_EXTS:
