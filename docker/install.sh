@@ -37,12 +37,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV" || die "could not create a virtual environment at $VENV (Debian: apt-get install python3.11-venv)"
 fi
 PY="$VENV/bin/python"
-deps_key="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$EXTRAS-$EDITABLE"
+deps_key="$(sha256sum <"$ROOT/pyproject.toml" | cut -c1-16)-$EXTRAS-$EDITABLE"
 if [ "$(cat "$VENV/.ringfeed-deps" 2>/dev/null)" != "$deps_key" ]; then
   log="$VENV/pip-install.log"
   say "installing the pinned Python stack [$EXTRAS] (log: $log)"
-  target="$ROOT[$EXTRAS]"
-  [ "$EDITABLE" = "1" ] && set -- -e "$target" || set -- "$target"
+  target="${ROOT}[${EXTRAS}]"
+  if [ "$EDITABLE" = "1" ]; then set -- -e "$target"; else set -- "$target"; fi
   if ! "$PY" -m pip install --disable-pip-version-check -q "$@" >"$log" 2>&1; then
     die "pip install failed: $(grep -m1 -E '^ERROR' "$log" || tail -n1 "$log") (full log: $log)"
   fi
@@ -71,7 +71,7 @@ if [ "$(cat "$VENV/.ringfeed-horovod" 2>/dev/null)" = "$hvd_key" ] && "$PY" -c "
 fi
 
 wheel_dir="$CACHE/wheels/$hvd_key"
-wheel="$(ls "$wheel_dir"/horovod-*.whl 2>/dev/null | head -n1 || true)"
+wheel="$(find "$wheel_dir" -maxdepth 1 -name 'horovod-*.whl' -print -quit 2>/dev/null || true)"
 if [ -z "$wheel" ]; then
   if [ "$mpi" = nompi ]; then
     say "mpicxx not found: building Horovod with Gloo only (for MPI: apt-get install libopenmpi-dev openmpi-bin, then make setup again)"
@@ -97,7 +97,7 @@ if [ -z "$wheel" ]; then
       "$PY" -m pip wheel --no-build-isolation --no-deps -w "$build/dist" "$build/horovod-$HOROVOD_VERSION"
   } >"$log" 2>&1 || die "Horovod build failed: $(grep -m1 -E 'error:|Error' "$log" || tail -n1 "$log") (full log: $log)"
   mkdir -p "$wheel_dir"
-  built="$(ls "$build"/dist/horovod-*.whl)"
+  built="$(find "$build/dist" -maxdepth 1 -name 'horovod-*.whl' -print -quit)"
   cp "$built" "$wheel_dir/.tmp.whl" && mv "$wheel_dir/.tmp.whl" "$wheel_dir/$(basename "$built")"
   wheel="$wheel_dir/$(basename "$built")"
   rm -rf "$build"
