@@ -29,8 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "when --max-count is not given either)")
     p.add_argument("--max-count", type=int, metavar="N", help="max samples per shard")
     p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
-                   help="draw this fraction of samples into a `val` split (per class for "
-                        "imagefolder)")
+                   help="draw this fraction of samples into a `val` split (stratified by "
+                        "class when samples have a cls)")
     p.add_argument("--shuffle-seed", type=int, metavar="S",
                    help="shuffle samples across shards with this seed (default: source order)")
     p.add_argument("--workers", type=int, default=1, metavar="K",
@@ -38,12 +38,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--strict", action="store_true",
                    help="imagefolder: fail on a non-image or unreadable file instead of skipping it")
     p.add_argument("--overwrite", action="store_true", help="replace shards already in OUT")
-    p.add_argument("--seq-len", type=int, default=1024, help="text: tokens per sample")
-    p.add_argument("--tokenizer", default="bytes",
-                   help="text: 'bytes' (ids 0..255, EOS 256) or module:attr of an installed tokenizer")
-    p.add_argument("--text-field", default="text", help="text: document field of .jsonl files")
-    p.add_argument("--glob", default="*", help="text: file name pattern inside a SRC folder")
-    p.add_argument("--split", help="wds-index: put every shard in this split")
+    p.add_argument("--seq-len", type=int, default=1024, metavar="N",
+                   help="text: tokens per sample (default 1024)")
+    p.add_argument("--tokenizer", default="bytes", metavar="SPEC",
+                   help="text: 'bytes' (ids 0..255, EOS 256; the default) or module:attr of an "
+                        "installed tokenizer")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="text: the document field of .jsonl files (default text)")
+    p.add_argument("--glob", default="*", metavar="PATTERN",
+                   help="text: file name pattern inside a SRC folder, searched recursively "
+                        "(default: every file; e.g. '*.txt')")
+    p.add_argument("--split", metavar="NAME",
+                   help="wds-index: put every shard in this split (default: from the file "
+                        "name, e.g. val-0001.tar, else train)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: when stderr is a terminal)")
     p.set_defaults(func=run_shard)
