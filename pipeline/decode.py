@@ -89,7 +89,7 @@ class Decoder:
             return json.loads(data)
         if kind == "text":
             return data.decode("utf-8")
-        return bytes(data)
+        return data
 
     def decode_image(self, data: bytes) -> np.ndarray:
         from PIL import Image  # Pillow is a core dependency; imported where used

@@ -8,9 +8,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from webdataset.handlers import reraise_exception
-from webdataset.tariterators import group_by_keys, tar_file_expander
-
 from pipeline.cache import ShardHandle
 
 
@@ -30,6 +27,11 @@ class BadSample:
 
 def iter_samples(handle: ShardHandle) -> Iterator[dict[str, Any]]:
     """Every sample of the shard in tar order (raw bytes per extension, plus __key__)."""
+    # Imported here: webdataset imports torch when it is installed, and `import pipeline`
+    # must stay free of torch/TF for TensorFlow-only users.
+    from webdataset.handlers import reraise_exception
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
     files = tar_file_expander([{"url": handle.ref.url, "stream": handle.file}],
                               handler=reraise_exception)
     return group_by_keys(files, handler=reraise_exception)

@@ -27,6 +27,7 @@ from pipeline.plan import Planner, Segment
 from pipeline.stream import StreamSpec, WorkerStream
 
 _STATE_BYTES = 1 << 16
+_SMALL_FIELDS = {"__index__": torch.int64, "__valid__": torch.bool, "__batch__": torch.int64}
 
 
 class _PassState:
@@ -60,7 +61,11 @@ class _StreamDataset(IterableDataset):
         w = ((info.id if info else 0) + t0) % plan.config.streams
         stream = WorkerStream.resuming(self.spec, plan, self.rank, w, t0)
         try:
-            yield from stream
+            for batch in stream:
+                if info is not None:  # small arrays travel as lists: a tensor each would cost
+                    for name in _SMALL_FIELDS:  # a shared-memory segment per batch
+                        batch[name] = batch[name].tolist()
+                yield batch
         except PipelineDataError as e:  # a clean one-line error, not a worker traceback
             yield {"__error__": str(e)}
 
@@ -103,6 +108,9 @@ class TorchLoader:
                 return
             if "__error__" in batch:
                 raise PipelineDataError(batch["__error__"])
+            for name, dtype in _SMALL_FIELDS.items():
+                if isinstance(batch[name], list):
+                    batch[name] = torch.tensor(batch[name], dtype=dtype)
             yield pipe.received(batch, time.perf_counter() - started)
 
 

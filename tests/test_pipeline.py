@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import webdataset as wds
-from pipeline_util import collect, png_bytes, valid_ids, write_shards
+from pipeline_util import collect, valid_ids, write_shards
 
 from pipeline import PipelineDataError, PipelineError, ShardPipeline
 

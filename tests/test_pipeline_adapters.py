@@ -1,0 +1,101 @@
+"""The torch DataLoader and tf.data adapters yield the in-process iterator's batches, in the
+same order, and count consumption where the caller receives batches."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import REPO
+from pipeline_util import collect, write_shards
+
+from pipeline import ShardPipeline
+
+SIZES = [3, 14, 5, 9, 2, 11]
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("adapters")
+    write_shards(d, SIZES, images=True)
+    return d
+
+
+def make(source, **kw) -> ShardPipeline:
+    return ShardPipeline(source, batch_size=4, seed=9, shuffle_buffer=6, rank=1, world_size=2,
+                         **kw)
+
+
+def tf_batches(dataset) -> list[dict]:
+    return [{k: v.numpy() for k, v in batch.items()} for batch in dataset]
+
+
+def test_import_pipeline_loads_neither_torch_nor_tf():
+    code = ("import sys, pipeline; bad = [m for m in ('torch', 'tensorflow') if m in sys.modules];"
+            " print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_torch_and_tf_yield_the_same_samples_in_the_same_order(shard_dir, workers):
+    import torch
+
+    from pipeline.tf import make_dataset
+    from pipeline.torch import make_loader
+
+    reference = make(shard_dir, num_workers=workers)
+    expected = collect(reference)
+    loader = make_loader(make(shard_dir, num_workers=workers))
+    torch_batches = list(loader)
+    assert collect(torch_batches) == expected
+    assert isinstance(torch_batches[0]["png"], torch.Tensor)
+    assert torch_batches[0]["png"].dtype == torch.uint8
+    assert isinstance(torch_batches[0]["__key__"], list)
+    tf_pipe = make(shard_dir, num_workers=workers)
+    dataset = make_dataset(tf_pipe)
+    spec = dataset.element_spec
+    assert spec["png"].shape == (4, 8, 8, 3) and spec["png"].dtype.name == "uint8"
+    assert spec["cls"].dtype.name == "int64" and spec["__key__"].dtype.name == "string"
+    got = tf_batches(dataset)
+    assert collect(got) == expected
+    assert [k.decode() for k in got[0]["__key__"]] == list(torch_batches[0]["__key__"])
+    np.testing.assert_array_equal(got[-1]["png"], torch_batches[-1]["png"].numpy())
+    assert tf_pipe.state_dict() == reference.state_dict()
+
+
+def test_tf_counts_batches_the_caller_pulled_and_resumes(shard_dir):
+    from pipeline.tf import make_dataset
+
+    expected = collect(make(shard_dir, num_workers=2))
+    pipe = make(shard_dir, num_workers=2)
+    head = []
+    for batch in make_dataset(pipe):
+        head.append({k: v.numpy() for k, v in batch.items()})
+        assert pipe.state_dict()["segments"][0]["batches_consumed"] == len(head)
+        if len(head) == 2:
+            break
+    again = make(shard_dir, num_workers=2)
+    again.load_state_dict(json.loads(json.dumps(pipe.state_dict())))
+    assert collect(head) + collect(tf_batches(make_dataset(again))) == expected
+
+
+def test_torch_persistent_workers_follow_epochs(shard_dir):
+    from pipeline.torch import make_loader
+
+    pipe = make(shard_dir, num_workers=2)
+    loader = make_loader(pipe)
+    epochs = [collect(loader) for _ in range(2)]
+    pipe.set_epoch(5)
+    epochs.append(collect(loader))
+    for epoch, got in zip((0, 1, 5), epochs, strict=True):
+        fresh = make(shard_dir, num_workers=2)
+        fresh.set_epoch(epoch)
+        assert got == collect(fresh), f"epoch {epoch}"
+    assert pipe.stats()["batches"] == 3 * pipe.batches_per_epoch
+    assert pipe.stats()["samples_per_s"] > 0 and pipe.stats()["data_wait_s"] > 0
