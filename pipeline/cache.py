@@ -18,7 +18,6 @@ import fcntl
 import hashlib
 import os
 import queue
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -30,10 +29,10 @@ import fsspec
 
 from pipeline.errors import PipelineDataError
 from pipeline.source import ShardRef, local_path
-from shards.fsutil import sha256_file
+from shards.fsutil import atomic_open
 
 LOCK_SUFFIX = ".lock"
-PART_SUFFIX = ".part"
+PART_SUFFIX = ".tmp"  # atomic_open's temp files: .<name>.<random>.tmp
 # tarfile reads its stream in 10 KiB pieces; a large buffer turns those into memory copies
 # instead of one read() system call each.
 READ_BUFFER = 1 << 20
@@ -107,6 +106,7 @@ class ShardCache:
         """Remove least-recently-used unlocked entries until the cache fits; returns bytes freed."""
         if self.cache_limit is None:
             return 0
+        self._remove_stale_parts()
         stats = []
         for p in self.entries():
             try:
@@ -125,6 +125,16 @@ class ShardCache:
         return freed
 
     # -- internals ----------------------------------------------------------------------
+    def _remove_stale_parts(self, age_s: float = 24 * 3600) -> None:
+        """Temp files left by a process that died mid-download (a live one renews its file)."""
+        now = time.time()
+        for p in self.cache_dir.glob(f".*{PART_SUFFIX}"):
+            try:
+                if now - p.stat().st_mtime > age_s:
+                    p.unlink()
+            except FileNotFoundError:
+                pass
+
     def _open_cached(self, ref: ShardRef) -> ShardHandle:
         path = self.entry_path(ref)
         handle = self._open_entry(ref, path, hit=True)
@@ -161,31 +171,28 @@ class ShardCache:
         return ShardHandle(ref, f, cache_hit=hit)
 
     def _download(self, ref: ShardRef, path: Path) -> int:
-        fd, tmp = tempfile.mkstemp(dir=self.cache_dir, prefix=f".{path.name}.",
-                                   suffix=PART_SUFFIX)
-        os.close(fd)
-        try:
-            if ref.url.startswith("pipe:"):
-                _copy_from_pipe(ref.url, tmp)
-            else:
-                fs, rpath = fsspec.core.url_to_fs(ref.url, **self.storage_options)
-                fs.get_file(rpath, tmp)
-            if ref.sha256 is not None:
-                digest = sha256_file(tmp)
-                if digest != ref.sha256:
-                    raise _ChecksumMismatch(
-                        f"expected sha256 {ref.sha256[:12]}..., got {digest[:12]}...")
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            size = os.path.getsize(tmp)
-            os.replace(tmp, path)
-            return size
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        """Stream the shard into a temp file (hashing as it goes) and rename it into place;
+        on any error the temp file is removed and `path` untouched."""
+        digest, size = hashlib.sha256(), 0
+        with atomic_open(path) as out, self._remote(ref) as src:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+            if ref.sha256 is not None and digest.hexdigest() != ref.sha256:
+                raise _ChecksumMismatch(f"expected sha256 {ref.sha256[:12]}..., "
+                                        f"got {digest.hexdigest()[:12]}...")
+        return size
+
+    def _remote(self, ref: ShardRef) -> IO[bytes]:
+        if ref.url.startswith("pipe:"):
+            from webdataset.gopen import gopen
+
+            return gopen(ref.url, "rb")
+        fs, rpath = fsspec.core.url_to_fs(ref.url, **self.storage_options)
+        # plain HTTP servers may not do range requests: read http(s) as one stream
+        options = {"block_size": 0} if "http" in fs.protocol else {}
+        return fs.open(rpath, "rb", **options)
 
 
 class Prefetcher:
@@ -304,16 +311,3 @@ class _exclusive:
 
     def __exit__(self, *exc) -> None:
         self.f.close()
-
-
-def _copy_from_pipe(url: str, dest: str) -> None:
-    import shutil
-
-    from webdataset.gopen import gopen
-
-    stream = gopen(url, "rb")
-    try:
-        with open(dest, "wb") as out:
-            shutil.copyfileobj(stream, out, 1 << 20)
-    finally:
-        stream.close()

@@ -46,7 +46,7 @@ def test_http_downloads_once_and_reuses_across_epochs_and_runs(shard_dir, tmp_pa
         collect(again)
         assert sorted(tar_requests(requests)) == sorted(p.name for p in shard_dir.glob("*.tar"))
         assert again.stats()["cache_hit_rate"] == 1.0
-    assert not list((tmp_path / "cache").glob("*.part"))
+    assert not list((tmp_path / "cache").glob(".*.tmp")), "a temp download was left behind"
 
 
 def test_http_with_torch_workers_sharing_the_cache(shard_dir, tmp_path):
