@@ -1,0 +1,97 @@
+"""Generated shard sets for the trainer and scaling benchmarks: small PNG images with a class
+label, written with webdataset's TarWriter plus a ringfeed manifest (shards/manifest.py), and
+cached in the temp dir so repeated runs reuse them."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from shards.fsutil import sha256_file
+from shards.manifest import Manifest, ShardInfo, Split
+
+CACHE = Path(tempfile.gettempdir()) / "ringfeed-bench"
+
+
+def _cached(name: str, build) -> Path:
+    """`CACHE/name`, built by `build(tmp_dir)` into a temp dir renamed into place."""
+    path = CACHE / name
+    if (path / "manifest.json").exists():
+        return path
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=CACHE, prefix=f".{name}-"))
+    try:
+        build(tmp)
+        tmp.rename(path)
+    except OSError:
+        if not (path / "manifest.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; left over otherwise
+    return path
+
+
+def _png(pixels: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _manifest(out: Path, names: list[str], counts: list[int], classes: int) -> None:
+    shards = [ShardInfo(n, c, (out / n).stat().st_size, sha256_file(out / n))
+              for n, c in zip(names, counts, strict=True)]
+    Manifest(splits={"train": Split(shards)}, fields={"png": "image", "cls": "int"},
+             source={"format": "generated", "path": "benchmarks/datasets.py"},
+             class_names=[f"class{i}" for i in range(classes)],
+             created_by="ringfeed benchmarks").save(out)
+
+
+def image_shards(samples: int, per_shard: int, side: int = 32, classes: int = 10) -> Path:
+    """A shard dir of `samples` random-texture `side`x`side` RGB PNGs, `per_shard` a shard."""
+    import webdataset as wds
+
+    def build(out: Path) -> None:
+        rng = np.random.default_rng(0)
+        names, counts = [], []
+        for first in range(0, samples, per_shard):
+            name = f"train-{len(names):06d}.tar"
+            count = min(per_shard, samples - first)
+            with wds.TarWriter(str(out / name)) as sink:
+                for i in range(first, first + count):
+                    # blocky colour patches plus noise: PNGs of realistic, varied size
+                    base = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+                    image = np.kron(base, np.ones((side // 4, side // 4, 1), np.uint8))
+                    image += rng.integers(0, 32, image.shape, dtype=np.uint8)
+                    sink.write({"__key__": f"{i:08d}", "png": _png(image), "cls": i % classes})
+            names.append(name)
+            counts.append(count)
+        _manifest(out, names, counts, classes)
+
+    return _cached(f"images-{samples}x{side}px-{per_shard}per-v1", build)
+
+
+def replicated(base: Path, times: int) -> Path:
+    """`base`'s shards copied `times` over (distinct files), with the manifest to match: the
+    same data distribution at `times` the dataset size."""
+    if times == 1:
+        return base
+
+    def build(out: Path) -> None:
+        split = Manifest.load(base).split("train")
+        names, counts = [], []
+        for _ in range(times):
+            for shard in split.shards:
+                name = f"train-{len(names):06d}.tar"
+                shutil.copyfile(base / shard.name, out / name)
+                names.append(name)
+                counts.append(shard.num_samples)
+        classes = len(Manifest.load(base).class_names or [])
+        _manifest(out, names, counts, classes)
+
+    return _cached(f"{base.name}-x{times}", build)

@@ -1,0 +1,60 @@
+"""Horovod allreduce under `horovodrun -np N --gloo`: fp32 and fp16-compressed bus bandwidth
+per tensor size, and many small tensors with tensor fusion on (default threshold) and off
+(HOROVOD_FUSION_THRESHOLD=0, applied by re-initialising Horovod). Rank 0 writes --out."""
+
+from __future__ import annotations
+
+import os
+
+import horovod.torch as hvd
+import torch
+from collective import parse_args, sweep, timed, write
+
+
+def many_small(count: int, nbytes: int, rounds: int) -> float:
+    """Seconds per round of `count` async allreduces of `nbytes` each (what a backward pass
+    issues, one per gradient), all in flight together, then waited for."""
+    tensors = [torch.ones(nbytes // 4) for _ in range(count)]
+
+    def round_() -> None:
+        handles = [hvd.allreduce_async(t, name=f"small.{i}") for i, t in enumerate(tensors)]
+        for h in handles:
+            hvd.synchronize(h)
+
+    return timed(round_, rounds, hvd.barrier)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    hvd.init()
+    n = hvd.size()
+
+    def reducer(compression):
+        def make(size: int):
+            t = torch.ones(size // 4)
+            return lambda: hvd.allreduce(t, name="sweep", compression=compression)
+        return make
+
+    result = {
+        "ranks": n,
+        "fp32": sweep(args.sizes, args.budget_bytes, n, reducer(hvd.Compression.none),
+                      hvd.barrier),
+        "fp16": sweep(args.sizes, args.budget_bytes, n, reducer(hvd.Compression.fp16),
+                      hvd.barrier),
+        "fusion_threshold": os.environ.get("HOROVOD_FUSION_THRESHOLD", "default (64 MB)"),
+        "small": {"count": args.small_count, "bytes": args.small_bytes},
+    }
+    result["small"]["fused_s"] = many_small(args.small_count, args.small_bytes, args.small_rounds)
+    hvd.shutdown()
+    os.environ["HOROVOD_FUSION_THRESHOLD"] = "0"  # read by hvd.init(): fusion off
+    hvd.init()
+    result["small"]["unfused_s"] = many_small(args.small_count, args.small_bytes,
+                                              args.small_rounds)
+    if hvd.rank() == 0:
+        write(args.out, result)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
