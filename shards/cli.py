@@ -137,6 +137,9 @@ def run_verify(args: argparse.Namespace) -> int:
     result = verify(Path(args.out), args.workers)
     for check in result.bad:
         print(f"BAD {check.split}/{check.name}: {'; '.join(check.problems)}")
+    if result.unlisted:
+        print(f"note: {len(result.unlisted)} .tar file(s) in {args.out} are not in the manifest "
+              f"(e.g. {result.unlisted[0]}); the pipeline does not read them")
     samples = sum(c.num_samples for c in result.checks)
     nbytes = sum(c.bytes for c in result.checks)
     verdict = f"{len(result.bad)} BAD" if result.bad else "all OK (sha256, size and sample counts)"

@@ -24,6 +24,7 @@ class ShardCheck:
 class Verification:
     manifest: Manifest
     checks: list[ShardCheck]
+    unlisted: list[str] = field(default_factory=list)  # .tar files in OUT the manifest omits
 
     @property
     def bad(self) -> list[ShardCheck]:
@@ -41,7 +42,9 @@ def verify(out: Path, workers: int = 1) -> Verification:
     manifest = load_manifest(out)
     tasks = [(split, info) for split, s in manifest.splits.items() for info in s.shards]
     checks = list(parallel_map(_check, tasks, workers, str(out), 1))
-    return Verification(manifest, checks)
+    listed = {Path(shard_url(str(out), info.name)).resolve() for _, info in tasks}
+    unlisted = sorted(p.name for p in out.glob("*.tar") if p.resolve() not in listed)
+    return Verification(manifest, checks, unlisted)
 
 
 def _check(out: str, task: tuple[str, ShardInfo]) -> ShardCheck:

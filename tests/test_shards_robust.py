@@ -146,6 +146,7 @@ def test_verify_names_every_bad_shard(capsys, tmp_path, images):
     flipped.write_bytes(bytes(data))
     truncated.write_bytes(truncated.read_bytes()[:1500])
     gone.unlink()
+    shutil.copy(truncated, out / "train-000099.tar")  # a stray file the manifest does not list
     m = manifest(out)
     m["splits"]["train"]["shards"][7]["num_samples"] += 1  # a manifest that lies about a count
     (out / "manifest.json").write_text(json.dumps(m))
@@ -159,6 +160,7 @@ def test_verify_names_every_bad_shard(capsys, tmp_path, images):
     assert "4 samples, manifest says 5" in bad[2] and "train-000007.tar" in bad[2]
     assert bad[3] == "BAD val/val-000001.tar: missing"
     assert "4 BAD" in stdout
+    assert "note: 1 .tar file(s)" in stdout and "(e.g. train-000099.tar)" in stdout
 
 
 def _write_file(path: Path, text: str = "x") -> Path:
