@@ -75,6 +75,12 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
         raise UserError(f"unknown --format {args.format!r} (choose from: {', '.join(FORMATS)})")
     if args.out is None and args.format != "wds-index":
         raise UserError("OUT is missing: ringfeed shard SRC OUT --format ...")
+    for flag, value, formats in (("--field", args.field, ("jsonl", "csv", "npz", "npy")),
+                                 ("--key", args.key_field, ("jsonl", "csv")),
+                                 ("--split", args.split, ("wds-index",))):
+        if value and args.format not in formats:
+            raise UserError(f"{flag} does not apply to --format {args.format} "
+                            f"(only to {', '.join(formats)})")
     fields = {}
     for spec in args.field:
         name, sep, ext = spec.partition("=")

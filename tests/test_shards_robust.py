@@ -217,6 +217,8 @@ def _bad_inputs(tmp: Path, images: Path) -> dict[str, tuple[list[str], str]]:
                            "is inside SRC"),
         "bad size": (["shard", str(images), out, "--format", "imagefolder", "--max-size", "lots"],
                      "--max-size: not a size: 'lots'"),
+        "flag of another format": (["shard", str(images), out, "--format", "imagefolder",
+                                    "--key", "id"], "--key does not apply to --format imagefolder"),
         "verify without manifest": (["verify", str(empty)], "no manifest.json"),
     }
 
