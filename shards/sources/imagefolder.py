@@ -31,7 +31,7 @@ class _Found:
     mtime_ns: int
 
 
-def _identify(_shared: Any, path: str) -> tuple[str | None, str | None]:
+def _identify_file(_shared: Any, path: str) -> tuple[str | None, str | None]:
     """(member ext, None) for an image PIL recognises, else (None, why it is skipped)."""
     from PIL import Image, UnidentifiedImageError
 
@@ -63,50 +63,52 @@ class ImageFolder(Source):
         classes = {part: [d for d in visible(path) if d.is_dir()] for part, path in part_dirs.items()}
         self.class_names = sorted({d.name for dirs in classes.values() for d in dirs})
         label_of = {name: i for i, name in enumerate(self.class_names)}
-
         found: dict[str, list[_Found]] = {}
         for part, path in part_dirs.items():
-            found[part] = []
-            for f in visible(path):
-                if not f.is_dir():
-                    self.skipped.append({"path": str(f), "reason": "not inside a class folder"})
-            for class_dir in classes[part]:
-                found[part].extend(self._walk(class_dir, path, label_of[class_dir.name]))
-        every = [f for fs in found.values() for f in fs]
+            self.skipped += [{"path": str(f), "reason": "not inside a class folder"}
+                             for f in visible(path) if not f.is_dir()]
+            found[part] = [f for d in classes[part] for f in self._walk(d, path, label_of[d.name])]
+        exts = self._identify(found, opts)
+        self._paths: dict[str, list[str]] = {}
+        self._exts: dict[str, list[str]] = {}
+        self._sizes: dict[str, np.ndarray] = {}
+        for part, files in found.items():
+            self._add_part(part, part_dirs[part], [f for f in files if f.path in exts], exts)
+        self.fields = {ext: "image" for ext in sorted(set(exts.values()))} | {"cls": "int"}
+
+    def _identify(self, found: dict[str, list[_Found]], opts: ShardOptions) -> dict[str, str]:
+        """{path: member ext} of the files PIL recognises; the others are skipped (or fatal)."""
+        every = [f.path for files in found.values() for f in files]
         if not every:
             raise UserError(f"{opts.src}: no image files found (expected SRC/<class>/<image files>)")
-
-        verdicts = list(parallel_map(_identify, [f.path for f in every], opts.workers, None, 256))
         exts = {}
-        for f, (ext, why) in zip(every, verdicts, strict=True):
+        for path, (ext, why) in zip(every, parallel_map(_identify_file, every, opts.workers, None, 256),
+                                    strict=True):
             if ext is None:
-                self.skipped.append({"path": f.path, "reason": why})
+                self.skipped.append({"path": path, "reason": why})
             else:
-                exts[f.path] = ext
+                exts[path] = ext
         if self.skipped and opts.strict:
             first = self.skipped[0]
             raise UserError(f"{first['path']}: {first['reason']}; {len(self.skipped)} file(s) "
                             "cannot be used (remove them, or drop --strict to skip and list them)")
+        return exts
 
-        self._paths: dict[str, list[str]] = {}
-        self._exts: dict[str, list[str]] = {}
-        self._sizes: dict[str, np.ndarray] = {}
-        for part, fs in found.items():
-            fs = [f for f in fs if f.path in exts]
-            if not fs:
-                raise UserError(f"{part_dirs[part]}: no usable image files")
-            keys = [safe_key(f"{Path(f.rel).with_suffix('')}") for f in fs]
-            check_unique(keys, lambda i, fs=fs: fs[i].rel, str(part_dirs[part]))
-            labels = np.array([f.label for f in fs], dtype=np.int64)
-            sizes = int_sizes([f.size for f in fs])
-            cls_len = np.array([len(str(i)) for i in range(len(self.class_names))])[labels]
-            tar_bytes = [member_tar_bytes(s) + member_tar_bytes(c) for s, c in zip(sizes, cls_len, strict=True)]
-            self.parts[part] = Part(keys, int_sizes(tar_bytes), labels)
-            self._paths[part] = [f.path for f in fs]
-            self._exts[part] = [exts[f.path] for f in fs]
-            self._sizes[part] = sizes
-            self.inputs.extend((f.path, f.size, f.mtime_ns) for f in fs)
-        self.fields = {ext: "image" for ext in sorted(set(exts.values()))} | {"cls": "int"}
+    def _add_part(self, part: str, folder: Path, files: list[_Found], exts: dict[str, str]) -> None:
+        if not files:
+            raise UserError(f"{folder}: no usable image files")
+        keys = [safe_key(str(Path(f.rel).with_suffix(""))) for f in files]
+        check_unique(keys, lambda i: files[i].rel, str(folder))
+        labels = np.array([f.label for f in files], dtype=np.int64)
+        sizes = int_sizes([f.size for f in files])
+        cls_len = [len(str(int(label))) for label in labels]
+        tar_bytes = [member_tar_bytes(int(s)) + member_tar_bytes(c)
+                     for s, c in zip(sizes, cls_len, strict=True)]
+        self.parts[part] = Part(keys, int_sizes(tar_bytes), labels)
+        self._paths[part] = [f.path for f in files]
+        self._exts[part] = [exts[f.path] for f in files]
+        self._sizes[part] = sizes
+        self.inputs.extend((f.path, f.size, f.mtime_ns) for f in files)
 
     @staticmethod
     def _split_dirs(src: Path) -> dict[str, Path] | None:
