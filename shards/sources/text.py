@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,36 +25,47 @@ from shards.sources.base import Part, Source, int_sizes, source_splits
 from shards.tokenizers import Tokenizer, load_tokenizer
 
 MEMBER = "tokens.npy"
+READ_CHUNK = 1 << 24
 WORK_DIR = ".ringfeed-work"
 
 
-def _documents(path: Path, text_field: str) -> list[bytes]:
-    data = path.read_bytes()
-    if path.suffix != ".jsonl":
-        return [data]
-    docs = []
-    for number, line in enumerate(data.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise UserError(f"{path}:{number}: not valid JSON ({e})") from None
-        if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-            raise UserError(f"{path}:{number}: no string field {text_field!r} "
-                            "(name the document field with --text-field)")
-        docs.append(row[text_field].encode())
-    return docs
+def _jsonl_documents(path: Path, text_field: str) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise UserError(f"{path}:{number}: not valid JSON ({e})") from None
+            if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
+                raise UserError(f"{path}:{number}: no string field {text_field!r} "
+                                "(name the document field with --text-field)")
+            yield row[text_field].encode()
+
+
+def _file_tokens(tokenizer: Tokenizer, path: Path, text_field: str
+                 ) -> Iterator[tuple[np.ndarray, int]]:
+    """(tokens, documents they end) for one file, in order; every document ends with EOS."""
+    try:
+        if path.suffix == ".jsonl":
+            for doc in _jsonl_documents(path, text_field):
+                yield tokenizer.tokens(doc, str(path)), 1
+        elif tokenizer.encode is None:  # byte-level: stream, the file need not fit in memory
+            with open(path, "rb") as f:
+                while chunk := f.read(READ_CHUNK):
+                    yield np.frombuffer(chunk, np.uint8).astype(tokenizer.dtype), 0
+            yield np.array([tokenizer.eos_id], tokenizer.dtype), 1
+        else:
+            yield tokenizer.tokens(path.read_bytes(), str(path)), 1
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
 
 
 def _tokenize_file(shared: tuple[Tokenizer, str], path: Path) -> tuple[np.ndarray, int]:
     tokenizer, text_field = shared
-    try:
-        docs = _documents(path, text_field)
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
-    arrays = [tokenizer.tokens(doc, str(path)) for doc in docs]
-    return (np.concatenate(arrays) if arrays else np.empty(0, tokenizer.dtype)), len(docs)
+    pieces = list(_file_tokens(tokenizer, path, text_field))
+    return np.concatenate([t for t, _ in pieces]), sum(n for _, n in pieces)
 
 
 class Text(Source):
@@ -108,9 +120,14 @@ class Text(Source):
         """Tokenize `files` in order into the part's work file: (documents, tokens)."""
         self._work.mkdir(parents=True, exist_ok=True)
         docs = total = 0
-        shared = (self.tokenizer, opts.text_field)
         with open(self._work / f"{part}.tokens", "wb") as out:
-            for tokens, n in parallel_map(_tokenize_file, files, opts.workers, shared, 4):
+            if self.tokenizer.encode is None or opts.workers <= 1:
+                pieces = (piece for path in files
+                          for piece in _file_tokens(self.tokenizer, path, opts.text_field))
+            else:  # a real tokenizer is the slow part: whole files in parallel, kept in order
+                pieces = parallel_map(_tokenize_file, files, opts.workers,
+                                      (self.tokenizer, opts.text_field), 1)
+            for tokens, n in pieces:
                 out.write(tokens.tobytes())
                 docs += n
                 total += tokens.size
