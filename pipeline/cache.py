@@ -49,7 +49,7 @@ class ShardHandle:
 
     ref: ShardRef
     file: IO[bytes]
-    cache_hit: bool
+    cache_hit: bool | None  # None: a local shard, read in place
     downloaded: int = 0
 
     def close(self) -> None:
@@ -224,14 +224,14 @@ class Prefetcher:
             yield item
 
     def close(self) -> None:
+        """Stop fetching and close what was fetched ahead. Does not wait for a download in
+        progress: the thread closes that handle itself when it sees the stop."""
         self._stop.set()
-        if self._thread is None:
-            return
-        while self._thread.is_alive() or not self._queue.empty():
+        while True:
             try:
-                item = self._queue.get(timeout=0.1)
+                item = self._queue.get_nowait()
             except queue.Empty:
-                continue
+                return
             if isinstance(item, ShardHandle):
                 item.close()
 
@@ -245,6 +245,8 @@ class Prefetcher:
 
     def _run(self) -> None:
         for ref in self.refs:
+            if self._stop.is_set():
+                return
             try:
                 item: Any = self.cache.open(ref)
             except BaseException as e:  # delivered to the reader in order

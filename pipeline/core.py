@@ -383,5 +383,5 @@ def _interleave(streams: list[WorkerStream], t0: int, total: int, depth: int
         for q in queues:  # unblock producers waiting on a full queue
             while not q.empty():
                 q.get_nowait()
-        for th in threads:
-            th.join(timeout=5)
+        for th in threads:  # they stop at their next put; don't wait out a download
+            th.join(timeout=0.5)
