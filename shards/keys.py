@@ -36,6 +36,24 @@ def safe_key(text: str) -> str:
     return f"{head}_{digest}" if head else digest
 
 
+class NumberedKeys(Sequence[str]):
+    """Keys '000000', '000001', ... made on demand: millions of samples need no list of them."""
+
+    def __init__(self, count: int):
+        self._count = count
+        self._width = max(6, len(str(count - 1)))
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if not -self._count <= index < self._count:
+            raise IndexError(index)
+        return f"{index % self._count:0{self._width}d}"
+
+
 def check_unique(keys: Sequence[str], origin: Callable[[int], str], what: str) -> None:
     """UserError naming both sources (`origin(i)`) of the first key two samples would share."""
     seen: dict[str, int] = {}

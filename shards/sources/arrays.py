@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from shards.errors import UserError
-from shards.keys import check_ext, safe_key
+from shards.keys import NumberedKeys, check_ext, safe_key
 from shards.members import encode, kind_of, member_tar_bytes
 from shards.options import ShardOptions
 from shards.sources.base import Part, Source, int_sizes, source_splits, visible
@@ -49,10 +49,9 @@ class Arrays(Source):
             sizes = np.zeros(n, dtype=np.int64)
             for name, array in arrays.items():
                 sizes += self._member_sizes(name, array, f"{path}: array {name!r}")
-            width = max(6, len(str(n - 1)))
             labels = next((np.asarray(arrays[name], dtype=np.int64) for name, ext in
                            self._exts.items() if ext == "cls"), None)  # for a stratified val split
-            self.parts[part] = Part([f"{i:0{width}d}" for i in range(n)], int_sizes(sizes), labels)
+            self.parts[part] = Part(NumberedKeys(n), int_sizes(sizes), labels)
             self._arrays[part] = arrays
         self.fields = {ext: kind_of(ext) for ext in self._exts.values()}
 

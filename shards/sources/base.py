@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ SPLIT_NAMES = {"train": "train", "training": "train", "val": "val", "valid": "va
 class Part:
     """One split's samples in source order."""
 
-    keys: list[str]
+    keys: Sequence[str]
     sizes: np.ndarray                 # int64: tar bytes of each sample's members
     labels: np.ndarray | None = None  # class index per sample, for a stratified val split
 

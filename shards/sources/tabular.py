@@ -18,7 +18,7 @@ from typing import IO, Any
 import numpy as np
 
 from shards.errors import UserError
-from shards.keys import check_ext, check_unique, safe_key
+from shards.keys import NumberedKeys, check_ext, check_unique, safe_key
 from shards.members import encode, json_bytes, kind_of, member_tar_bytes
 from shards.options import ShardOptions
 from shards.sources.base import Part, Source, int_sizes, source_splits, visible
@@ -96,10 +96,10 @@ class Tabular(Source):
             if not rows:
                 raise UserError(f"{opts.src}: no rows in {', '.join(map(str, files))}")
             if self._key_field is None:
-                width = max(6, len(str(len(rows) - 1)))
-                keys = [f"{i:0{width}d}" for i in range(len(rows))]
-            check_unique(keys, lambda i, rows=rows: f"{self._files[rows[i][0]]}:{rows[i][2]}",
-                         f"split {part!r}")
+                keys = NumberedKeys(len(rows))
+            else:
+                check_unique(keys, lambda i, rows=rows: f"{self._files[rows[i][0]]}:{rows[i][2]}",
+                             f"split {part!r}")
             self.parts[part] = Part(keys, int_sizes(sizes),
                                     np.array(labels, dtype=np.int64) if labels else None)
             self._rows[part] = np.array(rows, dtype=np.int64)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from shards.errors import UserError
+from shards.keys import NumberedKeys
 from shards.members import member_tar_bytes, npy_bytes
 from shards.options import ShardOptions
 from shards.parallel import parallel_map
@@ -91,10 +92,8 @@ class Text(Source):
                 tokens = np.memmap(self._work / f"{part}.tokens", dtype=self.tokenizer.dtype,
                                    mode="r", shape=(total,))
                 self._tokens[part] = tokens
-                width = max(6, len(str(count - 1)))
                 size = member_tar_bytes(len(npy_bytes(tokens[: self.seq_len])))
-                self.parts[part] = Part([f"{i:0{width}d}" for i in range(count)],
-                                        int_sizes(np.full(count, size)))
+                self.parts[part] = Part(NumberedKeys(count), int_sizes(np.full(count, size)))
                 stats["documents"] += docs
                 stats["tokens"] += total
                 stats["dropped_tokens"] += total - count * self.seq_len
