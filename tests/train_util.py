@@ -11,7 +11,11 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +94,72 @@ def toy_config(shards: Path, out: Path, framework: str = "torch", **overrides: A
         else:
             cfg[section] = values
     return cfg
+
+
+# -- running a job in the background and signalling one of its ranks --------------------
+def start(cmd: list[Any], env: dict[str, str]) -> subprocess.Popen:
+    """Like helpers.run, but returns at once; `finish()` bounds it with a timeout."""
+    return subprocess.Popen([str(c) for c in cmd], env=env, text=True, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return -9, out
+
+
+def rank_process(launcher: subprocess.Popen, rank: int):
+    """The training process of `rank` among the launcher's descendants (psutil.Process)."""
+    import psutil
+
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if (child.environ().get("HOROVOD_RANK") == str(rank)
+                    and any(part.endswith("ringfeed") for part in child.cmdline())):
+                return child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float) -> bool:
+    """True once metrics.jsonl logs a training step >= `step` (False if the job ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and max(train_steps(metrics), default=0) >= step:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def train_steps(metrics: Path) -> list[int]:
+    """The steps of the training records (not validation) in a metrics.jsonl."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [r["step"] for r in records if "loss" in r]
+
+
+# -- a user loss that turns NaN on one rank -----------------------------------------------
+_loss_calls = 0
+
+
+def nan_on_rank1_at_step3(logits, targets):
+    """Cross entropy, except NaN on rank 1's third training call (= step 3)."""
+    import torch.nn.functional as F
+
+    global _loss_calls
+    losses = F.cross_entropy(logits.float(), targets, reduction="none")
+    if logits.requires_grad:
+        _loss_calls += 1
+        if _loss_calls == 3 and os.environ.get("HOROVOD_RANK", os.environ.get(
+                "OMPI_COMM_WORLD_RANK")) == "1":
+            return losses * float("nan")
+    return losses
 
 
 # -- user models that inject an inf into one rank's gradient ------------------------------

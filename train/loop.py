@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,7 +211,7 @@ class Trainer:
         self.val_loader = backend.loader(self.val_pipe) if self.val_pipe else None
         totals = Throughput()
         first_step = state.step
-        last_loss = None
+        recent_losses: deque[float] = deque(maxlen=cfg.train.log_every)
         stopped = False
         try:
             t_last = time.perf_counter()
@@ -231,7 +232,7 @@ class Trainer:
                     now = time.perf_counter()
                     if state.step > first_step + 1:  # the first step traces/compiles: not timed
                         totals.add(self.global_batch, now - t_last, waited)
-                    last_loss = result.loss
+                    recent_losses.append(result.loss)
                     self.logger.train_step(state.step, state.epoch, result.loss, lr,
                                            now - t_last, waited, self._step_extras(result))
                     if cfg.train.val_every and state.step % cfg.train.val_every == 0:
@@ -257,7 +258,10 @@ class Trainer:
                     self.validate()
                 if state.saved_step != state.step:
                     self.save("end")
-            self.finish(totals, last_loss, "stopped by SIGTERM" if stopped else "finished")
+            self.finish(totals, recent_losses, "stopped by SIGTERM" if stopped else "finished")
+            # Nobody leaves before rank 0 has written everything: a launcher kills the rest
+            # of the job as soon as one rank exits.
+            backend.allreduce_sum({"done": 0.0})
         finally:
             signals.restore()
             self.logger.close()
@@ -297,14 +301,15 @@ class Trainer:
         state.last_checkpoint = checkpoint_path(cfg.checkpoint_dir, state.step)
         state.saved_step = state.step
 
-    def finish(self, totals: Throughput, last_loss: float | None, status: str) -> None:
+    def finish(self, totals: Throughput, recent_losses: deque[float], status: str) -> None:
         """Collective: the run's data-wait share is averaged over all ranks."""
         waits = self.backend.allreduce_sum({"wait": totals.data_wait_s, "step": totals.step_s})
         summary = {
             "status": status, "framework": self.cfg.framework, "world_size": self.dist.size,
             "step": self.state.step, "epoch": self.state.epoch,
             "epochs_done": round(self.state.step / self.steps_per_epoch, 3),
-            "final_loss": last_loss, "val": getattr(self, "last_val", {}),
+            "final_loss": sum(recent_losses) / len(recent_losses) if recent_losses else None,
+            "val": getattr(self, "last_val", {}),
             "train_seconds": totals.step_s, "samples_per_s": totals.samples_per_s,
             "data_wait_share": waits["wait"] / waits["step"] if waits["step"] else 0.0,
             "checkpoint": str(self.state.last_checkpoint) if self.state.last_checkpoint else None,

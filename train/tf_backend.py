@@ -81,7 +81,11 @@ class TFBackend:
         self.compression = hvd.Compression.fp16 if t.fp16_allreduce else hvd.Compression.none
         self.loss_fn = load_callable(t.loss, "train.loss") if t.loss else cross_entropy
         self.metrics_fn = load_callable(t.metrics, "train.metrics") if t.metrics else accuracy
-        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
+        # Explicit variable lists: a Keras 3 model is not a trackable tree of its variables
+        # for tf.train.Checkpoint, and model.variables also holds the dropout RNG states.
+        self.checkpoint = tf.train.Checkpoint(
+            model=[v.value for v in self.model.variables],
+            optimizer=[v.value for v in self.optimizer.variables])
         self._gradients = tf.function(self._gradients_fn)
         self._apply = tf.function(self._apply_fn)
         self._evaluate = tf.function(self._evaluate_fn)
