@@ -110,11 +110,11 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        chunk = 64 * 1024
+        chunk, start = 64 * 1024, time.perf_counter()
         for i in range(0, len(data), chunk):
             self.wfile.write(data[i:i + chunk])
-            if self.rate:
-                time.sleep(chunk / self.rate)
+            if self.rate:  # pace to the rate, wall clock (write time included)
+                time.sleep(max(0.0, start + (i + chunk) / self.rate - time.perf_counter()))
 
 
 @contextmanager
@@ -132,6 +132,27 @@ def http_server(directory: str | os.PathLike, corrupt: Sequence[str] = (),
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextmanager
+def http_server_process(directory: str | os.PathLike, rate: float | None = None
+                        ) -> Iterator[str]:
+    """`http_server` in a child process (so its throttling does not compete with the caller
+    for the GIL); yields the base URL."""
+    import subprocess
+
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import pipeline_util as u\n"
+            "rate = float(sys.argv[3]) if sys.argv[3] != 'None' else None\n"
+            "with u.http_server(sys.argv[2], rate=rate) as (url, _):\n"
+            "    print(url, flush=True)\n"
+            "    time.sleep(3600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parent),
+                             str(directory), str(rate)], stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc.stdout.readline().strip()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # -- horovodrun rank program ---------------------------------------------------------------

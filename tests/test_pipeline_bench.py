@@ -19,5 +19,5 @@ def test_pipeline_bench_quick(tmp_path):
     assert saved["ratios"] == result["ratios"]
     assert set(bench.GOALS) <= set(result["ratios"])
     assert all(r > 0 for r in result["ratios"].values())
-    assert result["cold_warm"]["cache_hit_rate"] == 0.5  # one cold epoch, one warm
+    assert all(run["cache_hit_rate"] == 0.5 for run in result["cold_warm"]["runs"])
     assert (tmp_path / "pipeline_bench_quick.png").stat().st_size > 0
