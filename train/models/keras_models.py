@@ -21,17 +21,16 @@ def mlp(spec: DataSpec, num_classes: int, hidden: Sequence[int] = (256, 128),
     return keras.Model(inputs, _logits(x, num_classes), name="mlp")
 
 
-def cnn(spec: DataSpec, num_classes: int, width: int = 32, dropout: float = 0.0) -> keras.Model:
-    w = width
+def cnn(spec: DataSpec, num_classes: int, width: int = 32, hidden: int = 128,
+        dropout: float = 0.0) -> keras.Model:
     inputs = keras.Input(spec.input_shape)  # NHWC, as the pipeline yields it
-    x = layers.Conv2D(w, 3, padding="same", activation="relu")(inputs)
-    x = layers.Conv2D(w, 3, padding="same", activation="relu")(x)
+    x = layers.Conv2D(width, 3, padding="same", activation="relu")(inputs)
+    x = layers.Conv2D(width, 3, padding="same", activation="relu")(x)
     x = layers.MaxPooling2D(2)(x)
-    x = layers.Conv2D(2 * w, 3, padding="same", activation="relu")(x)
+    x = layers.Conv2D(2 * width, 3, padding="same", activation="relu")(x)
     x = layers.MaxPooling2D(2)(x)
-    x = layers.Conv2D(2 * w, 3, padding="same", activation="relu")(x)
-    x = layers.Dropout(dropout)(layers.GlobalAveragePooling2D()(x))
-    return keras.Model(inputs, _logits(x, num_classes), name="cnn")
+    x = layers.Dense(hidden, activation="relu")(layers.Flatten()(x))
+    return keras.Model(inputs, _logits(layers.Dropout(dropout)(x), num_classes), name="cnn")
 
 
 def gpt(spec: DataSpec, vocab_size: int, n_layer: int = 2, n_head: int = 4, d_model: int = 128,

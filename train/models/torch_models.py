@@ -31,20 +31,23 @@ class MLP(nn.Module):
 
 
 class CNN(nn.Module):
-    """Three 3x3 conv stages and global average pooling; takes NHWC (the pipeline's layout)."""
+    """Three 3x3 conv stages (two 2x2 max-pools), then a dense head; takes NHWC (the
+    pipeline's layout)."""
 
-    def __init__(self, in_channels: int, num_classes: int, width: int = 32,
-                 dropout: float = 0.0):
+    def __init__(self, input_shape: Sequence[int], num_classes: int, width: int = 32,
+                 hidden: int = 128, dropout: float = 0.0):
         super().__init__()
-        w = width
+        h, w, c = input_shape
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, w, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(w, w, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(w, 2 * w, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(2 * w, 2 * w, 3, padding=1), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout),
+            nn.Conv2d(c, width, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(),
         )
-        self.head = nn.Linear(2 * w, num_classes)
+        self.head = nn.Sequential(
+            nn.Linear(2 * width * (h // 4) * (w // 4), hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(hidden, num_classes),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x.permute(0, 3, 1, 2)))
@@ -107,4 +110,4 @@ def build(name: str, spec: DataSpec, **args) -> nn.Module:
     num_classes = args.pop("num_classes", None) or spec.require("num_classes")
     if name == "mlp":
         return MLP(math.prod(spec.input_shape), num_classes, **args)
-    return CNN(spec.input_shape[-1], num_classes, **args)
+    return CNN(spec.input_shape, num_classes, **args)
