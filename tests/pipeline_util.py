@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-import webdataset as wds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -44,6 +43,8 @@ def write_shards(directory: str | os.PathLike, sizes: Sequence[int], split: str 
                  images: bool = False, prefix: str | None = None,
                  manifest: bool = True) -> list[Path]:
     """Write one tar per entry of `sizes` (its sample count) and manifest.json; return paths."""
+    import webdataset as wds  # imports torch: not for the server child process
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     prefix = prefix or split
