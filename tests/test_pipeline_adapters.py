@@ -99,3 +99,18 @@ def test_torch_persistent_workers_follow_epochs(shard_dir):
         assert got == collect(fresh), f"epoch {epoch}"
     assert pipe.stats()["batches"] == 3 * pipe.batches_per_epoch
     assert pipe.stats()["samples_per_s"] > 0 and pipe.stats()["data_wait_s"] > 0
+
+
+def test_torch_loader_stopped_mid_epoch_continues_where_it_stopped(shard_dir):
+    from pipeline.torch import make_loader
+
+    expected = collect(make(shard_dir, num_workers=2))
+    pipe = make(shard_dir, num_workers=2)
+    loader = make_loader(pipe)
+    head = []
+    for batch in loader:  # persistent workers: the next pass resumes them at batch 3
+        head += collect([batch])
+        if len(head) == 3:
+            break
+    assert head + collect(loader) == expected
+    assert pipe.batches_remaining == 0
