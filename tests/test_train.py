@@ -202,6 +202,11 @@ def test_tensorflow_two_ranks_train_and_resume_past_a_corrupt_checkpoint(tmp_pat
         return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
                 if k.startswith("model/")}
 
+    events = next((tmp_path / "full" / "tensorboard").glob("events.out.tfevents.*"))
+    logged = {(e.step, v.tag) for e in tf.compat.v1.train.summary_iterator(str(events))
+              for v in e.summary.value}  # TensorBoard's own reader takes our event file
+    assert {(120, "loss"), (120, "val_accuracy"), (60, "data_wait")} <= logged
+
     a, b = final("full"), final("again")
     assert a.keys() == b.keys() and len(a) >= 4
     # The stated tolerance for TF resume: bit-identical on CPU fp32 (measured: 0 difference).

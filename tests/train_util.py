@@ -325,6 +325,7 @@ def steps_main(framework: str, out: Path) -> None:
         scenarios["dp"] = run_scenario(framework, 1)  # 2 ranks x 8
         scenarios["dp_acc2"] = run_scenario(framework, 2)  # 2 ranks x 2 micro-batches of 4
         scenarios["adam_dp"] = run_scenario(framework, 1, optim="adam", grad_clip=0.5)
+        scenarios["dp_fp16_allreduce"] = run_scenario(framework, 1, fp16_allreduce=True)
         model = {"name": "train_util:inf_mlp", "args": {}}
         scenarios["fp16_inject"] = run_scenario(framework, 1, inject=True, precision="fp16",
                                                 model=model)

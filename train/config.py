@@ -302,6 +302,8 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> None:
 def _check_paths(cfg: RunConfig, path: str | Path) -> None:
     """Shards exist and hold the splits asked for; checkpoints are not silently mixed."""
     sources = [("data.train", cfg.data.train, cfg.data.train_split)]
+    if _no_default_val_split(cfg):
+        cfg.data.val_split = None  # shards without a val split: no validation unless asked
     if cfg.val_source is not None:
         sources.append(("data.val" if cfg.data.val else "data.train", cfg.val_source,
                         cfg.data.val_split))
@@ -327,3 +329,16 @@ def _check_paths(cfg: RunConfig, path: str | Path) -> None:
             f"{path}: checkpoint.dir {ckpt_dir} already holds checkpoints of an earlier run; "
             "continue it with --resume auto, or choose another output.dir / checkpoint.dir"
         )
+
+
+def _no_default_val_split(cfg: RunConfig) -> bool:
+    """True when validation was not asked for explicitly and the local train shards have no
+    split of the default name."""
+    d = cfg.data
+    if d.val is not None or "val_split" in d.model_fields_set or d.val_split is None:
+        return False
+    manifest_file = Path(d.train) / "manifest.json"
+    try:
+        return manifest_file.is_file() and d.val_split not in Manifest.load(manifest_file).splits
+    except ManifestError:
+        return False  # reported below, with the field named
