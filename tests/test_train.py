@@ -49,6 +49,17 @@ def summary(cfg: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+def train_two_ranks(tmp_path: Path, shards: Path, name: str, steps: int, **overrides) -> dict:
+    """A complete `horovodrun -np 2` run that validates well; its summary."""
+    cfg = config(tmp_path, shards, name, **overrides)
+    res = horovodrun(2, [RINGFEED, "train", cfg], timeout=300)
+    assert res.returncode == 0, res.output[-4000:]
+    done = summary(cfg)
+    assert done["status"] == "finished" and done["step"] == steps, done
+    assert done["world_size"] == 2 and done["val"]["accuracy"] > 0.6, done
+    return done
+
+
 # -- config validation: in-process, no framework import -------------------------------------
 @pytest.mark.parametrize("overrides, expected", [
     (["train.epochz=3"], "train.epochz: unknown key (did you mean 'epochs'?)"),
@@ -105,12 +116,8 @@ def test_torch_two_ranks_sigterm_then_resume_is_bit_identical(tmp_path, shards):
 
     common = {"data": {"batch_size": 2}, "train": {"epochs": 2, "log_every": 5},
               "checkpoint": {"every_steps": 10, "keep": 3}}
-    full = config(tmp_path, shards, "full", **common)
-    res = horovodrun(2, [RINGFEED, "train", full], timeout=300)
-    assert res.returncode == 0, res.output[-4000:]
-    done = summary(full)
-    assert done["status"] == "finished" and done["step"] == 240  # 480 / (2 x 2) x 2 epochs
-    assert done["val"]["accuracy"] > 0.6 and 0 <= done["data_wait_share"] < 1
+    done = train_two_ranks(tmp_path, shards, "full", 240, **common)  # 480 / (2 x 2) x 2 epochs
+    assert 0 <= done["data_wait_share"] < 1
     out = tmp_path / "full"
     assert train_steps(out / "metrics.jsonl") == list(range(5, 241, 5))
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
@@ -175,12 +182,7 @@ def test_torch_under_mpirun(tmp_path, shards):
 def test_tensorflow_two_ranks_train_and_resume_past_a_corrupt_checkpoint(tmp_path, shards):
     common = {"framework": "tensorflow", "train": {"epochs": 2, "log_every": 10},
               "checkpoint": {"every_steps": 20, "keep": 10}}
-    full = config(tmp_path, shards, "full", **common)
-    res = horovodrun(2, [RINGFEED, "train", full], timeout=300)
-    assert res.returncode == 0, res.output[-4000:]
-    done = summary(full)
-    assert done["status"] == "finished" and done["step"] == 120  # 480 / (2 x 4) x 2 epochs
-    assert done["val"]["accuracy"] > 0.6
+    train_two_ranks(tmp_path, shards, "full", 120, **common)  # 480 / (2 x 4) x 2 epochs
     assert list((tmp_path / "full" / "tensorboard").glob("events.out.tfevents.*"))
 
     again = config(tmp_path, shards, "again", **common)
