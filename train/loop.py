@@ -153,6 +153,12 @@ class Trainer:
         self.global_batch = dist.size * cfg.data.batch_size * k
         self.backend.build(spec)
         self.schedule = make_schedule(cfg.optim, dist.size, k, self.total_steps)
+        self.say(
+            f"ringfeed train: {cfg.framework}, {dist.size} rank(s), model {cfg.model.name}, "
+            f"{spec.task} on {spec.input_key} {spec.input_shape}, global batch "
+            f"{self.global_batch} = {dist.size} x {cfg.data.batch_size} x {k} accumulated, "
+            f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps, "
+            f"{cfg.train.precision}, peak lr {self.schedule.peak:.3g}")
         self.restore()
         out = Path(cfg.output.dir)
         if dist.is_root:
@@ -161,12 +167,6 @@ class Trainer:
         self.logger = RunLogger(out, dist.is_root, self.total_steps, self.global_batch,
                                 cfg.train.log_every, cfg.output.tensorboard,
                                 start_step=self.state.step)
-        self.say(
-            f"ringfeed train: {cfg.framework}, {dist.size} rank(s), model {cfg.model.name}, "
-            f"{spec.task} on {spec.input_key} {spec.input_shape}, global batch "
-            f"{self.global_batch} = {dist.size} x {cfg.data.batch_size} x {k} accumulated, "
-            f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps, "
-            f"{cfg.train.precision}, peak lr {self.schedule.peak:.3g}")
 
     def restore(self) -> None:
         """Rank 0 finds and loads the checkpoint; everyone takes rank 0's state. Errors are
@@ -190,8 +190,9 @@ class Trainer:
             raise UserError(found["error"])
         self.backend.sync_from_root(resumed=found is not None)
         if found is None:
-            if cfg.checkpoint.resume != "none":
-                self.say(f"no checkpoint to resume in {cfg.checkpoint_dir}; starting at step 0")
+            self.say("starting at step 0" + (
+                f" (no checkpoint to resume in {cfg.checkpoint_dir})"
+                if cfg.checkpoint.resume != "none" else " (checkpoint.resume: none)"))
             return
         meta = found["meta"]
         state.step, state.epoch = int(meta["step"]), int(meta["epoch"])
