@@ -17,7 +17,7 @@ from shards.manifest import Manifest, ShardInfo, Split
 CACHE = Path(tempfile.gettempdir()) / "ringfeed-bench"
 
 
-def _cached(name: str, build) -> Path:
+def cached_dir(name: str, build) -> Path:
     """`CACHE/name`, built by `build(tmp_dir)` into a temp dir renamed into place."""
     path = CACHE / name
     if (path / "manifest.json").exists():
@@ -53,27 +53,28 @@ def _manifest(out: Path, names: list[str], counts: list[int], classes: int) -> N
 
 
 def image_shards(samples: int, per_shard: int, side: int = 32, classes: int = 10) -> Path:
-    """A shard dir of `samples` random-texture `side`x`side` RGB PNGs, `per_shard` a shard."""
-    import webdataset as wds
+    """`ringfeed shard` of an image folder (class subfolders) of `samples` random-texture
+    `side`x`side` RGB PNGs, `per_shard` a shard, shuffled across shards: what users feed
+    `ringfeed train`."""
+    from train.cli import main as ringfeed
 
     def build(out: Path) -> None:
         rng = np.random.default_rng(0)
-        names, counts = [], []
-        for first in range(0, samples, per_shard):
-            name = f"train-{len(names):06d}.tar"
-            count = min(per_shard, samples - first)
-            with wds.TarWriter(str(out / name)) as sink:
-                for i in range(first, first + count):
-                    # blocky colour patches plus noise: PNGs of realistic, varied size
-                    base = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
-                    image = np.kron(base, np.ones((side // 4, side // 4, 1), np.uint8))
-                    image += rng.integers(0, 32, image.shape, dtype=np.uint8)
-                    sink.write({"__key__": f"{i:08d}", "png": _png(image), "cls": i % classes})
-            names.append(name)
-            counts.append(count)
-        _manifest(out, names, counts, classes)
+        with tempfile.TemporaryDirectory(dir=CACHE, prefix=".images-") as src:
+            for c in range(classes):
+                (Path(src) / f"class{c}").mkdir()
+            for i in range(samples):
+                # blocky colour patches plus noise: PNGs of realistic, varied size
+                base = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+                image = np.kron(base, np.ones((side // 4, side // 4, 1), np.uint8))
+                image += rng.integers(0, 32, image.shape, dtype=np.uint8)
+                (Path(src) / f"class{i % classes}" / f"{i:08d}.png").write_bytes(_png(image))
+            code = ringfeed(["shard", src, str(out), "--format", "imagefolder", "--max-count",
+                             str(per_shard), "--shuffle-seed", "0", "--no-progress"])
+        if code != 0:
+            raise RuntimeError(f"ringfeed shard exited {code}")
 
-    return _cached(f"images-{samples}x{side}px-{per_shard}per-v1", build)
+    return cached_dir(f"shards-{samples}x{side}px-{per_shard}per-v2", build)
 
 
 def replicated(base: Path, times: int) -> Path:
@@ -94,4 +95,4 @@ def replicated(base: Path, times: int) -> Path:
         classes = len(Manifest.load(base).class_names or [])
         _manifest(out, names, counts, classes)
 
-    return _cached(f"{base.name}-x{times}", build)
+    return cached_dir(f"{base.name}-x{times}", build)

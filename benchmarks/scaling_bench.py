@@ -95,18 +95,19 @@ def demo_epochs(ranks_list: list[int], timeout: float) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, no demo runs")
-    ap.add_argument("--base-samples", type=int, default=None, help="1x dataset (default 4096)")
+    ap.add_argument("--base-samples", type=int, default=None, help="1x dataset (default 2048)")
     ap.add_argument("--workers", type=int, default=0, help="pipeline worker streams")
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--timeout", type=float, default=300, help="per demo launch (s)")
     opts = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    base_samples = opts.base_samples or (512 if opts.quick else 4096)
+    base_samples = opts.base_samples or (512 if opts.quick else 2048)
     factors = [1, 4, 16]
     sizes_mb = [1, 4] if opts.quick else [1, 4, 16, 64]
     rows: list[Row] = []
 
     base = image_shards(base_samples, per_shard=256)
+    pipeline_throughput(base, 64, opts.workers)  # warm-up: page cache, decoder imports
     pipe = {f: pipeline_throughput(replicated(base, f), 64, opts.workers) for f in factors}
     for f in factors[1:]:
         rows.append(Row(NAME, f"pipeline samples/s, {f}x vs 1x data", pipe[f]["samples_per_s"],

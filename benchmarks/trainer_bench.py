@@ -56,13 +56,15 @@ def run_peer(name: str, ranks: int, peer_args: list[str], tmp: Path, timeout: fl
 
 
 def run_ringfeed(framework: str, ranks: int, shards: Path, tmp: Path, opts: argparse.Namespace,
-                 timeout: float) -> float:
-    run_dir = tmp / f"ringfeed-{framework}"
-    config = write_config(run_dir.with_suffix(".yaml"), framework, shards, run_dir, opts.batch,
+                 timeout: float) -> tuple[float, float]:
+    """(step seconds, data-wait share) of `ringfeed train` after the warm-up steps."""
+    run_dir = Path(tempfile.mkdtemp(dir=tmp, prefix=f"ringfeed-{framework}-"))  # per repeat
+    config = write_config(run_dir / "config.yaml", framework, shards, opts.batch,
                           max_steps=opts.warmup + opts.steps, log_every=opts.warmup,
                           model="cnn", model_args={"width": opts.width},
                           data={"num_workers": opts.num_workers})
-    return ringfeed_train(ranks, config, timeout).step_s(after_step=opts.warmup)
+    run = ringfeed_train(ranks, config, run_dir / "run", timeout)
+    return run.step_s(after_step=opts.warmup), run.data_wait_share_after(opts.warmup)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -98,16 +100,21 @@ def main(argv: list[str] | None = None) -> dict:
                  str(opts.batch), "--warmup", str(opts.warmup), "--steps", str(opts.steps)]
 
     step_s: dict[str, list[float]] = {c: [] for c in contenders}
+    wait_share: dict[str, list[float]] = {c: [] for c in contenders if c.startswith("ringfeed")}
     with tempfile.TemporaryDirectory(prefix="ringfeed-trainer-bench-") as tmp:
         for _ in range(repeat):
             for c in contenders:
                 if c.startswith("ringfeed"):
                     if trainer:
-                        step_s[c].append(run_ringfeed(c.split()[1], opts.ranks, shards,
-                                                      Path(tmp), opts, opts.timeout))
+                        seconds, share = run_ringfeed(c.split()[1], opts.ranks, shards,
+                                                      Path(tmp), opts, opts.timeout)
+                        step_s[c].append(seconds)
+                        wait_share[c].append(share)
                 else:
                     step_s[c].append(run_peer(c, opts.ranks, peer_args, Path(tmp), opts.timeout))
     best = {c: min(v) for c, v in step_s.items() if v}
+    # The data-wait share of the best ringfeed repeat: how much of its step was input.
+    best_wait = {c: v[step_s[c].index(best[c])] for c, v in wait_share.items() if v}
 
     rows = []
     for fw in frameworks:
@@ -121,6 +128,11 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 rows.append(Row(NAME, metric, ours * 1e3, "ms", peer, best[peer] * 1e3,
                                 goal=goal))
+        if ours is not None:  # context: the same step without the time spent waiting for input
+            wait = best_wait[f"ringfeed {fw}"]
+            peer = peers[0][0]
+            rows.append(Row(NAME, f"{fw} step time less data wait ({100 * wait:.0f}%) vs "
+                            f"{peer}", ours * (1 - wait) * 1e3, "ms", peer, best[peer] * 1e3))
     if "torch" in frameworks:
         rows.append(Row(NAME, "horovod loop vs DDP (context)", best["horovod torch loop"] * 1e3,
                         "ms", "torch DDP (gloo)", best["torch DDP (gloo)"] * 1e3))
@@ -134,8 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     ax.set_xlabel(f"step time (ms), {opts.ranks} ranks x batch {opts.batch}, cnn width "
                   f"{opts.width}, 32x32x3")
     ax.set_title("trainer overhead (lower is better)")
-    data = {"step_s": step_s, "best_step_s": best, "ranks": opts.ranks, "batch": opts.batch,
-            "warmup": opts.warmup, "steps": opts.steps, "repeat": repeat,
+    data = {"step_s": step_s, "best_step_s": best, "data_wait_share": wait_share,
+            "ranks": opts.ranks, "batch": opts.batch, "warmup": opts.warmup, "steps": opts.steps, "repeat": repeat,
             "num_workers": opts.num_workers, "dataset_samples": samples if trainer else None}
     return finish(NAME, opts.quick, opts.results, rows, data, fig)
 

@@ -14,7 +14,6 @@ from train.models import build_model
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

@@ -15,8 +15,6 @@ from train.models import build_model
 
 def main() -> None:
     args = parse_args()
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
     hvd.init()
     keras.utils.set_random_seed(0)
     model = build_model("tensorflow", args.model, model_args(args), spec(args))

@@ -14,7 +14,6 @@ from train.models import build_model
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(1)
     hvd.init()
     torch.manual_seed(0)
     model = build_model("torch", args.model, model_args(args), spec(args))

@@ -1,0 +1,49 @@
+"""Smoke test for benchmarks/: `ringfeed bench --quick` runs every benchmark end to end (real
+horovodrun, torchrun, `ringfeed train`, webdataset peers), so the benchmarks cannot rot.
+Timings are not asserted; that every benchmark ran and produced finite ratios and its files is."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from helpers import REPO, ringfeed
+
+BENCHMARKS = {"shards", "pipeline", "trainer", "allreduce", "scaling", "stall"}
+NOT_MEASURED_IN_QUICK = ("pending:", "full mode only")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_every_benchmark_runs_in_quick_mode(tmp_path):
+    readme = REPO / "benchmarks" / "README.md"
+    readme_before = readme.read_text()
+
+    r = ringfeed("bench", "--quick", "--results", str(tmp_path), timeout=400)
+
+    assert r.returncode == 0, r.output[-4000:]
+    summary = json.loads((tmp_path / "summary_quick.json").read_text())
+    assert summary["quick"] is True
+    assert set(summary["benchmarks"]) == BENCHMARKS
+    for name, bench in summary["benchmarks"].items():
+        assert bench["status"] == "ok", (name, bench["status"])
+        assert bench["rows"], name
+        for row in bench["rows"]:
+            if row["ratio"] is None:  # only allowed with the reason it was not measured
+                assert row["note"].startswith(NOT_MEASURED_IN_QUICK), row
+            else:
+                assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
+    for stem in ("trainer_quick", "allreduce_quick", "scaling_quick", "stall_quick"):
+        result = json.loads((tmp_path / f"{stem}.json").read_text())
+        assert result["rows"] and result["machine"]["cpus"] >= 1
+    for stem in ("trainer_quick", "allreduce_quick", "scaling_quick"):
+        assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Every trainer-overhead peer really ran: a step time for each contender.
+    trainer = json.loads((tmp_path / "trainer_quick.json").read_text())
+    assert {"horovod torch loop", "torch DDP (gloo)"} <= set(trainer["data"]["best_step_s"])
+    allreduce = json.loads((tmp_path / "allreduce_quick.json").read_text())["data"]
+    assert allreduce["horovod"]["ranks"] == allreduce["gloo"]["ranks"] == 2
+    # The closing table is printed, and a quick run leaves the committed README alone.
+    assert "met?" in r.stdout and "allreduce" in r.stdout
+    assert readme.read_text() == readme_before
