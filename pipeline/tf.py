@@ -31,19 +31,19 @@ _TAG = "__batch__"
 def _spec(name: str, value: Any, batch_size: int) -> tf.TensorSpec:
     if isinstance(value, np.ndarray):
         if value.dtype.kind in "OUS":
-            return tf.TensorSpec((batch_size,), tf.string, name=name)
-        return tf.TensorSpec(value.shape, tf.as_dtype(value.dtype), name=name)
+            return tf.TensorSpec((batch_size,), tf.string)
+        return tf.TensorSpec(value.shape, tf.as_dtype(value.dtype))
     first = value[0]
     if isinstance(first, np.ndarray):
         raise PipelineError(f"field {name!r} has arrays of different shapes (e.g. {first.shape});"
                             " tf.data needs fixed shapes: pass image_size= or a transform")
-    return tf.TensorSpec((batch_size,), tf.string, name=name)
+    return tf.TensorSpec((batch_size,), tf.string)
 
 
 def signature(pipe: ShardPipeline) -> dict[str, tf.TensorSpec]:
     example = pipe.example_batch()
     spec = {name: _spec(name, value, pipe.batch_size) for name, value in example.items()}
-    spec[_TAG] = tf.TensorSpec((3,), tf.int64, name=_TAG)
+    spec[_TAG] = tf.TensorSpec((3,), tf.int64)
     return spec
 
 
