@@ -45,8 +45,9 @@ HOROVODRUN_ACROSS = ["-np", "2", "-H", f"{ADDRESSES[0]}:1,{ADDRESSES[1]}:1", "-p
 
 
 def training_command(out: Path) -> list[str]:
-    # TODO(issue 5): once `ringfeed train` lands, this is the line to swap for
-    # [str(BIN / "ringfeed"), "train", CONFIG, "--set", ...] (and assert on its metrics.jsonl).
+    """A real Horovod training loop that reports where each rank ran and what it computed, so
+    the assertions can prove the allreduce crossed hosts (test_ringfeed_train_... runs the
+    product's own `ringfeed train` across the same hosts)."""
     return [str(BIN / "python"), str(WORKER), str(out), "--steps", "5"]
 
 
@@ -216,6 +217,28 @@ def test_horovodrun_trains_across_two_netns_hosts(root_hosts: RootHosts, tmp_pat
     result = run([*launcher, *training_command(out)], timeout=240, cwd=REPO, env=root_hosts.env)
     assert result.returncode == 0 and not result.timed_out, result.output[-4000:]
     _assert_trained_across_hosts(out)
+
+
+@pytest.mark.slow
+def test_ringfeed_train_across_two_netns_hosts(root_hosts: RootHosts, tmp_path: Path) -> None:
+    from train_util import toy_config, write_config, write_toy_shards
+
+    shards = write_toy_shards(tmp_path / "shards", n_train=160, n_val=32, per_shard=40)
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", **toy_config(
+        shards, run_dir, train={"max_steps": 12, "log_every": 2},
+        checkpoint={"every_steps": 6, "keep": 3}))
+    launcher = ["ip", "netns", "exec", root_hosts.namespaces[0], str(BIN / "horovodrun"),
+                *HOROVODRUN_ACROSS]
+    result = run([*launcher, str(BIN / "ringfeed"), "train", str(config)], timeout=240, cwd=REPO,
+                 env=root_hosts.env)
+    assert result.returncode == 0 and not result.timed_out, result.output[-4000:]
+    assert "2 rank(s)" in result.output
+    steps = [json.loads(line).get("step") for line in
+             (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(s for s in steps if s is not None) == 12
+    from train.checkpoint import checkpoint_path
+    assert (checkpoint_path(run_dir / "checkpoints", 12) / "meta.json").is_file()
 
 
 # ---- 2. the images' entry point, as an unprivileged user ---------------------------------------
