@@ -50,9 +50,13 @@ def demo_shards() -> Path:
     return cached_dir("digits-shards-v1", build)
 
 
-@cache
 def demo_run(ranks: int, timeout: float, max_steps: int | None = None) -> TrainRun:
     """The demo's torch config on `ranks` ranks, as shipped (or capped at `max_steps`)."""
+    return _demo_run(ranks, max_steps, timeout)
+
+
+@cache  # keyed on positional arguments only, so every caller shares a run
+def _demo_run(ranks: int, max_steps: int | None, timeout: float) -> TrainRun:
     overrides = [f"data.train={demo_shards()}", "framework=torch"]
     if max_steps is not None:
         overrides.append(f"train.max_steps={max_steps}")

@@ -121,9 +121,13 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def readme_section(summary: dict[str, Any], rows: list[Row], results_dir: Path) -> str:
+def readme_section(summary: dict[str, Any], rows: list[Row], results_dir: Path,
+                   since: float) -> str:
+    """The README's results: machine, command, table and the plots this run wrote (files
+    modified since `since`, a time.time())."""
     m = summary["machine"]
-    plots = sorted(p.name for p in results_dir.glob("*.png") if not p.stem.endswith("_quick"))
+    plots = sorted(p.name for p in results_dir.glob("*.png")
+                   if not p.stem.endswith("_quick") and p.stat().st_mtime >= since)
     rel = results_dir.relative_to(HERE) if results_dir.is_relative_to(HERE) else results_dir
     parts = [
         BEGIN,
@@ -162,7 +166,8 @@ def main(argv: list[str] | None = None, command: str | None = None) -> int:
     ap.add_argument("--results", type=Path, default=RESULTS,
                     help="where JSON and PNG files go (default benchmarks/results)")
     ap.add_argument("--no-readme", action="store_true",
-                    help="do not rewrite benchmarks/README.md (quick runs never do)")
+                    help="do not rewrite benchmarks/README.md (only a full run of all "
+                         "benchmarks into benchmarks/results does)")
     args = ap.parse_args(argv)
     unknown = [n for n in args.names if n not in NAMES]
     if unknown:
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     command = command or shlex.join(["python", "benchmarks/run_all.py", *(argv or sys.argv[1:])])
 
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     summary: dict[str, Any] = {"command": command, "quick": args.quick, "machine": machine(),
                                "benchmarks": {}}
     rows: list[Row] = []
@@ -188,8 +193,9 @@ def main(argv: list[str] | None = None, command: str | None = None) -> int:
           f"{sum(r.met is True for r in rows)}, missed {len(missed)}, "
           f"not measured {sum(r.goal is not None and r.met is None for r in rows)}")
     save_json(args.results, "summary_quick" if args.quick else "summary", summary)
-    if not args.quick and not args.no_readme and not args.names:
-        rewrite_readme(readme_section(summary, rows, args.results))
+    # The README shows a complete full run whose plots sit in benchmarks/results.
+    if not (args.quick or args.no_readme or args.names) and args.results.resolve() == RESULTS:
+        rewrite_readme(readme_section(summary, rows, args.results, started_at))
         print(f"rewrote the results section of {README.relative_to(REPO)}")
     bad = {n: s["status"] for n, s in summary["benchmarks"].items() if s["status"] != "ok"}
     for name, status in bad.items():

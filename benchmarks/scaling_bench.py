@@ -108,7 +108,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     base = image_shards(base_samples, per_shard=256)
     pipeline_throughput(base, 64, opts.workers)  # warm-up: page cache, decoder imports
-    pipe = {f: pipeline_throughput(replicated(base, f), 64, opts.workers) for f in factors}
+    runs: dict[int, list[dict]] = {f: [] for f in factors}
+    for _ in range(1 if opts.quick else 2):  # interleaved; the best run of each size counts
+        for f in factors:
+            runs[f].append(pipeline_throughput(replicated(base, f), 64, opts.workers))
+    pipe = {f: max(r, key=lambda x: x["samples_per_s"]) for f, r in runs.items()}
     for f in factors[1:]:
         rows.append(Row(NAME, f"pipeline samples/s, {f}x vs 1x data", pipe[f]["samples_per_s"],
                         "samples/s", "1x", pipe[1]["samples_per_s"], goal=GOAL_FLAT))
@@ -145,6 +149,9 @@ def main(argv: list[str] | None = None) -> dict:
     ax.plot([base_samples * f for f in factors], [pipe[f]["samples_per_s"] for f in factors],
             "o-")
     ax.set_xscale("log")
+    ax.set_xticks([base_samples * f for f in factors],
+                  [f"{f}x\n{base_samples * f}" for f in factors])
+    ax.minorticks_off()
     ax.set_ylim(bottom=0)
     ax.set_xlabel("dataset samples")
     ax.set_ylabel("decoded samples/s (1 rank)")
@@ -155,6 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
         ax.plot(sizes_mb, [ckpt[mb][key] for mb in sizes_mb], style, label=key.replace("_", " "))
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xticks(sizes_mb, [str(mb) for mb in sizes_mb])
+    ax.minorticks_off()
     ax.set_xlabel("model size (MB)")
     ax.set_ylabel("seconds")
     ax.set_title("checkpoint time vs size")

@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
     names = list(best)
     bars = ax.barh(names, [best[n] * 1e3 for n in names],
                    color=["#c44e52" if n.startswith("ringfeed") else "#4c72b0" for n in names])
-    ax.bar_label(bars, fmt="%.0f ms")
+    ax.bar_label(bars, fmt="%.0f ms", padding=3)
+    ax.margins(x=0.15)
     ax.invert_yaxis()
     ax.set_xlabel(f"step time (ms), {opts.ranks} ranks x batch {opts.batch}, cnn width "
                   f"{opts.width}, 32x32x3")
