@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shlex
 import sys
 import time
@@ -174,7 +175,9 @@ def main(argv: list[str] | None = None, command: str | None = None) -> int:
         ap.error(f"unknown benchmark(s) {', '.join(unknown)} (have: {', '.join(NAMES)})")
     selected = [b for b in BENCHES if not args.names or b.name in args.names]
     args.results.mkdir(parents=True, exist_ok=True)
-    command = command or shlex.join(["python", "benchmarks/run_all.py", *(argv or sys.argv[1:])])
+    python = os.path.relpath(sys.executable, REPO)  # as run: `make bench` uses .venv/bin/python
+    command = command or shlex.join([python, "benchmarks/run_all.py",
+                                     *(sys.argv[1:] if argv is None else argv)])
 
     start, started_at = time.perf_counter(), time.time()
     summary: dict[str, Any] = {"command": command, "quick": args.quick, "machine": machine(),
