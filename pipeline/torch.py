@@ -8,14 +8,19 @@ advances the pipeline's consumed counter (so `pipe.state_dict()` is exact).
 
 Persistent workers keep their copy of the dataset, so the iteration to run (epoch, segments,
 t0) reaches them through a small shared-memory buffer written before each pass.
+
+Loader workers ignore SIGTERM and SIGUSR1: a scheduler that signals the whole process group
+(Slurm, `kill -TERM -PGID`) must not kill them while the training process is saving the
+checkpoint those signals ask for. They still exit with their parent (DataLoader's watchdog).
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -70,6 +75,20 @@ class _StreamDataset(IterableDataset):
             yield {"__error__": str(e)}
 
 
+class _WorkerInit:
+    """DataLoader worker_init_fn: ignore the scheduler's stop/save signals, then run the
+    caller's own worker_init_fn, if any (a class, so spawn-started workers can unpickle it)."""
+
+    def __init__(self, then: Callable[[int], None] | None = None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        if self.then is not None:
+            self.then(worker_id)
+
+
 class TorchLoader:
     """Iterate for one pass over the rest of the current epoch (the next epoch once this one
     is complete); `len()` is the full epoch's batch count."""
@@ -89,6 +108,8 @@ class TorchLoader:
         if workers > 0:
             options["prefetch_factor"] = max(1, pipe.prefetch)
         options.update(loader_kwargs)
+        if workers > 0:
+            options["worker_init_fn"] = _WorkerInit(options.get("worker_init_fn"))
         self.loader = DataLoader(dataset, **options)
 
     def __len__(self) -> int:

@@ -89,6 +89,22 @@ class Backend(Protocol):
     def weights(self) -> list[Any]:
         """The model's parameters as numpy arrays (tests, equivalence checks)."""
 
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Collective: every rank's `obj`, in rank order, on every rank."""
+
+    # Elastic (train/elastic.py) --------------------------------------------------------------
+    def refresh_dist(self) -> Dist:
+        """Rank and size again, after Horovod was re-initialised at another world size."""
+
+    def elastic_state(self, **values: Any) -> Any:
+        """A Horovod elastic State over model, optimizer (and loss scaler), plus plain values."""
+
+    def elastic_run(self, fn: Any) -> Any:
+        """The framework's `hvd.elastic.run(fn)`."""
+
+    def after_rollback(self) -> None:
+        """Drop what a step cut short by a failure left behind (partial gradients)."""
+
 
 def make_backend(cfg) -> Backend:
     """Import the framework named by cfg.framework (and Horovod for it), hvd.init() included."""

@@ -143,11 +143,27 @@ class CheckpointSection(_Section):
     keep: PositiveInt = 3
     save_on_signal: bool = True  # SIGTERM: save and exit 143; SIGUSR1: save and go on
     resume: str = "none"  # none | auto (newest complete checkpoint) | a checkpoint path
+    # A checkpoint that cannot be written (disk full, unwritable dir): fail = stop with exit 4;
+    # warn = log it and train on without that checkpoint (the summary counts the failures).
+    on_error: Literal["fail", "warn"] = "fail"
+
+
+class ElasticSection(_Section):
+    """Horovod Elastic (`ringfeed train --elastic` under `horovodrun --min-np/--max-np
+    --host-discovery-script`): see train/RECOVERY.md."""
+
+    enabled: bool = False
+    # The in-memory commit (model, optimizer, pipeline position) that a worker failure rolls
+    # back to: at most this many steps are redone after one.
+    commit_every_steps: PositiveInt = 10
 
 
 class OutputSection(_Section):
     dir: str = "runs/ringfeed"
     tensorboard: bool = True
+    # samples.jsonl: the global sample ids (__index__) each step trained on, all ranks, written
+    # by rank 0 (an audit of "every sample once"; costs one allgather per step).
+    sample_log: bool = False
 
 
 class RunConfig(_Section):
@@ -157,6 +173,7 @@ class RunConfig(_Section):
     optim: OptimSection = Field(default_factory=OptimSection)
     train: TrainSection = Field(default_factory=TrainSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    elastic: ElasticSection = Field(default_factory=ElasticSection)
     output: OutputSection = Field(default_factory=OutputSection)
 
     @property
@@ -188,11 +205,13 @@ def template() -> str:
 
 
 def load_config(path: str | Path, overrides: list[str] = (), resume: str | None = None,
-                check_paths: bool = True) -> RunConfig:
+                check_paths: bool = True, elastic: bool = False) -> RunConfig:
     """Load, override, validate. Raises UserError (one line naming the field) on any problem."""
     raw = _read_yaml(Path(path))
     for item in overrides:
         _apply_override(raw, item)
+    if elastic:
+        _apply_override(raw, "elastic.enabled=true")
     if resume is not None:
         raw.setdefault("checkpoint", {})
         if not isinstance(raw["checkpoint"], dict):
@@ -271,6 +290,10 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> None:
     t, d = cfg.train, cfg.data
     if t.epochs is None and t.max_steps is None:
         raise UserError(f"{path}: train: set train.epochs or train.max_steps")
+    if cfg.elastic.enabled and d.global_batch_size is not None:
+        raise UserError(f"{path}: data.global_batch_size: elastic runs keep the per-rank batch "
+                        "(data.batch_size) when the world size changes and scale the lr with it; "
+                        "set data.batch_size instead")
     if d.global_batch_size is not None:
         ranks = launcher_world_size()
         per_step = ranks * t.accumulate
@@ -324,7 +347,10 @@ def _check_paths(cfg: RunConfig, path: str | Path) -> None:
                 raise UserError(f"{path}: data.{key_field}: {key!r} is not a field of {source} "
                                 f"(fields: {', '.join(manifest.fields)})")
     ckpt_dir = cfg.checkpoint_dir
-    if cfg.checkpoint.resume == "none" and ckpt_dir.is_dir() and any(ckpt_dir.glob(CHECKPOINT_GLOB)):
+    # (Elastic runs check this when they start training: a worker joining a running job finds
+    # the job's own checkpoints here.)
+    if cfg.checkpoint.resume == "none" and not cfg.elastic.enabled and ckpt_dir.is_dir() \
+            and any(ckpt_dir.glob(CHECKPOINT_GLOB)):
         raise UserError(
             f"{path}: checkpoint.dir {ckpt_dir} already holds checkpoints of an earlier run; "
             "continue it with --resume auto, or choose another output.dir / checkpoint.dir"

@@ -13,31 +13,40 @@ policy, resume, signals, NaN stop, the end-of-run summary.
 `TrainState.step` (optimizer steps) is the only progress counter: the schedule, logging,
 validation and checkpoints are functions of it; the pipeline's own state (epoch, batches
 consumed) travels in every checkpoint so a resumed run sees exactly the batches it would have.
+Elastic runs (train/elastic.py) reuse this loop and commit that state every N steps.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from shards.errors import UserError
 from shards.fsutil import atomic_write_text
+from train import faults
 from train.backend import Backend, make_backend
 from train.checkpoint import (
+    CheckpointWriteError,
     checkpoint_path,
     find_resume_point,
+    list_checkpoints,
+    probe_writable,
     remove_stale_temporaries,
     write_checkpoint,
 )
 from train.config import RunConfig
 from train.data import infer_spec, make_pipeline
-from train.metrics import RunLogger, Throughput
+from train.metrics import RunLogger, SampleLog, Throughput
 from train.schedule import make_schedule
+from train.supervise import RESTART_ENV
 
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # what a shell reports for a job ended by SIGTERM
 
@@ -57,6 +66,24 @@ class TrainState:
     last_checkpoint: Path | None = None
     saved_step: int = -1
     last_val_step: int = -1
+
+
+@dataclass
+class Recovery:
+    """What this run survived, reported at the end (summary.json "recovery")."""
+
+    restarts: int = 0  # relaunches by `ringfeed run` before this one
+    elastic_resets: int = 0  # world-size changes and failures handled by Horovod Elastic
+    rollbacks: int = 0  # resets that went back to the last commit
+    steps_redone: int = 0  # optimizer steps lost to those rollbacks
+    failed_checkpoints: int = 0  # saves that failed under checkpoint.on_error: warn
+
+    def describe(self) -> str:
+        text = (f"{self.restarts} restart(s), {self.elastic_resets} elastic reset(s), "
+                f"{self.rollbacks} rollback(s) ({self.steps_redone} step(s) redone)")
+        if self.failed_checkpoints:
+            text += f", {self.failed_checkpoints} checkpoint(s) NOT written"
+        return text
 
 
 class SignalRequests:
@@ -130,6 +157,12 @@ class Trainer:
         self.backend = backend or make_backend(cfg)
         self.dist = self.backend.dist
         self.state = TrainState()
+        self.recovery = Recovery(restarts=int(os.environ.get(RESTART_ENV, "0") or 0))
+        self.totals = Throughput()
+        self.recent_losses: deque[float] = deque(maxlen=cfg.train.log_every)
+        self.logger: RunLogger | None = None
+        self.sample_log: SampleLog | None = None
+        self.failed_save_step = -1  # (checkpoint.on_error: warn) not retried at the end
 
     def say(self, message: str) -> None:
         if self.dist.is_root:
@@ -137,9 +170,29 @@ class Trainer:
 
     # -- setup --------------------------------------------------------------------------------
     def setup(self) -> None:
+        """Pipelines, model, checkpoint, logs: everything before the first step."""
+        self.build_pipelines()
+        self.spec = infer_spec(self.cfg, self.train_pipe)
+        self.backend.build(self.spec)
+        self.plan()
+        self.say(self.header())
+        self.restore()
+        self.plan()  # another world size than the checkpoint's changes the steps left
+        self.open_logs()
+
+    def header(self) -> str:
+        cfg, spec, k = self.cfg, self.spec, self.cfg.train.accumulate
+        return (
+            f"ringfeed train: {cfg.framework}, {self.dist.size} rank(s), model {cfg.model.name}, "
+            f"{spec.task} on {spec.input_key} {spec.input_shape}, global batch "
+            f"{self.global_batch} = {self.dist.size} x {cfg.data.batch_size} x {k} accumulated, "
+            f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps, "
+            f"{cfg.train.precision}, peak lr {self.schedule.peak:.3g}")
+
+    def build_pipelines(self) -> None:
+        """The train (and val) pipelines of this rank at the current world size."""
         cfg, dist = self.cfg, self.dist
         self.train_pipe = make_pipeline(cfg, "train", dist.rank, dist.size)
-        spec = infer_spec(cfg, self.train_pipe)
         self.val_pipe = (make_pipeline(cfg, "val", dist.rank, dist.size)
                          if cfg.val_source else None)
         k = cfg.train.accumulate
@@ -149,32 +202,52 @@ class Trainer:
                 f"data.train: {self.train_pipe.batches_per_epoch} batches of "
                 f"{cfg.data.batch_size} per rank per epoch on {dist.size} ranks is fewer than "
                 f"train.accumulate={k} (lower data.batch_size or train.accumulate)")
-        self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.steps_per_epoch
-        self.global_batch = dist.size * cfg.data.batch_size * k
-        self.backend.build(spec)
-        self.schedule = make_schedule(cfg.optim, dist.size, k, self.total_steps)
-        self.say(
-            f"ringfeed train: {cfg.framework}, {dist.size} rank(s), model {cfg.model.name}, "
-            f"{spec.task} on {spec.input_key} {spec.input_shape}, global batch "
-            f"{self.global_batch} = {dist.size} x {cfg.data.batch_size} x {k} accumulated, "
-            f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps, "
-            f"{cfg.train.precision}, peak lr {self.schedule.peak:.3g}")
-        self.restore()
-        out = Path(cfg.output.dir)
-        if dist.is_root:
+        self.loader = self.val_loader = None  # made when training starts
+
+    def plan(self) -> None:
+        """Steps to run and the lr schedule, from the pipeline's position and the world size:
+        the steps done, what is left of this epoch, and the epochs after it."""
+        cfg, k = self.cfg, self.cfg.train.accumulate
+        if cfg.train.max_steps:
+            self.total_steps = cfg.train.max_steps
+        else:
+            epochs_after = max(0, cfg.train.epochs - self.train_pipe.epoch - 1)
+            self.total_steps = (self.state.step + self.train_pipe.batches_remaining // k
+                                + epochs_after * self.steps_per_epoch)
+        self.global_batch = self.dist.size * cfg.data.batch_size * k
+        self.schedule = make_schedule(cfg.optim, self.dist.size, k, self.total_steps)
+
+    def open_logs(self) -> None:
+        """Rank 0's metrics and sample logs, rewound to the current step."""
+        cfg, out = self.cfg, Path(self.cfg.output.dir)
+        if self.dist.is_root:
             out.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out / "config.yaml", cfg.to_yaml())
-        self.logger = RunLogger(out, dist.is_root, self.total_steps, self.global_batch,
+        self.logger = RunLogger(out, self.dist.is_root, self.total_steps, self.global_batch,
                                 cfg.train.log_every, cfg.output.tensorboard,
                                 start_step=self.state.step)
+        if cfg.output.sample_log:
+            self.sample_log = SampleLog(out, self.dist.is_root, start_step=self.state.step)
+
+    def close_logs(self) -> None:
+        for log in (self.logger, self.sample_log):
+            if log is not None:
+                log.close()
 
     def restore(self) -> None:
-        """Rank 0 finds and loads the checkpoint; everyone takes rank 0's state. Errors are
-        decided on rank 0 and raised on every rank (a lone raise would hang the others)."""
+        """Rank 0 checks that checkpoints can be written, finds and loads the checkpoint;
+        everyone takes rank 0's state. Errors are decided on rank 0 and raised on every rank
+        (a lone raise would hang the others)."""
         cfg, state = self.cfg, self.state
         found: dict[str, Any] | None = None
         if self.dist.is_root:
             try:
+                self._probe_checkpoint_dir()
+                if cfg.checkpoint.resume == "none" and list_checkpoints(cfg.checkpoint_dir):
+                    raise UserError(
+                        f"checkpoint.dir {cfg.checkpoint_dir} already holds checkpoints of an "
+                        "earlier run; continue it with --resume auto, or choose another "
+                        "output.dir / checkpoint.dir")
                 remove_stale_temporaries(cfg.checkpoint_dir)
                 hit = find_resume_point(cfg.checkpoint.resume, cfg.checkpoint_dir, self.say)
                 if hit is not None:
@@ -184,15 +257,17 @@ class Trainer:
                     self.backend.read_payload(hit.path)
                     found = {"path": str(hit.path), "meta": hit.meta}
             except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-                found = {"error": f"{e}"}
+                found = {"error": f"{e}", "exit_code": getattr(e, "exit_code", 2)}
         found = self.backend.broadcast_object(found)
         if found is not None and "error" in found:
-            raise UserError(found["error"])
+            raise UserError(found["error"], exit_code=found["exit_code"])
         self.backend.sync_from_root(resumed=found is not None)
+        restart = (f"; restart {self.recovery.restarts} by `ringfeed run`"
+                   if self.recovery.restarts else "")
         if found is None:
             self.say("starting at step 0" + (
                 f" (no checkpoint to resume in {cfg.checkpoint_dir})"
-                if cfg.checkpoint.resume != "none" else " (checkpoint.resume: none)"))
+                if cfg.checkpoint.resume != "none" else " (checkpoint.resume: none)") + restart)
             return
         meta = found["meta"]
         state.step, state.epoch = int(meta["step"]), int(meta["epoch"])
@@ -200,73 +275,99 @@ class Trainer:
         state.saved_step = state.step
         self.train_pipe.load_state_dict(meta["pipeline"])
         self.say(f"resumed from {found['path']} at step {state.step} (epoch {state.epoch}, "
-                 f"saved by {meta.get('world_size')} rank(s))")
+                 f"saved by {meta.get('world_size')} rank(s)){restart}")
+
+    def _probe_checkpoint_dir(self) -> None:
+        try:
+            probe_writable(self.cfg.checkpoint_dir)
+        except CheckpointWriteError as e:
+            if self.cfg.checkpoint.on_error == "fail":
+                raise
+            self.say(f"warning: {e}; training on WITHOUT checkpoints (checkpoint.on_error: warn)")
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> int:
         self.setup()
-        cfg, state, backend = self.cfg, self.state, self.backend
-        k = cfg.train.accumulate
-        signals = SignalRequests(cfg.checkpoint.save_on_signal)
-        loader = backend.loader(self.train_pipe)
-        self.val_loader = backend.loader(self.val_pipe) if self.val_pipe else None
-        totals = Throughput()
-        first_step = state.step
-        recent_losses: deque[float] = deque(maxlen=cfg.train.log_every)
-        stopped = False
+        signals = SignalRequests(self.cfg.checkpoint.save_on_signal)
         try:
-            t_last = time.perf_counter()
-            while state.step < self.total_steps and not stopped:
-                if self.train_pipe.batches_remaining == 0:  # (also when resumed at its end)
-                    self.train_pipe.set_epoch(self.train_pipe.epoch + 1)
-                state.epoch = self.train_pipe.epoch
-                for micro, waited in micro_batch_groups(loader, k):
-                    lr = self.schedule(state.step)
-                    result = backend.train_step(micro, lr, signals.take())
-                    if not result.finite:
-                        raise TrainingDiverged(
-                            f"loss is {result.loss} at step {state.step + 1} (epoch "
-                            f"{state.epoch}); stopped before applying that update; last "
-                            f"checkpoint: {state.last_checkpoint or 'none'} (try a lower "
-                            "optim.lr, optim.warmup_steps, train.grad_clip, or fp32/bf16)")
-                    state.step += 1
-                    now = time.perf_counter()
-                    if state.step > first_step + 1:  # the first step traces/compiles: not timed
-                        totals.add(self.global_batch, now - t_last, waited)
-                    recent_losses.append(result.loss)
-                    self.logger.train_step(state.step, state.epoch, result.loss, lr,
-                                           now - t_last, waited, self._step_extras(result))
-                    if cfg.train.val_every and state.step % cfg.train.val_every == 0:
-                        self.validate()
-                    every = cfg.checkpoint.every_steps
-                    if (every and state.step % every == 0) or result.save_requested \
-                            or result.stop_requested:
-                        reason = ("signal" if result.save_requested or result.stop_requested
-                                  else "every_steps")
-                        self.save(reason)
-                    t_last = time.perf_counter()
-                    if result.stop_requested:
-                        stopped = True
-                        break
-                    if state.step >= self.total_steps:
-                        break
-                else:  # the epoch's batches are exhausted
-                    if cfg.train.val_every is None:
-                        self.validate()
-                    t_last = time.perf_counter()
-            if not stopped:
-                if self.val_pipe is not None and state.last_val_step != state.step:
-                    self.validate()
-                if state.saved_step != state.step:
-                    self.save("end")
-            self.finish(totals, recent_losses, "stopped by SIGTERM" if stopped else "finished")
-            # Nobody leaves before rank 0 has written everything: a launcher kills the rest
-            # of the job as soon as one rank exits.
-            backend.allreduce_sum({"done": 0.0})
+            stopped = self.train_until_done(signals)
+            self.wrap_up(stopped)
         finally:
             signals.restore()
-            self.logger.close()
+            self.close_logs()
         return EXIT_PREEMPTED if stopped else 0
+
+    def train_until_done(self, signals: SignalRequests) -> bool:
+        """Steps until total_steps; True when stopped by a signal."""
+        state, k = self.state, self.cfg.train.accumulate
+        if self.loader is None:
+            self.loader = self.backend.loader(self.train_pipe)
+            self.val_loader = self.backend.loader(self.val_pipe) if self.val_pipe else None
+        self.first_step = state.step
+        self.t_last = time.perf_counter()
+        while state.step < self.total_steps:
+            if self.train_pipe.batches_remaining == 0:  # (also when resumed at its end)
+                self.train_pipe.set_epoch(self.train_pipe.epoch + 1)
+            state.epoch = self.train_pipe.epoch
+            for micro, waited in micro_batch_groups(self.loader, k):
+                if self.step(micro, waited, signals):
+                    return True
+                if state.step >= self.total_steps:
+                    break
+            else:  # the epoch's batches are exhausted
+                if self.cfg.train.val_every is None:
+                    self.validate()
+                self.t_last = time.perf_counter()
+        return False
+
+    def step(self, micro: list[Any], waited: float, signals: SignalRequests) -> bool:
+        """One optimizer step and what follows it; True when a signal asked to stop."""
+        cfg, state, backend = self.cfg, self.state, self.backend
+        faults.before_step(state.step + 1, self.dist.rank)
+        lr = self.schedule(state.step)
+        result = backend.train_step(micro, lr, signals.take())
+        if not result.finite:
+            raise TrainingDiverged(
+                f"loss is {result.loss} at step {state.step + 1} (epoch "
+                f"{state.epoch}); stopped before applying that update; last "
+                f"checkpoint: {state.last_checkpoint or 'none'} (try a lower "
+                "optim.lr, optim.warmup_steps, train.grad_clip, or fp32/bf16)")
+        state.step += 1
+        now = time.perf_counter()
+        if state.step > self.first_step + 1:  # the first step traces/compiles: not timed
+            self.totals.add(self.global_batch, now - self.t_last, waited)
+        self.recent_losses.append(result.loss)
+        self.logger.train_step(state.step, state.epoch, result.loss, lr,
+                               now - self.t_last, waited, self._step_extras(result))
+        if self.sample_log is not None:
+            self.sample_log.step(state.step, state.epoch,
+                                 backend.gather_object(valid_sample_ids(micro)))
+        if cfg.train.val_every and state.step % cfg.train.val_every == 0:
+            self.validate()
+        every = cfg.checkpoint.every_steps
+        if (every and state.step % every == 0) or result.save_requested \
+                or result.stop_requested:
+            self.save("signal" if result.save_requested or result.stop_requested
+                      else "every_steps")
+        self.after_step()
+        self.t_last = time.perf_counter()
+        return result.stop_requested
+
+    def after_step(self) -> None:
+        """Hook: elastic runs commit their state here."""
+
+    def wrap_up(self, stopped: bool) -> None:
+        """Collective: the last validation and checkpoint, the summary, and a barrier."""
+        state = self.state
+        if not stopped:
+            if self.val_pipe is not None and state.last_val_step != state.step:
+                self.validate()
+            if state.saved_step != state.step and self.failed_save_step != state.step:
+                self.save("end")
+        self.finish("stopped by SIGTERM" if stopped else "finished")
+        # Nobody leaves before rank 0 has written everything: a launcher kills the rest
+        # of the job as soon as one rank exits.
+        self.backend.allreduce_sum({"done": 0.0})
 
     def _step_extras(self, result) -> dict[str, float]:
         extras = {}
@@ -287,23 +388,39 @@ class Trainer:
         return metrics
 
     def save(self, reason: str) -> None:
-        """Collective (RNG states are gathered from every rank); rank 0 writes."""
+        """Collective (RNG states are gathered from every rank); rank 0 writes and every rank
+        learns whether it worked, so a failed write stops all of them together (or, under
+        checkpoint.on_error: warn, none of them)."""
         cfg, state = self.cfg, self.state
         rng = self.backend.rng_states()
+        error = None
         if self.dist.is_root:
             meta = {"framework": cfg.framework, "epoch": state.epoch,
                     "world_size": self.dist.size, "reason": reason,
                     "pipeline": self.train_pipe.state_dict(),
                     "config": cfg.model_dump(mode="json")}
-            path = write_checkpoint(cfg.checkpoint_dir, state.step, meta,
-                                    lambda d: self.backend.write_payload(d, rng),
-                                    cfg.checkpoint.keep)
-            self.logger.info(f"saved checkpoint {path} ({reason})")
+            try:
+                path = write_checkpoint(cfg.checkpoint_dir, state.step, meta,
+                                        lambda d: self.backend.write_payload(d, rng),
+                                        cfg.checkpoint.keep)
+                self.logger.info(f"saved checkpoint {path} ({reason})")
+            except CheckpointWriteError as e:
+                error = str(e)
+        error = self.backend.broadcast_object(error)
+        if error is not None:
+            if cfg.checkpoint.on_error == "fail":
+                raise CheckpointWriteError(f"at step {state.step}: {error}")
+            self.recovery.failed_checkpoints += 1
+            self.failed_save_step = state.step
+            self.logger.info(f"warning: checkpoint at step {state.step} NOT saved: {error}; "
+                             "training on (checkpoint.on_error: warn)")
+            return
         state.last_checkpoint = checkpoint_path(cfg.checkpoint_dir, state.step)
         state.saved_step = state.step
 
-    def finish(self, totals: Throughput, recent_losses: deque[float], status: str) -> None:
+    def finish(self, status: str) -> None:
         """Collective: the run's data-wait share is averaged over all ranks."""
+        totals, recent_losses = self.totals, self.recent_losses
         waits = self.backend.allreduce_sum({"wait": totals.data_wait_s, "step": totals.step_s})
         summary = {
             "status": status, "framework": self.cfg.framework, "world_size": self.dist.size,
@@ -314,10 +431,24 @@ class Trainer:
             "train_seconds": totals.step_s, "samples_per_s": totals.samples_per_s,
             "data_wait_share": waits["wait"] / waits["step"] if waits["step"] else 0.0,
             "checkpoint": str(self.state.last_checkpoint) if self.state.last_checkpoint else None,
+            "recovery": asdict(self.recovery), "recovery_text": self.recovery.describe(),
             "pipeline": self.train_pipe.stats(),
         }
         self.logger.summary(summary)
 
 
+def valid_sample_ids(micro_batches: list[dict[str, Any]]) -> list[int]:
+    """The global ids (__index__) of the real samples of a step's micro-batches."""
+    ids: list[int] = []
+    for batch in micro_batches:
+        index = np.asarray(batch["__index__"])
+        ids.extend(index[np.asarray(batch["__valid__"], dtype=bool)].tolist())
+    return ids
+
+
 def train(cfg: RunConfig) -> int:
+    if cfg.elastic.enabled:
+        from train.elastic import ElasticTrainer
+
+        return ElasticTrainer(cfg).run()
     return Trainer(cfg).run()

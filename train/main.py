@@ -1,14 +1,22 @@
-"""`ringfeed train CONFIG [--set key=value ...] [--resume auto|none|PATH] [--print-config]`.
+"""`ringfeed train CONFIG [--set key=value ...] [--resume auto|none|PATH] [--elastic]
+[--print-config]`.
 
 The config is loaded and validated here, before torch, TensorFlow or Horovod is imported, so a
 bad config fails in about a second with one line and exit 2 on every rank.
+
+Errors that a relaunch cannot fix (bad config or data, NaN loss, a checkpoint that cannot be
+written) also print `ringfeed: not restartable: <why>` on stdout: launchers such as horovodrun
+do not pass a rank's exit code on, and `ringfeed run` stops relaunching when it sees that line.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from shards.errors import UserError
+from train.supervise import NO_RESTART_EXIT_CODES, NO_RESTART_MARKER
 
 
 def register(subparsers) -> None:
@@ -17,8 +25,9 @@ def register(subparsers) -> None:
         help="train a model on shards with Horovod (PyTorch or TensorFlow)",
         description="Train on 1 process, or on N under `horovodrun -np N` / `mpirun`. "
                     "One YAML config drives either framework (framework: torch|tensorflow).",
-        epilog="Exit codes: 0 done, 2 bad config or data, 3 loss became NaN/inf, "
-               "143 stopped by SIGTERM after saving a checkpoint.",
+        epilog="Exit codes: 0 done, 2 bad config or data, 3 loss became NaN/inf, 4 a "
+               "checkpoint could not be written, 143 stopped by SIGTERM after saving a "
+               "checkpoint. Recovery (restarts, elastic): train/RECOVERY.md.",
     )
     p.add_argument("config", nargs="?", help="YAML config (see --print-config for all keys)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -26,12 +35,25 @@ def register(subparsers) -> None:
     p.add_argument("--resume", default=None, metavar="auto|none|PATH",
                    help="auto: newest complete checkpoint in checkpoint.dir; none; or a "
                         "checkpoint directory (overrides checkpoint.resume)")
+    p.add_argument("--elastic", action="store_true",
+                   help="Horovod Elastic: run under `horovodrun --min-np N --max-np M "
+                        "--host-discovery-script SCRIPT`; workers may leave and join "
+                        "(sets elastic.enabled)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (all defaults filled in) and exit")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except UserError as e:
+        if e.exit_code in NO_RESTART_EXIT_CODES:
+            print(f"{NO_RESTART_MARKER} {e}", file=sys.stdout, flush=True)
+        raise
+
+
+def _run(args: argparse.Namespace) -> int:
     from train.config import load_config, template
 
     if args.config is None:
@@ -41,10 +63,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("train: a CONFIG file is required (`ringfeed train --print-config` "
                         "shows every key with its default)")
     cfg = load_config(args.config, args.overrides, resume=args.resume,
-                      check_paths=not args.print_config)
+                      check_paths=not args.print_config, elastic=args.elastic)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    if cfg.elastic.enabled and os.environ.get("HOROVOD_ELASTIC") != "1":
+        raise UserError("elastic.enabled needs an elastic launch: horovodrun --min-np N "
+                        "--max-np M --host-discovery-script SCRIPT ... ringfeed train CONFIG "
+                        "--elastic (train/RECOVERY.md)")
     from train.loop import train
 
     return train(cfg)

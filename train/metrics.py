@@ -152,6 +152,14 @@ class RunLogger:
         self.window = Throughput()
         self._window_loss = 0.0
 
+    def event(self, step: int, details: dict[str, Any]) -> None:
+        """A non-metric record in metrics.jsonl (e.g. an elastic reset), not in TensorBoard."""
+        if self.enabled:
+            assert self._jsonl is not None
+            self._jsonl.write(json.dumps({"step": step, **details,
+                                          "time": round(time.time(), 3)}) + "\n")
+            self._jsonl.flush()
+
     def validation(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
@@ -190,6 +198,8 @@ class RunLogger:
             lines.append(f"  tensorboard        {self.out_dir / 'tensorboard'}")
         if summary.get("checkpoint"):
             lines.append(f"  last checkpoint    {summary['checkpoint']}")
+        if summary.get("recovery_text"):
+            lines.append(f"  recovery           {summary['recovery_text']}")
         self.info("\n".join(lines))
 
     def close(self) -> None:
@@ -199,6 +209,31 @@ class RunLogger:
             self._jsonl.close()
         if self._events is not None:
             self._events.close()
+
+
+class SampleLog:
+    """`samples.jsonl`: per optimizer step, the global sample ids (__index__) every rank
+    trained on, `{"step", "epoch", "ids": [[rank 0's], [rank 1's], ...]}`. Rank 0 writes; a
+    resumed or rolled-back run rewrites it from its step on, like metrics.jsonl, so it holds
+    exactly the steps that made the current weights."""
+
+    def __init__(self, out_dir: Path, enabled: bool, start_step: int = 0):
+        self._file: IO[str] | None = None
+        if enabled:
+            path = Path(out_dir) / "samples.jsonl"
+            _truncate_after(path, start_step)
+            self._file = open(path, "a")  # noqa: SIM115 - closed in close()
+
+    def step(self, step: int, epoch: int, ids_per_rank: list[list[int]]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, "epoch": epoch, "ids": ids_per_rank})
+                             + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def _truncate_after(path: Path, step: int) -> None:

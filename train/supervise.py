@@ -3,11 +3,14 @@
     ringfeed run --max-restarts 3 -- horovodrun -np 8 -H a:4,b:4 ringfeed train cfg.yaml
 
 If the job exits non-zero, it is started again with `--resume auto` added to its `ringfeed train`
-command (so it continues from the newest complete checkpoint), up to --max-restarts times with
-exponential backoff. Errors a restart cannot fix stop it at once: a job that exits with code 2
-(bad config or input) or whose output carries ringfeed's not-restartable marker (e.g. corrupt data
-under the `fail` policy), which every rank prints before it exits. SIGTERM/SIGINT to the
-supervisor are forwarded to the job and end supervision (a scheduler asked the job to stop).
+command (replacing any --resume; so it continues from the newest complete checkpoint), up to
+--max-restarts times with exponential backoff; RINGFEED_RESTART_COUNT tells the job which
+attempt it is (the trainer reports it). Errors a restart cannot fix stop it at once: a job that
+exits with code 2 (bad config or input), 3 (loss became NaN: it would again) or 4 (checkpoint
+cannot be written), or whose output carries ringfeed's not-restartable marker, which the
+trainer prints before such an exit (launchers like horovodrun do not pass exit codes on).
+SIGTERM/SIGINT to the supervisor are forwarded to the job and end supervision (a scheduler asked
+the job to stop).
 """
 
 from __future__ import annotations
@@ -20,15 +23,26 @@ import sys
 import time
 
 NO_RESTART_MARKER = "ringfeed: not restartable:"
-NO_RESTART_EXIT_CODES = {2}
+NO_RESTART_EXIT_CODES = {2, 3, 4}  # bad config/data, NaN loss, checkpoint unwritable
 RESTART_ENV = "RINGFEED_RESTART_COUNT"
 
 
 def with_resume_auto(cmd: list[str]) -> list[str]:
-    """Add `--resume auto` to the `ringfeed train` part of a launcher command (once)."""
-    if "--resume" in cmd or not any(a.endswith("ringfeed") for a in cmd) or "train" not in cmd:
+    """The launcher command with its `ringfeed train` part resuming from the newest complete
+    checkpoint: `--resume auto` replaces any --resume it had (a restart must not start over,
+    nor reload a fixed older checkpoint)."""
+    if not any(a.endswith("ringfeed") for a in cmd) or "train" not in cmd:
         return list(cmd)
-    return [*cmd, "--resume", "auto"]
+    kept: list[str] = []
+    skip = False
+    for arg in cmd:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith("--resume="):
+            kept.append(arg)
+    return [*kept, "--resume", "auto"]
 
 
 class Supervisor:

@@ -12,6 +12,7 @@ are identical on every rank, so an overflow on one rank skips the step on all of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ import horovod.tensorflow as hvd
 import keras
 import numpy as np
 import tensorflow as tf
+from horovod.common.elastic import ObjectState
+from horovod.common.exceptions import HorovodInternalError
 
 from train.backend import STATS_LOSS, Dist, StepResult, metric_sums
 from train.data import DataSpec, split_batch
@@ -179,7 +182,10 @@ class TFBackend:
         return None
 
     def write_payload(self, directory: Path, rng_states: Any) -> None:
-        self.checkpoint.write(str(Path(directory) / CHECKPOINT_PREFIX))
+        try:
+            self.checkpoint.write(str(Path(directory) / CHECKPOINT_PREFIX))
+        except tf.errors.OpError as e:  # a full disk, a read-only directory: the I/O error
+            raise OSError(e.message.strip().splitlines()[0]) from e
 
     def read_payload(self, directory: Path) -> None:
         status = self.checkpoint.read(str(Path(directory) / CHECKPOINT_PREFIX))
@@ -191,3 +197,61 @@ class TFBackend:
 
     def weights(self) -> list[Any]:
         return [v.numpy().copy() for v in self.model.weights]
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        return hvd.allgather_object(obj, name="ringfeed_gather")
+
+    # -- elastic ------------------------------------------------------------------------------
+    def refresh_dist(self) -> Dist:
+        self.dist = Dist(hvd.rank(), hvd.size(), hvd.local_rank())
+        return self.dist
+
+    def elastic_state(self, **values: Any) -> ObjectState:
+        variables = self.model.variables + self.optimizer.variables
+        return VariablesState([v.value for v in variables], **values)
+
+    def elastic_run(self, fn: Callable) -> Callable:
+        def reraised(state, *args, **kwargs):
+            # A collective inside a tf.function fails with a TF error; Horovod's wrapper only
+            # recognises some op names (not HorovodGroupedAllreduce), so say it here.
+            try:
+                return fn(state, *args, **kwargs)
+            except tf.errors.OpError as e:
+                if "Horovod" in (e.message or ""):
+                    raise HorovodInternalError(e) from e
+                raise
+
+        return hvd.elastic.run(reraised)
+
+    def after_rollback(self) -> None:
+        pass
+
+
+class VariablesState(ObjectState):
+    """Horovod elastic state over a list of tf.Variables (model and optimizer), plus plain
+    values. Horovod's TensorFlowState broadcasts the variables when it is *constructed*, a
+    collective that a worker joining a running job would enter alone, and in eager mode its
+    sync() does not broadcast them at all; this one broadcasts in sync()."""
+
+    def __init__(self, variables: list[tf.Variable], **values: Any):
+        self.variables = variables
+        self._save_variables()
+        super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, root_rank=0),
+                         get_rank=hvd.rank, **values)
+
+    def _save_variables(self) -> None:
+        self._saved_values = [v.numpy() for v in self.variables]
+
+    def save(self) -> None:
+        self._save_variables()
+        super().save()
+
+    def restore(self) -> None:
+        for variable, value in zip(self.variables, self._saved_values, strict=True):
+            variable.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        hvd.broadcast_variables(self.variables, root_rank=0)
+        self._save_variables()
+        super().sync()

@@ -9,15 +9,19 @@ average, so GradScaler skips the step on all of them together.
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
+from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 
 from train.backend import Dist, StepResult, metric_sums
+from train.checkpoint import open_for_write
 from train.data import DataSpec, split_batch
 from train.models import build_model
 from train.userhooks import load_callable
@@ -172,10 +176,11 @@ class TorchBackend:
         return gathered if self.dist.is_root else None
 
     def write_payload(self, directory: Path, rng_states: Any) -> None:
-        torch.save({"model": self.model.state_dict(),
-                    "optimizer": self.optimizer.state_dict(),
-                    "scaler": self.scaler.state_dict(),
-                    "rng": rng_states}, Path(directory) / STATE_FILE)
+        with open_for_write(Path(directory) / STATE_FILE) as f:
+            torch.save({"model": self.model.state_dict(),
+                        "optimizer": self.optimizer.state_dict(),
+                        "scaler": self.scaler.state_dict(),
+                        "rng": rng_states}, f)
 
     def read_payload(self, directory: Path) -> None:
         # weights_only: tensors and plain containers only, no arbitrary pickle.
@@ -206,3 +211,71 @@ class TorchBackend:
 
     def weights(self) -> list[Any]:
         return [v.detach().cpu().numpy().copy() for v in self.model.state_dict().values()]
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        return hvd.allgather_object(obj, name="ringfeed.gather")
+
+    # -- elastic ------------------------------------------------------------------------------
+    def refresh_dist(self) -> Dist:
+        self.dist = Dist(hvd.rank(), hvd.size(), hvd.local_rank())
+        return self.dist
+
+    def elastic_state(self, **values: Any) -> hvd.elastic.TorchState:
+        """Horovod's TorchState over the model, the optimizer and the GradScaler, plus plain
+        `values`; optimizer and scaler use the handlers below."""
+        ours = {torch.amp.GradScaler: _ScalerHandler, torch.optim.Optimizer: _OptimizerHandler}
+        set_handler_registry(list(ours.items()) +
+                             [(t, h) for t, h in get_handler_registry() if t not in ours])
+        return hvd.elastic.TorchState(model=self.model, optimizer=self.optimizer,
+                                      scaler=self.scaler, **values)
+
+    def elastic_run(self, fn: Callable) -> Callable:
+        return hvd.elastic.run(fn)
+
+    def after_rollback(self) -> None:
+        # A step cut short by the failure leaves partial gradients behind (restoring the
+        # optimizer already dropped Horovod's pending allreduce handles).
+        for p in self.model.parameters():
+            p.grad = None
+
+
+class _OptimizerHandler(StateHandler):
+    """Horovod's own handler syncs with broadcast_optimizer_state, which gives an optimizer
+    without state (a joining worker's) one zero-gradient step - applying weight decay to
+    weights already synced. Broadcasting the state dict keeps every replica identical."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        super().__init__(optimizer)
+        self.save()
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)  # also resets Horovod's pending allreduces
+
+    def sync(self) -> None:
+        state = hvd.broadcast_object(self.value.state_dict(), root_rank=0,
+                                     name="ringfeed.elastic.optimizer")
+        self.value.load_state_dict(state)
+
+
+class _ScalerHandler(StateHandler):
+    """The fp16 GradScaler's scale and growth tracker (empty when fp16 is off)."""
+
+    def __init__(self, scaler: torch.amp.GradScaler):
+        super().__init__(scaler)
+        self.save()
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        if self._saved:
+            self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        state = hvd.broadcast_object(self.value.state_dict(), root_rank=0,
+                                     name="ringfeed.elastic.scaler")
+        if state:
+            self.value.load_state_dict(state)
