@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -288,11 +289,12 @@ def test_wds_index_of_webdataset_shardwriter_output(capsys, tmp_path):
     assert len(list(wds.WebDataset(urls, shardshuffle=False))) == 32
 
 
-def test_benchmark_quick_mode(tmp_path):
+def test_benchmark_quick_mode(tmp_path, monkeypatch):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("shard_bench", REPO / "benchmarks" / "shard_bench.py")
     bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "shard_bench", bench)  # its pool tasks pickle by module
     spec.loader.exec_module(bench)
     results = bench.main(["--quick", "--mb", "2", "--results", str(tmp_path / "results"),
                      "--data-dir", str(tmp_path / "data")])
