@@ -11,15 +11,20 @@ t0) reaches them through a small shared-memory buffer written before each pass.
 
 Loader workers ignore SIGTERM and SIGUSR1: a scheduler that signals the whole process group
 (Slurm, `kill -TERM -PGID`) must not kill them while the training process is saving the
-checkpoint those signals ask for. They still exit with their parent (DataLoader's watchdog).
+checkpoint those signals ask for. They stop when told (`close()`, or DataLoader's own shutdown
+when the loader is dropped) or when their parent dies (DataLoader's watchdog). Since
+multiprocessing's exit handler stops leftover children with SIGTERM and then waits for them,
+loaders still open at interpreter exit are closed by an exit handler of this module first.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing
 import signal
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -89,6 +94,14 @@ class _WorkerInit:
             self.then(worker_id)
 
 
+_open_loaders: weakref.WeakSet[TorchLoader] = weakref.WeakSet()
+
+
+def _close_open_loaders() -> None:
+    for loader in list(_open_loaders):
+        loader.close()
+
+
 class TorchLoader:
     """Iterate for one pass over the rest of the current epoch (the next epoch once this one
     is complete); `len()` is the full epoch's batch count."""
@@ -110,10 +123,21 @@ class TorchLoader:
         options.update(loader_kwargs)
         if workers > 0:
             options["worker_init_fn"] = _WorkerInit(options.get("worker_init_fn"))
+            if not _open_loaders:  # registered after multiprocessing's: runs before it
+                atexit.unregister(_close_open_loaders)
+                atexit.register(_close_open_loaders)
+            _open_loaders.add(self)
         self.loader = DataLoader(dataset, **options)
 
     def __len__(self) -> int:
         return self.pipe.batches_per_epoch
+
+    def close(self) -> None:
+        """Stop the worker processes now (iterating again starts new ones)."""
+        iterator, self.loader._iterator = self.loader._iterator, None  # the persistent one
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         pipe = self.pipe

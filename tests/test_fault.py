@@ -140,8 +140,7 @@ def resume_and_compare(cfg: Path, run_dir: Path, reference: Path, resumed_at: in
     return res.output
 
 
-@pytest.mark.parametrize("seed, fault", [(1, "kill-at-step"), (2, "kill-at-step"),
-                                         (3, "kill-in-checkpoint-write")])
+@pytest.mark.parametrize("seed, fault", [(1, "kill-at-step"), (3, "kill-in-checkpoint-write")])
 def test_sigkill_then_resume_auto_is_bit_identical(tmp_path, shards, torch_reference, seed,
                                                    fault):
     rng = random.Random(seed)
@@ -219,7 +218,9 @@ def test_sigterm_to_every_process_of_the_job_saves_then_resumes(tmp_path, shards
         os.killpg(job.pid, signal.SIGTERM)
     finally:
         code, output = finish(job, timeout=240)
-    assert code != 0 and "Exit code: 143" in output, output[-4000:]
+    # (horovodrun reports the first process to end: a rank's `sh -c` wrapper, killed by the
+    # same SIGTERM, or a rank that saved and exited 143)
+    assert code != 0 and "ringfeed train: stopped by SIGTERM at step" in output, output[-4000:]
     stopped = json.loads((run_dir / "summary.json").read_text())
     assert stopped["status"] == "stopped by SIGTERM" and step <= stopped["step"] < STEPS
     assert f"ckpt-{stopped['step']:09d} (signal)" in output
@@ -318,3 +319,27 @@ def test_read_only_checkpoint_dir_fails_before_training(tmp_path, shards, small_
     out = ringfeed_forked(["train", cfg], tmp_path / "ro.log")
     assert out.code == 4 and "Read-only file system" in out.output, out.output[-3000:]
     assert "step 1/" not in out.output
+
+
+# -- loader workers and SIGTERM ---------------------------------------------------------------
+EXIT_WITH_OPEN_LOADER = """
+import os, signal, sys, time
+from pipeline import ShardPipeline
+from pipeline.torch import make_loader
+pipe = ShardPipeline(sys.argv[1], batch_size=4, num_workers=2, rank=0, world_size=1)
+loader = make_loader(pipe)
+next(iter(loader))
+cycle = {"loader": loader}
+cycle["cycle"] = cycle  # not freed before exit: the exit handler must stop the workers
+pids = [w.pid for w in loader.loader._iterator._workers]
+for pid in pids:
+    os.kill(pid, signal.SIGTERM)
+time.sleep(0.5)
+print("workers alive after SIGTERM:", all(os.path.exists(f"/proc/{p}") for p in pids))
+"""
+
+
+def test_loader_workers_outlive_sigterm_and_do_not_block_exit(shards):
+    res = run([BIN / "python", "-c", EXIT_WITH_OPEN_LOADER, shards], timeout=90)
+    assert not res.timed_out, "the process hung at exit"
+    assert res.returncode == 0 and "workers alive after SIGTERM: True" in res.stdout, res.output

@@ -49,6 +49,7 @@ class ElasticTrainer(Trainer):
             stopped = self.backend.elastic_run(self._generation)(state, signals)
         finally:
             signals.restore()
+            self.close_loaders()
             self.close_logs()
         return EXIT_PREEMPTED if stopped else 0
 

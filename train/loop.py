@@ -192,6 +192,7 @@ class Trainer:
     def build_pipelines(self) -> None:
         """The train (and val) pipelines of this rank at the current world size."""
         cfg, dist = self.cfg, self.dist
+        self.close_loaders()  # made for another rank/size; new ones when training starts
         self.train_pipe = make_pipeline(cfg, "train", dist.rank, dist.size)
         self.val_pipe = (make_pipeline(cfg, "val", dist.rank, dist.size)
                          if cfg.val_source else None)
@@ -202,7 +203,6 @@ class Trainer:
                 f"data.train: {self.train_pipe.batches_per_epoch} batches of "
                 f"{cfg.data.batch_size} per rank per epoch on {dist.size} ranks is fewer than "
                 f"train.accumulate={k} (lower data.batch_size or train.accumulate)")
-        self.loader = self.val_loader = None  # made when training starts
 
     def plan(self) -> None:
         """Steps to run and the lr schedule, from the pipeline's position and the world size:
@@ -228,6 +228,14 @@ class Trainer:
                                 start_step=self.state.step)
         if cfg.output.sample_log:
             self.sample_log = SampleLog(out, self.dist.is_root, start_step=self.state.step)
+
+    def close_loaders(self) -> None:
+        """Stop loader worker processes (torch) now rather than at interpreter exit."""
+        for loader in (getattr(self, "loader", None), getattr(self, "val_loader", None)):
+            close = getattr(loader, "close", None)
+            if close is not None:
+                close()
+        self.loader = self.val_loader = None
 
     def close_logs(self) -> None:
         for log in (self.logger, self.sample_log):
@@ -294,6 +302,7 @@ class Trainer:
             self.wrap_up(stopped)
         finally:
             signals.restore()
+            self.close_loaders()
             self.close_logs()
         return EXIT_PREEMPTED if stopped else 0
 
