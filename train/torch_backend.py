@@ -222,8 +222,8 @@ class TorchBackend:
 
     def elastic_state(self, **values: Any) -> hvd.elastic.TorchState:
         """Horovod's TorchState over the model, the optimizer and the GradScaler, plus plain
-        `values`; optimizer and scaler use the handlers below."""
-        ours = {torch.amp.GradScaler: _ScalerHandler, torch.optim.Optimizer: _OptimizerHandler}
+        `values`; optimizer and scaler use the handler below."""
+        ours = {torch.amp.GradScaler: _StateDictHandler, torch.optim.Optimizer: _StateDictHandler}
         set_handler_registry(list(ours.items()) +
                              [(t, h) for t, h in get_handler_registry() if t not in ours])
         return hvd.elastic.TorchState(model=self.model, optimizer=self.optimizer,
@@ -239,43 +239,24 @@ class TorchBackend:
             p.grad = None
 
 
-class _OptimizerHandler(StateHandler):
-    """Horovod's own handler syncs with broadcast_optimizer_state, which gives an optimizer
-    without state (a joining worker's) one zero-gradient step - applying weight decay to
-    weights already synced. Broadcasting the state dict keeps every replica identical."""
+class _StateDictHandler(StateHandler):
+    """Elastic state of an object with state_dict()/load_state_dict(), synced by broadcasting
+    rank 0's state dict: the optimizer (Horovod's own handler syncs it with
+    broadcast_optimizer_state, which gives an optimizer without state - a joining worker's - one
+    zero-gradient step, applying weight decay to weights already synced) and the GradScaler."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        super().__init__(optimizer)
+    def __init__(self, value: Any):
+        super().__init__(value)
         self.save()
 
     def save(self) -> None:
         self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
-        self.value.load_state_dict(self._saved)  # also resets Horovod's pending allreduces
+        # (the optimizer's load_state_dict also drops Horovod's pending allreduce handles)
+        self.value.load_state_dict(self._saved)
 
     def sync(self) -> None:
         state = hvd.broadcast_object(self.value.state_dict(), root_rank=0,
-                                     name="ringfeed.elastic.optimizer")
+                                     name=f"ringfeed.elastic.{type(self.value).__name__}")
         self.value.load_state_dict(state)
-
-
-class _ScalerHandler(StateHandler):
-    """The fp16 GradScaler's scale and growth tracker (empty when fp16 is off)."""
-
-    def __init__(self, scaler: torch.amp.GradScaler):
-        super().__init__(scaler)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        if self._saved:
-            self.value.load_state_dict(self._saved)
-
-    def sync(self) -> None:
-        state = hvd.broadcast_object(self.value.state_dict(), root_rank=0,
-                                     name="ringfeed.elastic.scaler")
-        if state:
-            self.value.load_state_dict(state)
