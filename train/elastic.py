@@ -69,14 +69,13 @@ class ElasticTrainer(Trainer):
             lost = self.backend.broadcast_object(self._lost_steps)
             r = self.recovery
             r.elastic_resets += 1
-            r.rollbacks += lost > 0
+            r.rollbacks += int(lost > 0)
             r.steps_redone += lost
+            rolled = f"rolled back {lost} step(s); " if lost else ""
             self.say(f"elastic: {self.dist.size} rank(s) from step {self.state.step} (epoch "
-                     f"{self.state.epoch}); " + ("rolled back " + str(lost) + " step(s); "
-                                                 if lost else "") +
-                     f"so far {r.elastic_resets} reset(s), {r.rollbacks} rollback(s); global "
-                     f"batch {self.global_batch}, peak lr {self.schedule.peak:.3g}, "
-                     f"{self.total_steps} steps")
+                     f"{self.state.epoch}); {rolled}so far {r.elastic_resets} reset(s), "
+                     f"{r.rollbacks} rollback(s); global batch {self.global_batch}, peak lr "
+                     f"{self.schedule.peak:.3g}, {self.total_steps} steps")
         self.close_logs()
         self.open_logs()
         if not first:
