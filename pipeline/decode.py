@@ -52,6 +52,11 @@ class Decoder:
 
     def __post_init__(self) -> None:
         self.image_size = as_pair(self.image_size)
+        # An image folder of mixed formats gives samples with `jpg` or `png` members. Decoded
+        # they are the same thing, so each sample's one image goes under the manifest's first
+        # image field: every batch then has the same fields.
+        image_fields = [name for name, kind in self.fields.items() if kind == "image"]
+        self._image_field = image_fields[0] if len(image_fields) > 1 else None
         if self.normalize is not None:  # (x / 255 - mean) / std == x * scale - shift
             mean, std = (np.asarray(v, dtype=np.float32) for v in self.normalize)
             self._scale = 1.0 / (255.0 * std)
@@ -72,6 +77,10 @@ class Decoder:
                     sample[name] = self.decode_field(name, value)
                 except Exception as e:
                     raise DecodeError(f"field {name!r}: {type(e).__name__}: {e}") from e
+        if self._image_field is not None:
+            images = [name for name in sample if self.kind(name) == "image"]
+            if len(images) == 1 and images[0] != self._image_field:
+                sample[self._image_field] = sample.pop(images[0])
         if self.transform is not None:
             sample = self.transform(sample)
         return sample
