@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import json
 import multiprocessing
+import multiprocessing.util
 import signal
 import time
 import weakref
@@ -102,6 +103,26 @@ def _close_open_loaders() -> None:
         loader.close()
 
 
+def _stop_workers_at_exit() -> None:
+    """Workers ignore SIGTERM, and multiprocessing's exit handler stops leftover children with
+    SIGTERM and then joins them: any worker still alive then (a loader dropped without close(),
+    whose DataLoader iterator could only SIGTERM it) would hang the exit forever. Close what is
+    open, then SIGKILL the loader workers left."""
+    _close_open_loaders()
+    for proc in list(_worker_processes):
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+# Every worker process a TorchLoader started (the Process objects forget their target).
+_worker_processes: weakref.WeakSet = weakref.WeakSet()
+
+
+# Runs in multiprocessing's exit handler before it terminates and joins children.
+multiprocessing.util.Finalize(None, _stop_workers_at_exit, exitpriority=100)
+
+
 class TorchLoader:
     """Iterate for one pass over the rest of the current epoch (the next epoch once this one
     is complete); `len()` is the full epoch's batch count."""
@@ -145,6 +166,7 @@ class TorchLoader:
         self._state.write({"epoch": plan.epoch, "segments": pipe.state_dict()["segments"],
                            "t0": t0})
         batches = iter(self.loader)
+        _worker_processes.update(getattr(batches, "_workers", ()))
         while True:
             started = time.perf_counter()
             try:
