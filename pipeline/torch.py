@@ -19,7 +19,6 @@ loaders still open at interpreter exit are closed by an exit handler of this mod
 
 from __future__ import annotations
 
-import atexit
 import json
 import multiprocessing
 import multiprocessing.util
@@ -144,9 +143,6 @@ class TorchLoader:
         options.update(loader_kwargs)
         if workers > 0:
             options["worker_init_fn"] = _WorkerInit(options.get("worker_init_fn"))
-            if not _open_loaders:  # registered after multiprocessing's: runs before it
-                atexit.unregister(_close_open_loaders)
-                atexit.register(_close_open_loaders)
             _open_loaders.add(self)
         self.loader = DataLoader(dataset, **options)
 
