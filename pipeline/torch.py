@@ -19,6 +19,7 @@ loaders still open at interpreter exit are closed by an exit handler of this mod
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing
 import multiprocessing.util
@@ -105,9 +106,13 @@ def _close_open_loaders() -> None:
 def _stop_workers_at_exit() -> None:
     """Workers ignore SIGTERM, and multiprocessing's exit handler stops leftover children with
     SIGTERM and then joins them: any worker still alive then (a loader dropped without close(),
-    whose DataLoader iterator could only SIGTERM it) would hang the exit forever. Close what is
-    open, then SIGKILL the loader workers left."""
-    _close_open_loaders()
+    or one whose shutdown torch skipped because its own exit flag was already set) would hang
+    the exit forever. SIGKILL the loader workers left."""
+    if not any(proc.is_alive() for proc in list(_worker_processes)):
+        return
+    # DataLoader's SIGCHLD handler raises in this thread when a worker dies by a signal: that
+    # would abort this loop and leave the remaining workers to hang the join
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for proc in list(_worker_processes):
         if proc.is_alive():
             proc.kill()
@@ -143,6 +148,12 @@ class TorchLoader:
         options.update(loader_kwargs)
         if workers > 0:
             options["worker_init_fn"] = _WorkerInit(options.get("worker_init_fn"))
+            if not _open_loaders:
+                # atexit runs last-registered first: registered again now, the close runs before
+                # torch's exit hook sets the flag that turns DataLoader's worker shutdown into a
+                # no-op, and before multiprocessing terminates and joins the children
+                atexit.unregister(_close_open_loaders)
+                atexit.register(_close_open_loaders)
             _open_loaders.add(self)
         self.loader = DataLoader(dataset, **options)
 
