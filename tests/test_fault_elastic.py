@@ -49,6 +49,9 @@ def elastic_job(tmp_path: Path, shards: Path, framework: str, full: int):
         data={"batch_size": BATCH, "val_split": None,
               "num_workers": 1 if framework == "torch" else 0},
         train={"epochs": EPOCHS[framework], "log_every": 1},
+        # lr 0.02 per rank: at the toy config's 0.05 (x3 ranks, momentum 0.9) single steps spike
+        # to 2.5x the starting loss and 10-step means reach 0.8 of it with no reset at all
+        optim={"lr": 0.02},
         checkpoint={"every_steps": 100, "keep": 2},
         elastic={"commit_every_steps": COMMIT},
         output={"dir": str(run_dir), "tensorboard": False, "sample_log": True}))
@@ -132,9 +135,10 @@ def test_elastic_worker_killed_then_host_back(tmp_path, shards, framework, full)
     assert sizes.index(full, shrink["step"]) == grow["step"]
 
     # The loss curve: no jump at either reset beyond the rollback. Over 10 steps the loss
-    # after a reset stays near the loss before it (measured: -0.5 to +0.11 of the starting
-    # loss, the +0.11 where TF's lr doubles from 1 to 2 ranks), and below what a model restarted
-    # from fresh weights shows over its first 10 steps (0.68-0.91 of the starting loss).
+    # after a reset stays near the loss before it, and below what a model restarted from fresh
+    # weights shows over its first 10 steps. Measured on this model and data with plain torch,
+    # 6 seeds: 10-step means after step 35 at most 0.30 (3 ranks) / 0.43 (2 ranks) of the
+    # starting loss; a fresh model's first 10 steps 0.90-1.07 of it.
     loss = losses(run_dir)
     start_loss = sum(loss[s] for s in range(1, 4)) / 3
     for event in events:
@@ -143,5 +147,5 @@ def test_elastic_worker_killed_then_host_back(tmp_path, shards, framework, full)
         after = sum(loss[i] for i in range(s + 1, s + 11)) / 10
         assert after < before + 0.25 * start_loss and after < 0.6 * start_loss, \
             (event, start_loss, before, after)
-    last = sorted(loss)[-10:]
-    assert sum(loss[s] for s in last) / len(last) < 0.5 * start_loss  # and it learned
+    last = sorted(loss)[-50:]  # and it learned (measured: 0.08-0.12 of the starting loss)
+    assert sum(loss[s] for s in last) / len(last) < 0.4 * start_loss
