@@ -218,8 +218,9 @@ class ShardPipeline:
         plan, t0 = self.begin()
         streams = [WorkerStream.resuming(self.spec, plan, self.rank, w, t0)
                    for w in range(plan.config.streams)]
-        source = (iter(streams[0]) if self.num_workers == 0
-                  else _interleave(streams, t0, plan.batches, max(1, self.prefetch)))
+        # num_workers=0 with prefetch: one stream, read and decoded ahead in a thread
+        source = (iter(streams[0]) if self.num_workers == 0 and self.prefetch == 0
+                  else interleave_streams(streams, t0, plan.batches, max(1, self.prefetch)))
         try:
             while True:
                 started = time.perf_counter()
@@ -331,9 +332,10 @@ class ShardPipeline:
 _END = object()
 
 
-def _interleave(streams: list[WorkerStream], t0: int, total: int, depth: int
-                ) -> Iterator[dict[str, Any]]:
-    """Run each stream in a thread; yield batch t from stream t % W (DataLoader's order)."""
+def interleave_streams(streams: list[WorkerStream], t0: int, total: int, depth: int
+                       ) -> Iterator[dict[str, Any]]:
+    """Run each stream in a thread, `depth` batches ahead; yield batches t0..total-1, batch t
+    from stream t % W (DataLoader's order)."""
     stop = threading.Event()
     queues: list[queue.Queue] = [queue.Queue(maxsize=depth) for _ in streams]
 

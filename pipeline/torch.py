@@ -26,13 +26,13 @@ import multiprocessing.util
 import signal
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.core import ShardPipeline
+from pipeline.core import ShardPipeline, interleave_streams
 from pipeline.errors import PipelineDataError
 from pipeline.plan import Planner, Segment
 from pipeline.stream import StreamSpec, WorkerStream
@@ -60,8 +60,10 @@ class _PassState:
 
 
 class _StreamDataset(IterableDataset):
-    def __init__(self, spec: StreamSpec, planner: Planner, rank: int, state: _PassState) -> None:
+    def __init__(self, spec: StreamSpec, planner: Planner, rank: int, state: _PassState,
+                 prefetch: int) -> None:
         self.spec, self.planner, self.rank, self.state = spec, planner, rank, state
+        self.prefetch = prefetch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -71,8 +73,13 @@ class _StreamDataset(IterableDataset):
         t0 = state["t0"]
         w = ((info.id if info else 0) + t0) % plan.config.streams
         stream = WorkerStream.resuming(self.spec, plan, self.rank, w, t0)
+        batches: Iterable[dict[str, Any]] = stream
+        if info is None and self.prefetch > 0:
+            # num_workers=0: read and decode in a thread, ahead of the training loop, so the
+            # next batch is decoded while this process waits on an allreduce
+            batches = interleave_streams([stream], t0, plan.batches, self.prefetch)
         try:
-            for batch in stream:
+            for batch in batches:
                 if info is not None:  # small arrays travel as lists: a tensor each would cost
                     for name in _SMALL_FIELDS:  # a shared-memory segment per batch
                         batch[name] = batch[name].tolist()
@@ -135,7 +142,7 @@ class TorchLoader:
         self.pipe = pipe
         self._state = _PassState()
         dataset = _StreamDataset(pipe.spec, Planner(pipe.layout, pipe.seed, pipe.shuffle),
-                                 pipe.rank, self._state)
+                                 pipe.rank, self._state, pipe.prefetch)
         workers = pipe.num_workers
         options: dict[str, Any] = {
             "batch_size": None,  # the streams batch themselves

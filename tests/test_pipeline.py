@@ -145,6 +145,7 @@ def test_resume_skips_consumed_shards_and_does_not_decode_consumed_samples(tmp_p
     for _ in range(5):  # 20 samples: shards 0 and 1 complete, shard 2 half
         next(it)
     state = pipe.state_dict()
+    it.close()  # stops its read-ahead thread
     decoded.clear()
     again = make(tmp_path, shuffle=False, decode=count_decode)
     again.load_state_dict(state)
