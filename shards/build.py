@@ -11,13 +11,13 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 from shards.errors import UserError
-from shards.fsutil import sha256_file
+from shards.fsutil import publish, sha256_file
 from shards.journal import JOURNAL, Journal
 from shards.manifest import Manifest, ShardInfo, Split
 from shards.options import ShardOptions
@@ -127,34 +127,55 @@ def _clean_out_dir(out: Path, fresh: bool) -> None:
             p.unlink(missing_ok=True)
 
 
-def _write_task(shared: tuple[Source, Path, Progress], shard: PlannedShard) -> ShardInfo:
+def _write_task(shared: tuple[Source, Path, Progress], shard: PlannedShard
+                ) -> tuple[ShardInfo, Path]:
     source, out, progress = shared
     return write_shard(source, shard, out, progress.on_sample if progress.enabled else None)
 
 
 def _write_all(source: Source, todo: list[PlannedShard], opts: ShardOptions,
                finished: Callable[[ShardInfo], None]) -> None:
+    """Write `todo` (in `opts.workers` processes); each written temp file is published (fsync +
+    rename) and then reported to `finished`, in one thread of this process, so waiting for the
+    disk overlaps building the next shards."""
     progress = Progress(sum(s.num_samples for s in todo), opts.progress)
-    try:
-        workers = min(opts.workers, len(todo))
-        if workers <= 1:
-            for shard in todo:
-                finished(_write_task((source, opts.out, progress), shard))
-            return
-        with fork_pool(workers, (source, opts.out, progress)) as pool:
-            pending = {pool.submit(pool_task(_write_task), s) for s in todo}
-            try:
-                while pending:
-                    done, pending = wait(pending, timeout=Progress.REFRESH_S,
-                                         return_when=FIRST_COMPLETED)
-                    for future in done:
-                        finished(future.result())
-                    progress.refresh()
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-    finally:
-        progress.close()
+    publishing: list[Future] = []
+
+    def publish_and_report(info: ShardInfo, tmp: Path) -> None:
+        publish(tmp, opts.out / info.name)
+        finished(info)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="ringfeed-publish") as publisher:
+        def written(result: tuple[ShardInfo, Path]) -> None:
+            publishing.append(publisher.submit(publish_and_report, *result))
+
+        try:
+            workers = min(opts.workers, len(todo))
+            if workers <= 1:
+                for shard in todo:
+                    written(_write_task((source, opts.out, progress), shard))
+            else:
+                _write_in_pool(workers, todo, (source, opts.out, progress), written, progress)
+            for future in publishing:
+                future.result()
+        finally:
+            progress.close()
+
+
+def _write_in_pool(workers: int, todo: list[PlannedShard], shared: tuple, written: Callable,
+                   progress: Progress) -> None:
+    with fork_pool(workers, shared) as pool:
+        pending = {pool.submit(pool_task(_write_task), s) for s in todo}
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=Progress.REFRESH_S,
+                                     return_when=FIRST_COMPLETED)
+                for future in done:
+                    written(future.result())
+                progress.refresh()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
 def _manifest(source: Source, opts: ShardOptions, shards: list[PlannedShard],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import tempfile
@@ -35,13 +36,22 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-class HashingIO:
-    """Wraps a file being read or written: sha256 and byte count of what passes through."""
+class HashingIO(io.RawIOBase):
+    """Wraps a file being read or written: sha256 and byte count of what passes through.
+    A raw stream: `io.BufferedWriter(HashingIO(f), 1 << 20)` turns many small writes (tarfile
+    writes 10 KB records) into few large ones, with one Python call per megabyte."""
 
     def __init__(self, f: IO[bytes]):
+        super().__init__()
         self._f = f
         self.sha256 = hashlib.sha256()
         self.size = 0
+
+    def readable(self) -> bool:
+        return self._f.readable()
+
+    def writable(self) -> bool:
+        return self._f.writable()
 
     def _seen(self, data: bytes) -> bytes:
         self.sha256.update(data)
@@ -51,8 +61,9 @@ class HashingIO:
     def read(self, n: int = -1) -> bytes:
         return self._seen(self._f.read(n))
 
-    def write(self, data: bytes) -> int:
-        return self._f.write(self._seen(data))
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self._f.write(self._seen(data))
+        return len(data)
 
     def flush(self) -> None:
         self._f.flush()
@@ -70,22 +81,41 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     Readers see the old file or the complete new one, never a partial one; on an exception the
     temp file is removed and `path` is untouched.
     """
+    with temp_open(path, mode) as (f, tmp):
+        yield f
+    publish(tmp, path)
+
+
+@contextmanager
+def temp_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[tuple[IO, Path]]:
+    """(file, temp path) of a new temp file beside `path`, closed and kept on success, removed on
+    an exception; `publish(temp, path)` makes it `path` (possibly later, in another thread)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+            yield f, Path(tmp)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """fsync a finished temp file, give it open()'s permissions and rename it to `path`
+    (durable: the directory is fsynced too). The temp file is removed if this fails."""
+    path = Path(path)
+    try:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # flushes the file's dirty pages, whichever descriptor wrote them
             # mkstemp makes the file private (0600); give it the permissions open() would
-            os.fchmod(f.fileno(), 0o666 & ~_umask())
+            os.fchmod(fd, 0o666 & ~_umask())
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
 
