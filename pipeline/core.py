@@ -6,6 +6,7 @@ resume) and plan.py for the arithmetic behind them.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import sys
@@ -91,6 +92,7 @@ class ShardPipeline:
         storage_options: dict[str, Any] | None = None,
         fields: dict[str, str] | None = None,
         retries: int = 3,
+        read_ahead: bool = False,
     ) -> None:
         if batch_size < 1:
             raise PipelineError(f"batch_size must be >= 1 (got {batch_size})")
@@ -133,6 +135,11 @@ class ShardPipeline:
         self._stats = PipelineStats()
         self.epoch = 0
         self.segments = [Segment(self.config)]
+        # threads already reading the pass expected next, and what triggers that read-ahead
+        self._ahead: tuple[tuple, StreamReader] | None = None
+        self._last_batch_of_pass: tuple[int, int, int] | None = None
+        # a trainer turns this off for its last epoch: nothing reads past the end of the run
+        self.read_ahead = bool(read_ahead)
 
     # -- sizes --------------------------------------------------------------------------
     @property
@@ -216,11 +223,9 @@ class ShardPipeline:
         """Batches in the order torch's DataLoader with `num_workers` workers yields them.
         `count`: mark a batch consumed when it is handed out (else the caller marks it)."""
         plan, t0 = self.begin()
-        streams = [WorkerStream.resuming(self.spec, plan, self.rank, w, t0)
-                   for w in range(plan.config.streams)]
-        # num_workers=0 with prefetch: one stream, read and decoded ahead in a thread
-        source = (iter(streams[0]) if self.num_workers == 0 and self.prefetch == 0
-                  else interleave_streams(streams, t0, plan.batches, max(1, self.prefetch)))
+        reader = self._reader(plan, t0)
+        source = reader.batches() if reader is not None else iter(
+            WorkerStream.resuming(self.spec, plan, self.rank, 0, t0))
         try:
             while True:
                 started = time.perf_counter()
@@ -231,6 +236,8 @@ class ShardPipeline:
                 yield self.received(batch, time.perf_counter() - started, count)
         finally:
             source.close()
+            if reader is not None:
+                reader.close()
 
     def received(self, batch: dict[str, Any], waited_s: float, count: bool = True
                  ) -> dict[str, Any]:
@@ -252,12 +259,16 @@ class ShardPipeline:
             if current:
                 seg = self.segments[-1]
                 seg.batches_consumed = max(seg.batches_consumed, t + 1)
+            read_ahead = (self.read_ahead and current
+                          and (epoch, segment, t) == self._last_batch_of_pass)
         if not current:
             if strict:
                 raise PipelineError("set_epoch/load_state_dict was called during iteration; "
                                     "start a new iteration")
             return False
         self._stats.consumed(samples)
+        if read_ahead:
+            self._read_ahead(epoch + 1)
         return True
 
     def peek_sample(self) -> dict[str, Any]:
@@ -292,6 +303,44 @@ class ShardPipeline:
             if self._epoch_complete():
                 self._start_epoch(self.epoch + 1)
             return self._plans()[-1], self.segments[-1].batches_consumed
+
+    def _reader(self, plan: SegmentPlan, t0: int) -> StreamReader | None:
+        """The threads that read this pass (None: read in the consumer's thread): the ones
+        started ahead for it when it is the pass that was expected, else new ones."""
+        if self.num_workers == 0 and self.prefetch == 0:
+            return None
+        with self._lock:
+            key = _pass_key(self.epoch, self.segments)
+            ahead, self._ahead = self._ahead, None
+            self._last_batch_of_pass = (plan.epoch, plan.index, plan.batches - 1)
+        if ahead is not None:
+            if ahead[0] == key:
+                return ahead[1]
+            ahead[1].close()
+        streams = [WorkerStream.resuming(self.spec, plan, self.rank, w, t0)
+                   for w in range(plan.config.streams)]
+        return StreamReader(streams, t0, plan.batches, max(1, self.prefetch))
+
+    def _read_ahead(self, epoch: int) -> None:
+        """The last batch of a pass went out: start reading epoch `epoch` now (its first batch
+        waits for the shuffle buffer to fill), so the consumer's next pass finds it under way
+        while it finishes the step, validates, checkpoints."""
+        segments = [Segment(self.config)]
+        plan = self._planner.plans(epoch, segments)[-1]
+        streams = [WorkerStream.resuming(self.spec, plan, self.rank, w, 0)
+                   for w in range(plan.config.streams)]
+        reader = StreamReader(streams, 0, plan.batches, max(1, self.prefetch))
+        with self._lock:
+            old, self._ahead = self._ahead, (_pass_key(epoch, segments), reader)
+        if old is not None:
+            old[1].close()
+
+    def close(self) -> None:
+        """Stop reading ahead (threads reading the next epoch before it is asked for)."""
+        with self._lock:
+            ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].close()
 
     def _plans(self) -> list[SegmentPlan]:
         return self._planner.plans(self.epoch, self.segments)
@@ -332,15 +381,28 @@ class ShardPipeline:
 _END = object()
 
 
-def interleave_streams(streams: list[WorkerStream], t0: int, total: int, depth: int
-                       ) -> Iterator[dict[str, Any]]:
-    """Run each stream in a thread, `depth` batches ahead; yield batches t0..total-1, batch t
-    from stream t % W (DataLoader's order)."""
-    stop = threading.Event()
-    queues: list[queue.Queue] = [queue.Queue(maxsize=depth) for _ in streams]
+def _pass_key(epoch: int, segments: list[Segment]) -> tuple:
+    """What decides a pass's batches: the epoch and its segments (with their consumed counts)."""
+    return epoch, tuple(json.dumps(seg.to_dict(), sort_keys=True) for seg in segments)
 
-    def put(q: queue.Queue, item: Any) -> bool:
-        while not stop.is_set():
+
+class StreamReader:
+    """A pass's worker streams, each running in a thread `depth` batches ahead of the consumer
+    from the moment this is made. `batches()` yields batches t0..total-1, batch t from stream
+    t % W (DataLoader's order); `close()` stops the threads."""
+
+    def __init__(self, streams: list[WorkerStream], t0: int, total: int, depth: int) -> None:
+        self.t0, self.total = t0, total
+        self._stop = threading.Event()
+        self._queues: list[queue.Queue] = [queue.Queue(maxsize=depth) for _ in streams]
+        self._threads = [threading.Thread(target=self._produce, args=(s, q), daemon=True,
+                                          name=f"ringfeed-stream-{i}")
+                         for i, (s, q) in enumerate(zip(streams, self._queues, strict=True))]
+        for th in self._threads:
+            th.start()
+
+    def _put(self, q: queue.Queue, item: Any) -> bool:
+        while not self._stop.is_set():
             try:
                 q.put(item, timeout=0.1)
                 return True
@@ -348,42 +410,39 @@ def interleave_streams(streams: list[WorkerStream], t0: int, total: int, depth: 
                 continue
         return False
 
-    def produce(stream: WorkerStream, q: queue.Queue) -> None:
+    def _produce(self, stream: WorkerStream, q: queue.Queue) -> None:
         items = iter(stream)
         try:
             for item in items:
-                if not put(q, item):
+                if not self._put(q, item):
                     return
-            put(q, _END)
+            self._put(q, _END)
         except BaseException as e:  # handed to the consumer, raised there
-            put(q, e)
+            self._put(q, e)
         finally:
             items.close()
 
-    threads = [threading.Thread(target=produce, args=(s, q), daemon=True,
-                                name=f"ringfeed-stream-{i}")
-               for i, (s, q) in enumerate(zip(streams, queues, strict=True))]
-    for th in threads:
-        th.start()
-    try:
-        for t in range(t0, total):
-            w = t % len(streams)
+    def batches(self) -> Iterator[dict[str, Any]]:
+        streams = len(self._queues)
+        for t in range(self.t0, self.total):
+            w = t % streams
             while True:
                 try:
-                    item = queues[w].get(timeout=1.0)
+                    item = self._queues[w].get(timeout=1.0)
                     break
                 except queue.Empty:
-                    if not threads[w].is_alive() and queues[w].empty():
+                    if not self._threads[w].is_alive() and self._queues[w].empty():
                         raise RuntimeError(f"worker stream {w} stopped without a result") from None
             if isinstance(item, BaseException):
                 raise item
             if item is _END:
-                raise RuntimeError(f"worker stream {w} ended early at batch {t} of {total}")
+                raise RuntimeError(f"worker stream {w} ended early at batch {t} of {self.total}")
             yield item
-    finally:
-        stop.set()
-        for q in queues:  # unblock producers waiting on a full queue
+
+    def close(self) -> None:
+        self._stop.set()
+        for q in self._queues:  # unblock producers waiting on a full queue
             while not q.empty():
                 q.get_nowait()
-        for th in threads:  # they stop at their next put; don't wait out a download
+        for th in self._threads:  # they stop at their next put; don't wait out a download
             th.join(timeout=0.5)

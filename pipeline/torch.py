@@ -6,6 +6,9 @@ lists) in exactly the order of `iter(pipe)`: DataLoader worker i runs worker str
 round-robin picks up where the consumed batches stopped. Each batch handed to the caller
 advances the pipeline's consumed counter (so `pipe.state_dict()` is exact).
 
+With num_workers=0 the DataLoader only turns arrays into tensors: batches come from the
+pipeline's own threads (`ShardPipeline.iterate`), which also read the next epoch ahead.
+
 Persistent workers keep their copy of the dataset, so the iteration to run (epoch, segments,
 t0) reaches them through a small shared-memory buffer written before each pass.
 
@@ -26,13 +29,13 @@ import multiprocessing.util
 import signal
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.core import ShardPipeline, interleave_streams
+from pipeline.core import ShardPipeline
 from pipeline.errors import PipelineDataError
 from pipeline.plan import Planner, Segment
 from pipeline.stream import StreamSpec, WorkerStream
@@ -60,10 +63,10 @@ class _PassState:
 
 
 class _StreamDataset(IterableDataset):
-    def __init__(self, spec: StreamSpec, planner: Planner, rank: int, state: _PassState,
-                 prefetch: int) -> None:
+    """What each DataLoader worker process runs: its worker stream of the pass in `state`."""
+
+    def __init__(self, spec: StreamSpec, planner: Planner, rank: int, state: _PassState) -> None:
         self.spec, self.planner, self.rank, self.state = spec, planner, rank, state
-        self.prefetch = prefetch
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -71,21 +74,28 @@ class _StreamDataset(IterableDataset):
         segments = [Segment.from_dict(d, {}) for d in state["segments"]]
         plan = self.planner.plans(state["epoch"], segments)[-1]
         t0 = state["t0"]
-        w = ((info.id if info else 0) + t0) % plan.config.streams
+        w = (info.id + t0) % plan.config.streams
         stream = WorkerStream.resuming(self.spec, plan, self.rank, w, t0)
-        batches: Iterable[dict[str, Any]] = stream
-        if info is None and self.prefetch > 0:
-            # num_workers=0: read and decode in a thread, ahead of the training loop, so the
-            # next batch is decoded while this process waits on an allreduce
-            batches = interleave_streams([stream], t0, plan.batches, self.prefetch)
         try:
-            for batch in batches:
-                if info is not None:  # small arrays travel as lists: a tensor each would cost
-                    for name in _SMALL_FIELDS:  # a shared-memory segment per batch
-                        batch[name] = batch[name].tolist()
+            for batch in stream:
+                # small arrays travel as lists: a tensor each would cost a shared-memory
+                # segment per batch
+                for name in _SMALL_FIELDS:
+                    batch[name] = batch[name].tolist()
                 yield batch
         except PipelineDataError as e:  # a clean one-line error, not a worker traceback
             yield {"__error__": str(e)}
+
+
+class _PassDataset(IterableDataset):
+    """num_workers=0: the pipeline's own pass, read in its threads (ahead of the training
+    loop, so decoding overlaps the step and its allreduce waits), consumption not counted."""
+
+    def __init__(self, pipe: ShardPipeline) -> None:
+        self.pipe = pipe
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self.pipe.iterate(count=False)
 
 
 class _WorkerInit:
@@ -141,9 +151,9 @@ class TorchLoader:
     def __init__(self, pipe: ShardPipeline, **loader_kwargs: Any) -> None:
         self.pipe = pipe
         self._state = _PassState()
-        dataset = _StreamDataset(pipe.spec, Planner(pipe.layout, pipe.seed, pipe.shuffle),
-                                 pipe.rank, self._state, pipe.prefetch)
         workers = pipe.num_workers
+        dataset = (_StreamDataset(pipe.spec, Planner(pipe.layout, pipe.seed, pipe.shuffle),
+                                  pipe.rank, self._state) if workers > 0 else _PassDataset(pipe))
         options: dict[str, Any] = {
             "batch_size": None,  # the streams batch themselves
             "num_workers": workers,
@@ -176,6 +186,12 @@ class TorchLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         pipe = self.pipe
+        if pipe.num_workers == 0:
+            for batch in self.loader:  # tensors now (pinned with CUDA)
+                tag = batch.pop("__batch__")
+                pipe.mark_consumed(tag.tolist(), len(batch["__index__"]), strict=True)
+                yield batch
+            return
         plan, t0 = pipe.begin()
         self._state.write({"epoch": plan.epoch, "segments": pipe.state_dict()["segments"],
                            "t0": t0})

@@ -66,6 +66,7 @@ def make_pipeline(cfg, split: str, rank: int, world_size: int):
         cache_limit=d.cache_limit,
         prefetch=d.prefetch,
         allow_pipe=d.allow_pipe,
+        read_ahead=training,  # the loop turns it off for the last epoch
         **hooks,
     )
 

@@ -230,8 +230,10 @@ class Trainer:
             self.sample_log = SampleLog(out, self.dist.is_root, start_step=self.state.step)
 
     def close_loaders(self) -> None:
-        """Stop loader worker processes (torch) now rather than at interpreter exit."""
-        for loader in (getattr(self, "loader", None), getattr(self, "val_loader", None)):
+        """Stop loader worker processes (torch) and read-ahead threads now rather than at
+        interpreter exit."""
+        for loader in (getattr(self, "loader", None), getattr(self, "val_loader", None),
+                       getattr(self, "train_pipe", None)):  # the pipe's read-ahead threads
             close = getattr(loader, "close", None)
             if close is not None:
                 close()
@@ -318,6 +320,9 @@ class Trainer:
             if self.train_pipe.batches_remaining == 0:  # (also when resumed at its end)
                 self.train_pipe.set_epoch(self.train_pipe.epoch + 1)
             state.epoch = self.train_pipe.epoch
+            # read the next epoch ahead only if the run goes on into it
+            self.train_pipe.read_ahead = (
+                state.step + self.train_pipe.batches_remaining // k < self.total_steps)
             for micro, waited in micro_batch_groups(self.loader, k):
                 if self.step(micro, waited, signals):
                     return True
