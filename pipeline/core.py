@@ -317,6 +317,9 @@ class ShardPipeline:
             if ahead[0] == key:
                 return ahead[1]
             ahead[1].close()
+        return self._start_reader(plan, t0)
+
+    def _start_reader(self, plan: SegmentPlan, t0: int) -> StreamReader:
         streams = [WorkerStream.resuming(self.spec, plan, self.rank, w, t0)
                    for w in range(plan.config.streams)]
         return StreamReader(streams, t0, plan.batches, max(1, self.prefetch))
@@ -326,10 +329,7 @@ class ShardPipeline:
         waits for the shuffle buffer to fill), so the consumer's next pass finds it under way
         while it finishes the step, validates, checkpoints."""
         segments = [Segment(self.config)]
-        plan = self._planner.plans(epoch, segments)[-1]
-        streams = [WorkerStream.resuming(self.spec, plan, self.rank, w, 0)
-                   for w in range(plan.config.streams)]
-        reader = StreamReader(streams, 0, plan.batches, max(1, self.prefetch))
+        reader = self._start_reader(self._planner.plans(epoch, segments)[-1], 0)
         with self._lock:
             old, self._ahead = self._ahead, (_pass_key(epoch, segments), reader)
         if old is not None:

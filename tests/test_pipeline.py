@@ -156,6 +156,35 @@ def test_resume_skips_consumed_shards_and_does_not_decode_consumed_samples(tmp_p
     assert decoded["n"] == 12
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_read_ahead_yields_the_same_epochs_and_yields_to_a_loaded_state(uneven, workers):
+    """The next epoch read ahead (started when an epoch's last batch goes out) is the epoch a
+    fresh pass would read; after load_state_dict the read-ahead pass is not the one asked for
+    and is dropped."""
+    def epochs(pipe, n):
+        return [collect(pipe) for _ in range(n)]
+
+    plain = epochs(make(uneven, num_workers=workers), 3)
+    ahead = make(uneven, num_workers=workers, read_ahead=True)
+    assert epochs(ahead, 3) == plain
+    assert ahead._ahead is not None  # epoch 3 under way
+    ahead.close()
+    assert ahead._ahead is None
+
+    # epoch 0 read fully (epoch 1 now read ahead), then back to 2 batches into epoch 0
+    partial = make(uneven, num_workers=workers)
+    it = iter(partial)
+    next(it), next(it)
+    state = partial.state_dict()
+    it.close()
+    again = make(uneven, num_workers=workers, read_ahead=True)
+    collect(again)
+    again.load_state_dict(state)
+    assert collect(again) == plain[0][2:]
+    assert epochs(again, 2) == plain[1:]
+    again.close()
+
+
 def test_state_of_another_dataset_is_refused(uneven, tmp_path):
     write_shards(tmp_path, [4, 4])
     with pytest.raises(PipelineError, match="num_samples"):
