@@ -150,10 +150,12 @@ class TorchLoader:
 
     def __init__(self, pipe: ShardPipeline, **loader_kwargs: Any) -> None:
         self.pipe = pipe
-        self._state = _PassState()
         workers = pipe.num_workers
-        dataset = (_StreamDataset(pipe.spec, Planner(pipe.layout, pipe.seed, pipe.shuffle),
-                                  pipe.rank, self._state) if workers > 0 else _PassDataset(pipe))
+        dataset: IterableDataset = _PassDataset(pipe)
+        if workers > 0:  # worker processes learn each pass from shared memory
+            self._state = _PassState()
+            dataset = _StreamDataset(pipe.spec, Planner(pipe.layout, pipe.seed, pipe.shuffle),
+                                     pipe.rank, self._state)
         options: dict[str, Any] = {
             "batch_size": None,  # the streams batch themselves
             "num_workers": workers,

@@ -33,14 +33,14 @@ def write_shard(source: Source, shard: PlannedShard, out_dir: Path,
     path = out_dir / shard.name
     with temp_open(path, "wb") as (f, tmp):
         out = HashingIO(f)
-        buffered = io.BufferedWriter(out, buffer_size=WRITE_BUFFER)
-        with TarWriter(buffered, encoder=False, mtime=TAR_MTIME, user=TAR_OWNER, group=TAR_OWNER,
-                       mode=TAR_MODE) as tar:
+        # closed before `f` is: closing flushes the buffer into `out`, which leaves `f` open
+        with io.BufferedWriter(out, buffer_size=WRITE_BUFFER) as buffered, \
+                TarWriter(buffered, encoder=False, mtime=TAR_MTIME, user=TAR_OWNER,
+                          group=TAR_OWNER, mode=TAR_MODE) as tar:
             for index in shard.indices:
                 size = tar.write(source.sample(shard.part, int(index)))
                 if on_sample:
                     on_sample(size)
-        buffered.flush()
         if out.size != shard.bytes:
             # sizes come from the scan; a difference means the input changed since
             raise UserError(f"{path}: {out.size} bytes written, {shard.bytes} planned: did "
