@@ -8,7 +8,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO
 
@@ -106,13 +106,8 @@ def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
     (durable: the directory is fsynced too). The temp file is removed if this fails."""
     path = Path(path)
     try:
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # flushes the file's dirty pages, whichever descriptor wrote them
-            # mkstemp makes the file private (0600); give it the permissions open() would
-            os.fchmod(fd, 0o666 & ~_umask())
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private (0600); as open() would
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -142,14 +137,16 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or directory by name (a file's dirty pages, whichever descriptor wrote
+    them)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)
+
+
+def _fsync_dir(directory: Path) -> None:
+    with suppress(OSError):  # best effort: some filesystems refuse fsync on directories
+        fsync_path(directory)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from shards.errors import UserError
-from shards.fsutil import sha256_file
+from shards.fsutil import fsync_path, sha256_file
 from train import faults
 
 PREFIX = "ckpt-"
@@ -86,7 +86,7 @@ def write_checkpoint(directory: Path, step: int, meta: dict[str, Any],
         if final.exists():  # the same step saved twice (e.g. a signal on the last step)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync(directory)
+        fsync_path(directory)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(describe_write_error(final, e)) from e
@@ -156,20 +156,12 @@ def probe_writable(directory: Path) -> None:
         raise CheckpointWriteError(describe_write_error(directory, e)) from e
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(directory: Path) -> None:
     """Payload files and their directory reach the disk before the rename publishes them."""
     for p in directory.rglob("*"):
         if p.is_file():
-            _fsync(p)
-    _fsync(directory)
+            fsync_path(p)
+    fsync_path(directory)
 
 
 def remove_stale_temporaries(directory: Path) -> None:
