@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import os
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ import fsspec
 
 from pipeline.errors import PipelineDataError
 from pipeline.source import ShardRef, local_path
-from shards.fsutil import atomic_open
+from shards.fsutil import HashingIO, atomic_open
 
 LOCK_SUFFIX = ".lock"
 PART_SUFFIX = ".tmp"  # atomic_open's temp files: .<name>.<random>.tmp
@@ -173,16 +174,14 @@ class ShardCache:
     def _download(self, ref: ShardRef, path: Path) -> int:
         """Stream the shard into a temp file (hashing as it goes) and rename it into place;
         on any error the temp file is removed and `path` untouched."""
-        digest, size = hashlib.sha256(), 0
-        with atomic_open(path) as out, self._remote(ref) as src:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                out.write(chunk)
-                size += len(chunk)
-            if ref.sha256 is not None and digest.hexdigest() != ref.sha256:
+        with atomic_open(path) as f, self._remote(ref) as src:
+            out = HashingIO(f)
+            shutil.copyfileobj(src, out, 1 << 20)
+            digest = out.sha256.hexdigest()
+            if ref.sha256 is not None and digest != ref.sha256:
                 raise _ChecksumMismatch(f"expected sha256 {ref.sha256[:12]}..., "
-                                        f"got {digest.hexdigest()[:12]}...")
-        return size
+                                        f"got {digest[:12]}...")
+        return out.size
 
     def _remote(self, ref: ShardRef) -> IO[bytes]:
         if ref.url.startswith("pipe:"):

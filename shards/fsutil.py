@@ -66,7 +66,8 @@ class HashingIO(io.RawIOBase):
         return len(data)
 
     def flush(self) -> None:
-        self._f.flush()
+        if not self._f.closed:  # also called when this wrapper is closed or collected
+            self._f.flush()
 
     def drain(self, chunk: int = 1 << 20) -> None:
         """Read (and hash) the rest of the file."""
