@@ -5,7 +5,8 @@ process) on the same generated image folder.
     .venv/bin/python benchmarks/shard_bench.py --quick    # a few MB, seconds (smoke test)
 
 The image folder (random-content PNG and JPEG files, 10 classes) is generated once into the temp
-dir and reused. Every contender reads the same files (page cache warmed first) and writes
+dir and reused. Each run starts a fresh interpreter, as the command would, and times the work
+after its imports. Every contender reads the same files (page cache warmed first) and writes
 uncompressed tars of the original bytes plus a `cls` member to a fresh folder; the best of
 --repeat runs counts. Prints MB/s (input image bytes per second of wall time) and the ratios;
 writes benchmarks/results/shard_bench.json and .png. It measures, it does not assert.
@@ -23,6 +24,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -75,37 +78,48 @@ def _warm(src: Path) -> int:
     return sum(len(f.read_bytes()) for f, _ in _files(src))
 
 
-def run_ringfeed(src: Path, out: Path, workers: int, max_size: str) -> float:
+def run_ringfeed(src: Path, out: Path, workers: int, max_size: str) -> tuple[float, float]:
+    from train.cli import build_parser
     from train.cli import main as ringfeed
 
-    start = time.perf_counter()
+    build_parser()  # imports what `ringfeed shard` imports, outside the timing
+    start, cpu = time.perf_counter(), _cpu_seconds()
     code = ringfeed(["shard", str(src), str(out), "--format", "imagefolder", "--max-size",
                      max_size, "--workers", str(workers), "--no-progress"])
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
     if code != 0:
         raise RuntimeError(f"ringfeed shard exited {code}")
-    return seconds
+    return seconds, cpu
 
 
-def run_shardwriter(src: Path, out: Path, max_size: str) -> float:
-    from webdataset import ShardWriter
+def run_shardwriter(src: Path, out: Path, max_size: str) -> tuple[float, float]:
+    from webdataset import ShardWriter  # imports torch, outside the timing
 
     from shards.fsutil import parse_size
 
     out.mkdir(parents=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     with ShardWriter(str(out / "shard-%06d.tar"), maxsize=parse_size(max_size),
                      maxcount=10**9, verbose=0) as sink:
         for path, label in _files(src):
             sink.write({"__key__": f"{path.parent.name}_{path.stem}",
                         path.suffix[1:]: path.read_bytes(), "cls": label})
-    return time.perf_counter() - start
+    return time.perf_counter() - start, _cpu_seconds() - cpu
 
 
 def _cpu_seconds() -> float:
     """User + system CPU of this process and its finished children (the forked writers)."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def in_fresh_process(run: Callable[..., tuple[float, float]], *args: object
+                     ) -> tuple[float, float]:
+    """`run(*args)` (its wall and CPU seconds, imports excluded) in a new interpreter: each
+    contender starts as its command would, with only its own imports (webdataset's pull in
+    torch, and a process that forks writers pays for the memory it forks)."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(run, *args).result()
 
 
 def _hash_work(rounds: int) -> None:
@@ -169,12 +183,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     src = image_folder(mb, args.data_dir)
     data_bytes = _warm(src)
-    import webdataset  # noqa: F401  (imports torch: keep it out of the timings)
-
-    from train.cli import build_parser
-
-    build_parser()  # imports the command modules once, outside the timings
-
     seconds: dict[str, list[float]] = {"ShardWriter (1 proc)": [], "ringfeed K=1": [],
                                        "ringfeed K=2": []}
     cpu: dict[str, list[float]] = {name: [] for name in seconds}
@@ -186,14 +194,14 @@ def main(argv: list[str] | None = None) -> dict:
             ceilings.append(parallel_ceiling(2 if args.quick else 16))
             for name in seconds:
                 out = work / f"{name.split()[-1]}-{r}"
-                cpu_before = _cpu_seconds()
                 if name.startswith("ShardWriter"):
-                    seconds[name].append(run_shardwriter(src, out, max_size))
+                    wall, cpu_s = in_fresh_process(run_shardwriter, src, out, max_size)
                 else:
                     workers = int(name[-1])
-                    seconds[name].append(run_ringfeed(src, out, workers, max_size))
+                    wall, cpu_s = in_fresh_process(run_ringfeed, src, out, workers, max_size)
                     digests[workers] = _digests(out)
-                cpu[name].append(_cpu_seconds() - cpu_before)
+                seconds[name].append(wall)
+                cpu[name].append(cpu_s)
                 shutil.rmtree(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)

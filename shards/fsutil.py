@@ -65,6 +65,10 @@ class HashingIO(io.RawIOBase):
         self._f.write(self._seen(data))
         return len(data)
 
+    def tell(self) -> int:
+        """Bytes passed through: the position in a file wrapped at its start (tarfile asks)."""
+        return self.size
+
     def flush(self) -> None:
         if not self._f.closed:  # also called when this wrapper is closed or collected
             self._f.flush()

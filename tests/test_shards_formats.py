@@ -52,6 +52,35 @@ def test_imagefolder_original_bytes_classes_and_manifest(capsys, tmp_path, image
     assert headers == {(946684800, "ringfeed", 0, 0, 0o444)}
 
 
+def test_imagefolder_tells_formats_by_content(capsys, tmp_path):
+    """Common formats by signature, the rest by PIL's `Image.open`; a file's own image
+    extension names its member, a file without one gets the format's."""
+    from PIL import Image
+
+    pixels = Image.fromarray(np.random.default_rng(0).integers(0, 256, (8, 8, 3), np.uint8))
+    src = tmp_path / "src" / "a"
+    src.mkdir(parents=True)
+    for name, fmt in [("g.gif", "GIF"), ("b.bmp", "BMP"), ("p.ppm", "PPM"), ("w.webp", "WEBP"),
+                      ("t.tif", "TIFF"), ("j.jpeg", "JPEG"), ("bare", "PNG"), ("d.dat", "JPEG"),
+                      ("i.ico", "ICO")]:
+        pixels.save(src / name, format=fmt)
+    (src / "fake.png").write_text("a png in name only")
+    (src / "empty.jpg").write_bytes(b"")
+    out = tmp_path / "out"
+    code, _, err = cli(capsys, "shard", src.parent, out, "--format", "imagefolder")
+    assert code == 0, err
+    m = manifest(out)
+    assert {s["path"].rsplit("/", 1)[1]: s["reason"] for s in m["skipped"]} == {
+        "fake.png": "not an image (PIL cannot identify it)",
+        "empty.jpg": "not an image (PIL cannot identify it)",
+        "i.ico": "unsupported image format ICO"}
+    [shard] = m["splits"]["train"]["shards"]
+    stored = {name.rsplit(".", 1)[0]: name.split(".", 1)[1] for name, _ in members(out / shard["name"])
+              if not name.endswith(".cls")}
+    assert stored == {"a_g": "gif", "a_b": "bmp", "a_p": "ppm", "a_w": "webp", "a_t": "tiff",
+                      "a_j": "jpg", "a_bare": "png", "a_d": "jpg"}
+
+
 def test_webdataset_and_tar_read_the_shards(capsys, tmp_path, images):
     import webdataset as wds
 
