@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -51,6 +52,14 @@ def created_by() -> str:
 def shard_dataset(opts: ShardOptions) -> ShardRun:
     start = time.monotonic()
     check_out_dir(opts.out, opts.overwrite, opts.src)
+    try:
+        return _shard(opts, start)
+    except OSError as e:  # disk full, no permission, input gone: the file, the reason, resume
+        raise UserError(f"{e.filename or opts.out}: {e.strerror or e}; fix that and run the same "
+                        "command again (finished shards are kept)") from e
+
+
+def _shard(opts: ShardOptions, start: float) -> ShardRun:
     source = open_source(opts)
     try:
         shards = plan_shards(source, opts)
@@ -137,9 +146,9 @@ def _write_all(source: Source, todo: list[PlannedShard], opts: ShardOptions,
                finished: Callable[[ShardInfo], None]) -> None:
     """Write `todo` (in `opts.workers` processes); each written temp file is published (fsync +
     rename) and then reported to `finished`, in one thread of this process, so waiting for the
-    disk overlaps building the next shards."""
+    disk overlaps building the next shards. A failed publish stops the run at the next shard."""
     progress = Progress(sum(s.num_samples for s in todo), opts.progress)
-    publishing: list[Future] = []
+    publishing: deque[Future] = deque()
 
     def publish_and_report(info: ShardInfo, tmp: Path) -> None:
         publish(tmp, opts.out / info.name)
@@ -147,6 +156,8 @@ def _write_all(source: Source, todo: list[PlannedShard], opts: ShardOptions,
 
     with ThreadPoolExecutor(1, thread_name_prefix="ringfeed-publish") as publisher:
         def written(result: tuple[ShardInfo, Path]) -> None:
+            while publishing and publishing[0].done():
+                publishing.popleft().result()  # raises what the publish raised
             publishing.append(publisher.submit(publish_and_report, *result))
 
         try:

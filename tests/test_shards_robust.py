@@ -107,6 +107,40 @@ def test_resume_rehashes_kept_shards_and_replaces_partial_ones(capsys, tmp_path,
     assert tree_bytes(out) == tree_bytes(reference)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 48 KiB tmpfs (root only): room for a few of the test's ~10 KB shards."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_disk_full_is_one_line_keeps_finished_shards_and_resumes(capsys, tmp_path, images,
+                                                                 small_disk, workers):
+    reference, out = tmp_path / "reference", small_disk / "out"
+    assert cli(capsys, *shard_args(images, reference))[0] == 0
+    code, stdout, err = cli(capsys, *shard_args(images, out, "--workers", workers))
+    assert code == 2 and stdout == "", err
+    assert err.count("\n") == 1 and "No space left on device; fix that and run the same " \
+        "command again (finished shards are kept)" in err, err
+    finished = {name: data for name, data in tree_bytes(out).items() if name.endswith(".tar")}
+    assert finished and not [n for n in tree_bytes(out) if n.endswith(".tmp")]
+    assert all(data == (reference / name).read_bytes() for name, data in finished.items())
+
+    subprocess.run(["mount", "-o", "remount,size=1m", str(small_disk)], check=True)
+    code, stdout, err = cli(capsys, *shard_args(images, out))
+    assert code == 0, err
+    assert f"kept {len(finished)} finished shard(s)" in stdout
+    assert tree_bytes(out) == tree_bytes(reference)
+
+
 def _plan_id(args: list[str]) -> str:
     """The plan fingerprint `ringfeed ARGS` writes first into its journal."""
     from shards.cli import options_from_args
