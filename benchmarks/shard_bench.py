@@ -21,11 +21,10 @@ import multiprocessing as mp
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -113,13 +112,27 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def in_fresh_process(run: Callable[..., tuple[float, float]], *args: object
+def in_fresh_process(contender: str, src: Path, out: Path, workers: int, max_size: str
                      ) -> tuple[float, float]:
-    """`run(*args)` (its wall and CPU seconds, imports excluded) in a new interpreter: each
-    contender starts as its command would, with only its own imports (webdataset's pull in
-    torch, and a process that forks writers pays for the memory it forks)."""
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        return pool.submit(run, *args).result()
+    """(wall s, CPU s) of one contender's run, imports excluded, in a new interpreter: each
+    starts as its command would, with only its own imports (webdataset's pull in torch, and a
+    process that forks writers pays for the memory it forks)."""
+    out_json = subprocess.run(
+        [sys.executable, __file__, "--contender", contender, str(src), str(out), str(workers),
+         max_size], check=True, capture_output=True, text=True, timeout=600,
+    ).stdout.splitlines()[-1]
+    wall, cpu = json.loads(out_json)
+    return wall, cpu
+
+
+def _contender(argv: list[str]) -> None:
+    """`--contender NAME SRC OUT WORKERS MAX_SIZE`: run it here, print [wall s, CPU s]."""
+    name, src, out, workers, max_size = argv
+    if name == "shardwriter":
+        timing = run_shardwriter(Path(src), Path(out), max_size)
+    else:
+        timing = run_ringfeed(Path(src), Path(out), int(workers), max_size)
+    print(json.dumps(timing))
 
 
 def _hash_work(rounds: int) -> None:
@@ -195,10 +208,10 @@ def main(argv: list[str] | None = None) -> dict:
             for name in seconds:
                 out = work / f"{name.split()[-1]}-{r}"
                 if name.startswith("ShardWriter"):
-                    wall, cpu_s = in_fresh_process(run_shardwriter, src, out, max_size)
+                    wall, cpu_s = in_fresh_process("shardwriter", src, out, 1, max_size)
                 else:
                     workers = int(name[-1])
-                    wall, cpu_s = in_fresh_process(run_ringfeed, src, out, workers, max_size)
+                    wall, cpu_s = in_fresh_process("ringfeed", src, out, workers, max_size)
                     digests[workers] = _digests(out)
                 seconds[name].append(wall)
                 cpu[name].append(cpu_s)
@@ -237,4 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--contender"]:
+        _contender(sys.argv[2:])
+    else:
+        main()
