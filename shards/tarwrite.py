@@ -61,8 +61,9 @@ class SampleTarWriter:
     def __enter__(self) -> SampleTarWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()  # a failed shard's temp file is removed unfinished
 
 
 def write_shard(source: Source, shard: PlannedShard, out_dir: Path,
