@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-count", type=int, metavar="N", help="max samples per shard")
     p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
                    help="draw this fraction of samples into a `val` split (stratified by "
-                        "class when samples have a cls)")
+                        "class when samples have a cls; text: whole documents)")
     p.add_argument("--shuffle-seed", type=int, metavar="S",
                    help="shuffle samples across shards with this seed (default: source order)")
     p.add_argument("--workers", type=int, default=1, metavar="K",

@@ -59,7 +59,7 @@ def plan_shards(source: Source, opts: ShardOptions) -> list[PlannedShard]:
 def assign_splits(source: Source, val_fraction: float, seed: int) -> dict[str, tuple[str, np.ndarray]]:
     """{split: (part, positions in the part)}; a val split is drawn from `train` when asked."""
     splits = {name: (name, np.arange(len(part))) for name, part in source.parts.items()}
-    if not val_fraction:
+    if not val_fraction or source.val_drawn:
         return splits
     if "val" in source.parts:
         raise UserError(f"{source.path} already has a val split; drop --val-fraction")

@@ -296,6 +296,53 @@ def test_text_tokenizer_from_a_module(capsys, tmp_path, monkeypatch):
     assert code == 2 and err.count("\n") == 1 and "cannot import no_such_module_xyz" in err
 
 
+BYTE_TOKENIZER_MODULE = '''
+class ByteTokenizer:
+    """The bytes of the text (ids 0-255, EOS 256), but through the module-tokenizer path."""
+    vocab_size = 257
+    eos_token_id = 256
+
+    def encode(self, text):
+        return list(text.encode())
+'''
+
+
+def _stream(out, split: str) -> list[int]:
+    """The split's tokens in packing order (sequence keys are numbered in that order)."""
+    seqs = sorted(split_samples(out, split), key=lambda s: s["__key__"])
+    return np.concatenate([load_npy(s["tokens.npy"]) for s in seqs]).tolist()
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "byte_tok:ByteTokenizer"])
+def test_text_val_fraction_draws_whole_documents(capsys, tmp_path, monkeypatch, tokenizer):
+    from shards.plan import choose_val
+
+    (tmp_path / "byte_tok.py").write_text(BYTE_TOKENIZER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    docs = [f"<document {i:02d}> ".encode() + b"words " * (1 + i % 5) for i in range(40)]
+    src = tmp_path / "corpus.jsonl"
+    src.write_text("".join(json.dumps({"text": d.decode()}) + "\n" for d in docs))
+
+    def shard(out, seed):
+        code, _, err = cli(capsys, "shard", src, out, "--format", "text", "--seq-len", "32",
+                           "--val-fraction", "0.25", "--shuffle-seed", str(seed), "--max-count",
+                           "3", "--tokenizer", tokenizer, "--workers", "2")
+        assert code == 0, err
+        return _stream(out, "train"), _stream(out, "val"), manifest(out)
+
+    def packed(documents):  # each split packs its own documents, in source order
+        stream = [t for d in documents for t in [*d, 256]]
+        return stream[: len(stream) // 32 * 32]
+
+    train, val, m = shard(tmp_path / "out", 5)
+    drawn = choose_val(40, None, 0.25, np.random.default_rng([5, 0]))  # the seeded draw
+    assert m["text"]["documents"] == 40 and m["text"]["val_documents"] == drawn.sum() == 10
+    assert val == packed([d for d, v in zip(docs, drawn, strict=True) if v])
+    assert train == packed([d for d, v in zip(docs, drawn, strict=True) if not v])
+    assert shard(tmp_path / "again", 5)[:2] == (train, val)
+    assert shard(tmp_path / "other", 6)[1] != val  # another seed draws other documents
+
+
 def test_progress_bar_when_asked(capsys, tmp_path, images):
     code, _, err = cli(capsys, "shard", images, tmp_path / "out", "--format", "imagefolder",
                        "--progress")

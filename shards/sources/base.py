@@ -52,6 +52,7 @@ class Source(ABC):
         self.text: dict[str, Any] | None = None
         self.skipped: list[dict[str, str]] = []
         self.inputs: list[tuple[str, int, int]] = []  # (file, size, mtime_ns): the plan's identity
+        self.val_drawn = False  # the source drew --val-fraction itself (text: whole documents)
 
     @abstractmethod
     def sample(self, part: str, index: int) -> dict[str, Any]:

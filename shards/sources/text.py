@@ -5,6 +5,9 @@ tokenized in order, each followed by the end-of-document id, and the stream is c
 `--seq-len` sequences (GPT-style packing: a sequence may span a document boundary, marked by the
 EOS id; the last incomplete sequence is dropped and counted). Tokens go to a work file under
 OUT, so shard writers in other processes map them instead of re-tokenizing.
+
+`--val-fraction` draws whole documents (seeded by `--shuffle-seed`) into the val split, each
+split packed on its own: no document has sequences on both sides.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +67,20 @@ def _file_tokens(tokenizer: Tokenizer, path: Path, text_field: str
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
 
 
-def _tokenize_file(shared: tuple[Tokenizer, str], path: Path) -> tuple[np.ndarray, int]:
+def _tokenize_file(shared: tuple[Tokenizer, str], path: Path) -> list[tuple[np.ndarray, int]]:
     tokenizer, text_field = shared
-    pieces = list(_file_tokens(tokenizer, path, text_field))
-    return np.concatenate([t for t, _ in pieces]), sum(n for _, n in pieces)
+    return list(_file_tokens(tokenizer, path, text_field))
+
+
+def _count_documents(path: Path) -> int:
+    """Documents in one file, as `_file_tokens` will find them: a file, or a jsonl line."""
+    if path.suffix != ".jsonl":
+        return 1
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
 
 
 class Text(Source):
@@ -81,14 +95,28 @@ class Text(Source):
         self.options = {"seq_len": opts.seq_len, "tokenizer": opts.tokenizer,
                         "text_field": opts.text_field, "glob": opts.glob}
         self._work = opts.out / WORK_DIR
+        self._made_out = not opts.out.exists()  # the work dir creates OUT: undone on failure
         self._tokens: dict[str, np.ndarray] = {}
         stats = {"documents": 0, "tokens": 0, "dropped_tokens": 0}
         try:
-            for part, path in (source_splits(opts.src) or {"train": opts.src}).items():
-                docs, total = self._tokenize(part, self._files(path, opts.glob), opts)
+            splits = source_splits(opts.src)
+            if opts.val_fraction and not splits:  # whole documents to val
+                files = self._files(opts.src, opts.glob)
+                counts = self._tokenize(files, opts, self._val_documents(files, opts))
+                stats["val_documents"] = counts["val"][0]
+                self.val_drawn = True
+            else:
+                counts = {}
+                for part, path in (splits or {"train": opts.src}).items():
+                    counts.update(self._tokenize(self._files(path, opts.glob), opts, part=part))
+            for part, (docs, total) in counts.items():
                 count = total // self.seq_len
+                if count == 0 and self.val_drawn:
+                    raise UserError(f"{opts.src}: the {part} documents hold {total} tokens, fewer "
+                                    f"than --seq-len {self.seq_len}; change --val-fraction")
                 if count == 0:
-                    raise UserError(f"{path}: {total} tokens, fewer than --seq-len {self.seq_len}")
+                    where = (splits or {}).get(part, opts.src)
+                    raise UserError(f"{where}: {total} tokens, fewer than --seq-len {self.seq_len}")
                 tokens = np.memmap(self._work / f"{part}.tokens", dtype=self.tokenizer.dtype,
                                    mode="r", shape=(total,))
                 self._tokens[part] = tokens
@@ -103,6 +131,20 @@ class Text(Source):
         self.fields = {MEMBER: "npy"}
         self.text = {**self.tokenizer.describe(), "seq_len": self.seq_len, **stats}
 
+    @staticmethod
+    def _val_documents(files: list[Path], opts: ShardOptions) -> np.ndarray:
+        """A mask over the documents of `files`, in order: the ones drawn into val."""
+        from shards.plan import choose_val  # plan imports the sources package
+
+        n = sum(_count_documents(f) for f in files)
+        seed = opts.shuffle_seed if opts.shuffle_seed is not None else 0
+        is_val = choose_val(n, None, opts.val_fraction, np.random.default_rng([seed, 0]))
+        if is_val.all() or not is_val.any():
+            raise UserError(f"--val-fraction {opts.val_fraction} of {n} document(s) in "
+                            f"{opts.src} leaves {'no train' if is_val.all() else 'no val'} "
+                            "documents (text is split by document)")
+        return is_val
+
     def _files(self, path: Path, pattern: str) -> list[Path]:
         if path.is_file():
             files = [path]
@@ -115,22 +157,34 @@ class Text(Source):
             self.record_input(f)
         return files
 
-    def _tokenize(self, part: str, files: list[Path], opts: ShardOptions) -> tuple[int, int]:
-        """Tokenize `files` in order into the part's work file: (documents, tokens)."""
+    def _tokenize(self, files: list[Path], opts: ShardOptions, is_val: np.ndarray | None = None,
+                  part: str = "train") -> dict[str, tuple[int, int]]:
+        """Tokenize `files` in order into work files: all into `part`, or document by document
+        into train and val (`is_val[i]` for the i-th document). {part: (documents, tokens)}."""
         self._work.mkdir(parents=True, exist_ok=True)
-        docs = total = 0
-        with open(self._work / f"{part}.tokens", "wb") as out:
-            if self.tokenizer.encode is None or opts.workers <= 1:
-                pieces = (piece for path in files
-                          for piece in _file_tokens(self.tokenizer, path, opts.text_field))
-            else:  # a real tokenizer is the slow part: whole files in parallel, kept in order
-                pieces = parallel_map(_tokenize_file, files, opts.workers,
-                                      (self.tokenizer, opts.text_field), 1)
-            for tokens, n in pieces:
-                out.write(tokens.tobytes())
-                docs += n
-                total += tokens.size
-        return docs, total
+        parts = [part] if is_val is None else ["train", "val"]
+        counts = {p: [0, 0] for p in parts}
+        if self.tokenizer.encode is None or opts.workers <= 1:
+            pieces = (piece for path in files
+                      for piece in _file_tokens(self.tokenizer, path, opts.text_field))
+        else:  # a real tokenizer is the slow part: whole files in parallel, kept in order
+            pieces = (piece for file_pieces in parallel_map(
+                _tokenize_file, files, opts.workers, (self.tokenizer, opts.text_field), 1)
+                for piece in file_pieces)
+        with ExitStack() as stack:
+            outs = {p: stack.enter_context(open(self._work / f"{p}.tokens", "wb")) for p in parts}
+            document = 0
+            for tokens, ended in pieces:
+                if is_val is not None:
+                    if document >= len(is_val):
+                        raise UserError(f"{opts.src}: changed while sharding (more documents "
+                                        "than counted); run the same command again")
+                    part = "val" if is_val[document] else "train"
+                outs[part].write(tokens.tobytes())
+                counts[part][0] += ended
+                counts[part][1] += tokens.size
+                document += ended
+        return {p: (docs, total) for p, (docs, total) in counts.items()}
 
     def sample(self, part: str, index: int) -> dict[str, Any]:
         start = index * self.seq_len
@@ -140,3 +194,6 @@ class Text(Source):
     def close(self) -> None:
         self._tokens.clear()
         shutil.rmtree(self._work, ignore_errors=True)
+        if self._made_out:
+            with suppress(OSError):  # removed only while empty: a failed scan leaves no OUT
+                self._work.parent.rmdir()
