@@ -2,8 +2,11 @@
 
 `--tokenizer module:attr` names an object (or a class / no-argument factory making one) with
 `encode(str) -> list[int]`, an end-of-document id (`eos_id`, `eos_token_id` or `eot_token`) and a
-vocabulary size (`vocab_size`, `n_vocab` or `len()`); e.g. a tiktoken Encoding or a Hugging Face
-tokenizer already on disk. Nothing is downloaded: the import must work offline.
+vocabulary size (`vocab_size`, `n_vocab` or `len()`, the largest when several: a Hugging Face
+tokenizer's `len()` counts the added special tokens its `vocab_size` leaves out); e.g. a tiktoken
+Encoding or a Hugging Face tokenizer already on disk. `encode_ordinary` is used where it exists
+(tiktoken): text that merely contains `<|endoftext|>` is text, not a special token. Nothing is
+downloaded: the import must work offline.
 """
 
 from __future__ import annotations
@@ -42,7 +45,11 @@ class Tokenizer:
             except UnicodeDecodeError as e:
                 raise UserError(f"{where}: not UTF-8 text ({e}); the byte-level tokenizer "
                                 "(--tokenizer bytes) takes any bytes") from None
-            ids = np.asarray(self.encode(text), dtype=np.int64)
+            try:
+                ids = np.asarray(self.encode(text), dtype=np.int64)
+            except Exception as e:  # the tokenizer's own error, tied to the document
+                raise UserError(f"{where}: tokenizer {self.name} failed ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''})") from None
             if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
                 raise UserError(f"{where}: tokenizer {self.name} returned id {int(ids.max())} "
                                 f"outside its vocabulary of {self.vocab_size}")
@@ -76,20 +83,26 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if not callable(getattr(obj, "encode", None)):
         raise UserError(f"--tokenizer {spec}: has no encode(str) method")
     eos = _first_int(obj, _EOS_ATTRS)
-    vocab = _first_int(obj, _VOCAB_ATTRS)
-    if vocab is None and hasattr(obj, "__len__"):
-        vocab = len(obj)
+    sizes = [getattr(obj, name, None) for name in _VOCAB_ATTRS] + [
+        len(obj) if hasattr(obj, "__len__") else None]
+    vocab = max((int(v) for v in sizes if _is_int(v)), default=None)
     if eos is None or vocab is None:
         missing = " or ".join(_EOS_ATTRS if eos is None else _VOCAB_ATTRS)
         raise UserError(f"--tokenizer {spec}: no {missing} attribute")
     if not 0 <= eos < vocab:
         raise UserError(f"--tokenizer {spec}: end-of-document id {eos} is outside its vocabulary ({vocab})")
-    return Tokenizer(spec, eos_id=eos, vocab_size=vocab, encode=obj.encode)
+    encode = getattr(obj, "encode_ordinary", None)
+    return Tokenizer(spec, eos_id=eos, vocab_size=vocab,
+                     encode=encode if callable(encode) else obj.encode)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _first_int(obj: object, names: tuple[str, ...]) -> int | None:
     for name in names:
         value = getattr(obj, name, None)
-        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if _is_int(value):
             return int(value)
     return None

@@ -296,6 +296,76 @@ def test_text_tokenizer_from_a_module(capsys, tmp_path, monkeypatch):
     assert code == 2 and err.count("\n") == 1 and "cannot import no_such_module_xyz" in err
 
 
+TIKTOKEN_MODULE = r'''
+import tiktoken
+
+_ranks = {bytes([i]): i for i in range(256)}
+for _merge in [b"th", b"he", b"the", b" the", b"in", b"ing"]:
+    _ranks[_merge] = len(_ranks)
+# a real tiktoken Encoding, built here instead of downloaded: byte ranks plus a few merges
+tiny = tiktoken.Encoding(
+    name="tiny", mergeable_ranks=_ranks, special_tokens={"<|endoftext|>": len(_ranks)},
+    pat_str=r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+'''
+
+
+def test_text_with_a_real_tiktoken_encoding(capsys, tmp_path, monkeypatch):
+    (tmp_path / "tiny_tiktoken.py").write_text(TIKTOKEN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tiny_tiktoken
+
+    enc = tiny_tiktoken.tiny
+    docs = ["the thing in the ring", "nothing <|endoftext|> here: just text", "sing " * 30]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = tmp_path / "out"
+    code, _, err = cli(capsys, "shard", src, out, "--format", "text", "--seq-len", "8",
+                       "--tokenizer", "tiny_tiktoken:tiny")
+    assert code == 0, err
+    m = manifest(out)
+    assert m["text"]["eos_id"] == enc.eot_token == 262 and m["text"]["vocab_size"] == enc.n_vocab
+    stream = [t for d in docs for t in [*enc.encode_ordinary(d), enc.eot_token]]
+    seqs = sorted(split_samples(out, "train"), key=lambda s: s["__key__"])
+    assert np.concatenate([load_npy(s["tokens.npy"]) for s in seqs]).tolist() == \
+        stream[: len(stream) // 8 * 8]
+    assert enc.decode(stream[: stream.index(enc.eot_token)]) == docs[0]
+
+
+ODD_TOKENIZERS_MODULE = '''
+class AddedTokens:
+    """Shaped like a Hugging Face tokenizer: `vocab_size` leaves out the added special tokens
+    (its EOS among them), `len()` counts them."""
+    vocab_size, eos_token_id = 300, 305
+
+    def __len__(self):
+        return 310
+
+    def encode(self, text):
+        return [7] * len(text.split())
+
+
+class Failing(AddedTokens):
+    def encode(self, text):
+        raise RuntimeError("cannot encode this")
+'''
+
+
+def test_text_tokenizer_size_with_added_tokens_and_its_failures(capsys, tmp_path, monkeypatch):
+    (tmp_path / "odd_tok.py").write_text(ODD_TOKENIZERS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    src = tmp_path / "doc.txt"
+    src.write_text("one two three " * 20)
+    code, _, err = cli(capsys, "shard", src, tmp_path / "out", "--format", "text", "--seq-len",
+                       "8", "--tokenizer", "odd_tok:AddedTokens")
+    assert code == 0, err
+    assert manifest(tmp_path / "out")["text"]["vocab_size"] == 310
+    code, _, err = cli(capsys, "shard", src, tmp_path / "o2", "--format", "text", "--tokenizer",
+                       "odd_tok:Failing")
+    assert code == 2 and err.count("\n") == 1
+    assert f"{src}: tokenizer odd_tok:Failing failed (RuntimeError: cannot encode this)" in err
+    assert not (tmp_path / "o2").exists()
+
+
 BYTE_TOKENIZER_MODULE = '''
 class ByteTokenizer:
     """The bytes of the text (ids 0-255, EOS 256), but through the module-tokenizer path."""
