@@ -173,16 +173,16 @@ class Text(Source):
                 for piece in file_pieces)
         with ExitStack() as stack:
             outs = {p: stack.enter_context(open(self._work / f"{p}.tokens", "wb")) for p in parts}
-            document = 0
+            document, target = 0, part
             for tokens, ended in pieces:
                 if is_val is not None:
                     if document >= len(is_val):
                         raise UserError(f"{opts.src}: changed while sharding (more documents "
                                         "than counted); run the same command again")
-                    part = "val" if is_val[document] else "train"
-                outs[part].write(tokens.tobytes())
-                counts[part][0] += ended
-                counts[part][1] += tokens.size
+                    target = "val" if is_val[document] else "train"
+                outs[target].write(tokens.tobytes())
+                counts[target][0] += ended
+                counts[target][1] += tokens.size
                 document += ended
         return {p: (docs, total) for p, (docs, total) in counts.items()}
 
