@@ -176,16 +176,19 @@ def _write_all(source: Source, todo: list[PlannedShard], opts: ShardOptions,
 def _write_in_pool(workers: int, todo: list[PlannedShard], shared: tuple, written: Callable,
                    progress: Progress) -> None:
     with fork_pool(workers, shared) as pool:
-        pending = {pool.submit(pool_task(_write_task), s) for s in todo}
+        unhanded = {pool.submit(pool_task(_write_task), s) for s in todo}
         try:
-            while pending:
-                done, pending = wait(pending, timeout=Progress.REFRESH_S,
-                                     return_when=FIRST_COMPLETED)
+            while unhanded:
+                done, _ = wait(unhanded, timeout=Progress.REFRESH_S, return_when=FIRST_COMPLETED)
                 for future in done:
                     written(future.result())
+                    unhanded.discard(future)  # its temp file is the publisher's now
                 progress.refresh()
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
+            for future in unhanded:  # written while the run failed, never to be published
+                if not future.cancelled() and future.exception() is None:
+                    future.result()[1].unlink(missing_ok=True)
             raise
 
 
