@@ -38,8 +38,8 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 class HashingIO(io.RawIOBase):
     """Wraps a file being read or written: sha256 and byte count of what passes through.
-    A raw stream: `io.BufferedWriter(HashingIO(f), 1 << 20)` turns many small writes (tarfile
-    writes 10 KB records) into few large ones, with one Python call per megabyte."""
+    A raw stream: `io.BufferedWriter(HashingIO(f), 1 << 20)` gathers many small writes (512-byte
+    tar headers) into few large ones, each hashed and written in one call."""
 
     def __init__(self, f: IO[bytes]):
         super().__init__()

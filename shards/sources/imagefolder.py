@@ -36,10 +36,11 @@ class _Found:
     mtime_ns: int
 
 
-def _without_suffix(name: str) -> str:
-    """`PurePath(name).with_suffix("")`, without building a path object per file."""
+def _split_suffix(name: str) -> tuple[str, str]:
+    """(stem, suffix without its dot) by `PurePath`'s rule, without a path object per file:
+    `a.tar.gz` -> (`a.tar`, `gz`); `a.`, `.a` and `a` have no suffix."""
     dot = name.rfind(".")
-    return name[:dot] if 0 < dot < len(name) - 1 else name
+    return (name[:dot], name[dot + 1:]) if 0 < dot < len(name) - 1 else (name, "")
 
 
 def _identify_file(_shared: Any, path: str) -> tuple[str | None, str | None]:
@@ -63,8 +64,7 @@ def _identify_file(_shared: Any, path: str) -> tuple[str | None, str | None]:
         fmt, why = _pil_format(path)
         if why:
             return None, why
-    name = os.path.basename(path)
-    own = name.rsplit(".", 1)[-1].lower() if "." in name else ""
+    own = _split_suffix(os.path.basename(path))[1].lower()
     if own in IMAGE_EXTS:
         return CANONICAL_EXT.get(own, own), None
     if fmt in PIL_EXTS:
@@ -194,7 +194,7 @@ class ImageFolder(Source):
                     self.skipped.append({"path": path, "reason": f"unreadable ({e.strerror})"})
                     continue
                 found.append(_Found(path, os.path.join(rel_root, name),
-                                    os.path.join(rel_root, _without_suffix(name)), label,
+                                    os.path.join(rel_root, _split_suffix(name)[0]), label,
                                     st.st_size, st.st_mtime_ns))
         return found
 
