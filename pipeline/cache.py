@@ -17,9 +17,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import queue
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from typing import IO, Any
 
 import fsspec
 
+from pipeline.background import BackgroundIterator
 from pipeline.errors import PipelineDataError
 from pipeline.source import ShardRef, local_path
 from shards.fsutil import HashingIO, atomic_open
@@ -101,41 +100,17 @@ class ShardCache:
         if not self.cache_dir.is_dir():
             return []
         return [p for p in self.cache_dir.iterdir()
-                if not p.name.startswith(".") and not p.name.endswith(LOCK_SUFFIX)]
+                if not p.name.startswith(".") and not p.name.endswith(LOCK_SUFFIX)
+                and not p.is_dir()]  # index/ and decoded/ keep their own entries
 
     def evict(self) -> int:
         """Remove least-recently-used unlocked entries until the cache fits; returns bytes freed."""
         if self.cache_limit is None:
             return 0
-        self._remove_stale_parts()
-        stats = []
-        for p in self.entries():
-            try:
-                st = p.stat()
-            except FileNotFoundError:
-                continue
-            stats.append((st.st_mtime, st.st_size, p))
-        total = sum(size for _, size, _ in stats)
-        freed = 0
-        for _, size, path in sorted(stats):
-            if total <= self.cache_limit:
-                break
-            if _remove_if_unused(path):
-                total -= size
-                freed += size
-        return freed
+        remove_stale_temporaries(self.cache_dir)
+        return evict_lru(self.entries(), self.cache_limit)
 
     # -- internals ----------------------------------------------------------------------
-    def _remove_stale_parts(self, age_s: float = 24 * 3600) -> None:
-        """Temp files left by a process that died mid-download (a live one renews its file)."""
-        now = time.time()
-        for p in self.cache_dir.glob(f".*{PART_SUFFIX}"):
-            try:
-                if now - p.stat().st_mtime > age_s:
-                    p.unlink()
-            except FileNotFoundError:
-                pass
-
     def _open_cached(self, ref: ShardRef) -> ShardHandle:
         path = self.entry_path(ref)
         handle = self._open_entry(ref, path, hit=True)
@@ -195,73 +170,29 @@ class ShardCache:
 
 
 class Prefetcher:
-    """Opens the shards a stream will read, up to `depth` ahead, in a background thread.
+    """Opens the shards a stream will read, up to `depth` ahead, in a background thread (only
+    when some are remote: local shards open instantly).
 
     Handles come back in order; errors surface at the position they belong to; handles fetched
     but never consumed are closed on `close()`.
     """
 
     def __init__(self, cache: ShardCache, refs: list[ShardRef], depth: int) -> None:
-        self.cache, self.refs, self.depth = cache, refs, depth
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        opened = (cache.open(ref) for ref in refs)
+        self._background: BackgroundIterator | None = None
         if depth > 0 and refs and not all(r.is_local for r in refs):
-            self._thread = threading.Thread(target=self._run, daemon=True,
-                                            name="ringfeed-prefetch")
-            self._thread.start()
+            self._background = BackgroundIterator(opened, depth, "ringfeed-prefetch",
+                                                  discard=ShardHandle.close)
+        self._items: Iterator[ShardHandle] = self._background or opened
 
     def __iter__(self) -> Iterator[ShardHandle]:
-        if self._thread is None:
-            for ref in self.refs:
-                yield self.cache.open(ref)
-            return
-        for _ in self.refs:
-            item = self._get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        return self._items
 
     def close(self) -> None:
         """Stop fetching and close what was fetched ahead. Does not wait for a download in
         progress: the thread closes that handle itself when it sees the stop."""
-        self._stop.set()
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, ShardHandle):
-                item.close()
-
-    def _get(self):
-        while True:
-            try:
-                return self._queue.get(timeout=1.0)
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise RuntimeError("shard prefetch thread died") from None
-
-    def _run(self) -> None:
-        for ref in self.refs:
-            if self._stop.is_set():
-                return
-            try:
-                item: Any = self.cache.open(ref)
-            except BaseException as e:  # delivered to the reader in order
-                item = e
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            else:
-                if isinstance(item, ShardHandle):
-                    item.close()
-                return
-            if isinstance(item, BaseException):
-                return
+        if self._background is not None:
+            self._background.close()
 
 
 class _ChecksumMismatch(Exception):
@@ -271,6 +202,38 @@ class _ChecksumMismatch(Exception):
 def _describe(e: Exception | None) -> str:
     text = str(e) or type(e).__name__
     return text.splitlines()[0][:300]
+
+
+def remove_stale_temporaries(directory: Path, age_s: float = 24 * 3600) -> None:
+    """Temp files left by a process that died mid-write (a live one renews its file)."""
+    now = time.time()
+    for p in directory.glob(f".*{PART_SUFFIX}"):
+        try:
+            if now - p.stat().st_mtime > age_s:
+                p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def evict_lru(entries: list[Path], limit: int) -> int:
+    """Remove least-recently-used (mtime) entries no reader holds until their total fits
+    `limit` bytes; returns the bytes freed."""
+    stats = []
+    for p in entries:
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        stats.append((st.st_mtime, st.st_size, p))
+    total = sum(size for _, size, _ in stats)
+    freed = 0
+    for _, size, path in sorted(stats):
+        if total <= limit:
+            break
+        if _remove_if_unused(path):
+            total -= size
+            freed += size
+    return freed
 
 
 def _remove_if_unused(path: Path) -> bool:

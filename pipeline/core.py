@@ -6,30 +6,30 @@ resume) and plan.py for the arithmetic behind them.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
+import shutil
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pipeline.background import BackgroundIterator
+from pipeline.batch import collate
 from pipeline.cache import ShardCache
 from pipeline.decode import Decoder, SampleFn, as_pair
+from pipeline.decoded_cache import DecodedStore, Uncacheable, layout_of
 from pipeline.errors import PipelineDataError, PipelineError
-from pipeline.plan import (
-    BALANCE_POLICIES,
-    Layout,
-    Planner,
-    Segment,
-    SegmentConfig,
-    SegmentPlan,
-    batches_for,
+from pipeline.plan import BALANCE_POLICIES, Layout, SegmentConfig, SegmentPlan
+from pipeline.shardread import (
+    COMPRESSED_SUFFIXES,
+    BadSample,
+    IndexStore,
+    iter_samples,
+    open_samples,
 )
-from pipeline.reader import count_samples, iter_samples
 from pipeline.source import (
     ShardRef,
     check_pipe_allowed,
@@ -38,12 +38,16 @@ from pipeline.source import (
     read_manifest,
     refs_from_manifest,
 )
+from pipeline.state import PipelineState
 from pipeline.stats import PipelineStats
-from pipeline.stream import ON_ERROR_POLICIES, StreamSpec, WorkerStream, collate
+from pipeline.stream import ON_ERROR_POLICIES, StreamSpec, WorkerStream
 from shards.fsutil import parse_size
 from shards.manifest import Manifest
 
-STATE_VERSION = 1
+DECODE_DEVICES = ("cpu", "cuda")
+# decoded_cache="auto" turns the cache on when the split's decoded samples fit cache_limit,
+# or, with no limit, this share of the free space where the cache lives
+AUTO_FREE_SHARE = 0.5
 _HOROVOD_MODULES = ("horovod.torch", "horovod.tensorflow", "horovod.tensorflow.keras",
                     "horovod.keras")
 
@@ -66,7 +70,12 @@ def horovod_rank_and_size() -> tuple[int, int]:
 class ShardPipeline:
     """Batches for this rank. `iter(pipe)` yields dicts: one stacked array (or list) per field,
     plus `__key__` (list of str), `__index__` (int64 global sample ids) and `__valid__` (bool;
-    False for `pad` repeats and for repeats standing in for skipped bad samples)."""
+    False for `pad` repeats and for repeats standing in for skipped bad samples).
+
+    Composed of small stages: the source (source.py: shard refs and counts), the position
+    (state.py over plan.py), the reader of one shard (shardread.py: indexed reads), the
+    decoded-sample cache (decoded_cache.py), the decoder (decode.py), the worker streams that
+    batch (stream.py) and the background threads that run them (background.py)."""
 
     def __init__(
         self,
@@ -93,6 +102,9 @@ class ShardPipeline:
         fields: dict[str, str] | None = None,
         retries: int = 3,
         read_ahead: bool = False,
+        decoded_cache: bool | str | os.PathLike = False,
+        decode_device: str = "cpu",
+        indexed: bool = False,
     ) -> None:
         if batch_size < 1:
             raise PipelineError(f"batch_size must be >= 1 (got {batch_size})")
@@ -102,6 +114,9 @@ class ShardPipeline:
             raise PipelineError(f"on_error must be one of {ON_ERROR_POLICIES} (got {on_error!r})")
         if num_workers < 0 or shuffle_buffer < 0 or prefetch < 0:
             raise PipelineError("num_workers, shuffle_buffer and prefetch must be >= 0")
+        if decode_device not in DECODE_DEVICES:
+            raise PipelineError(f"decode_device must be one of {DECODE_DEVICES} "
+                                f"(got {decode_device!r})")
         if rank is None or world_size is None:
             hvd_rank, hvd_size = horovod_rank_and_size()
             rank = hvd_rank if rank is None else rank
@@ -112,15 +127,25 @@ class ShardPipeline:
         self.batch_size, self.seed, self.shuffle = int(batch_size), int(seed), bool(shuffle)
         self.shuffle_buffer = int(shuffle_buffer) if shuffle else 0
         self.num_workers, self.balance, self.prefetch = int(num_workers), balance, int(prefetch)
+        self.decode_device = decode_device
+        if decode_device == "cuda":
+            from pipeline.gpu_decode import check_available
+
+            try:
+                check_available(decode_device)
+            except (ValueError, ImportError, RuntimeError) as e:
+                raise PipelineError(str(e)) from None
         self.storage_options = dict(storage_options or {})
-        self.cache = ShardCache(str(cache_dir) if cache_dir is not None else None,
-                                parse_size(cache_limit) if cache_limit is not None else None,
+        limit = parse_size(cache_limit) if cache_limit is not None else None
+        self.cache = ShardCache(str(cache_dir) if cache_dir is not None else None, limit,
                                 self.storage_options, retries=retries)
+        self.indexes = IndexStore(self.cache.cache_dir) if indexed else None
         self.manifest, refs = self._resolve(source, split, allow_pipe)
         self.refs = refs
         self.layout = Layout(np.array([r.num_samples for r in refs], dtype=np.int64))
         self.config = SegmentConfig(self.world_size, self.num_workers, self.batch_size,
                                     self.shuffle_buffer, balance)
+        self.progress = PipelineState(self.layout, self.seed, self.shuffle, self.config)
         if self.batches_per_epoch == 0:
             raise PipelineError(
                 f"{self.layout.num_samples} samples over {self.world_size} ranks give no full "
@@ -128,16 +153,14 @@ class ShardPipeline:
                 "batch_size)")
         kinds = dict(self.manifest.fields) if self.manifest else {}
         kinds.update(fields or {})
-        decoder = Decoder(kinds, as_pair(image_size), normalize, decode, transform)
-        self.spec = StreamSpec(refs, self.layout, decoder, self.cache, on_error, self.prefetch)
-        self._planner = Planner(self.layout, self.seed, self.shuffle)
-        self._lock = threading.Lock()
+        decoder = Decoder(kinds, as_pair(image_size), normalize, decode, transform,
+                          decode_images=decode_device == "cpu")
+        self.spec = StreamSpec(refs, self.layout, decoder, self.cache, on_error, self.prefetch,
+                               self.indexes)
+        self.spec.decoded = self._decoded_store(decoded_cache, limit)
         self._stats = PipelineStats()
-        self.epoch = 0
-        self.segments = [Segment(self.config)]
-        # threads already reading the pass expected next, and what triggers that read-ahead
+        # threads already reading the pass expected next
         self._ahead: tuple[tuple, StreamReader] | None = None
-        self._last_batch_of_pass: tuple[int, int, int] | None = None
         # a trainer turns this off for its last epoch: nothing reads past the end of the run
         self.read_ahead = bool(read_ahead)
 
@@ -145,14 +168,25 @@ class ShardPipeline:
     @property
     def batches_per_epoch(self) -> int:
         """Batches every rank yields in a full epoch at this configuration."""
-        return batches_for(self.layout.num_samples, self.world_size, self.batch_size,
-                           self.balance)
+        return self.progress.batches_per_epoch
 
     @property
     def batches_remaining(self) -> int:
         """Batches left in the current epoch (after a resume: what this run will still yield)."""
-        with self._lock:
-            return max(0, self._plans()[-1].batches - self.segments[-1].batches_consumed)
+        return self.progress.batches_remaining
+
+    @property
+    def epoch(self) -> int:
+        return self.progress.epoch
+
+    @property
+    def segments(self) -> list:
+        return self.progress.segments
+
+    @property
+    def decoded_cache(self) -> bool:
+        """Whether decoded samples are cached (decoded_cache=True/path, or "auto" chose it)."""
+        return self.spec.decoded is not None
 
     def __len__(self) -> int:
         return self.batches_per_epoch
@@ -161,54 +195,18 @@ class ShardPipeline:
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` afresh; the current epoch keeps its progress (so a resumed run may
         call set_epoch with the epoch it resumed into)."""
-        with self._lock:
-            if epoch != self.epoch:
-                self._start_epoch(epoch)
+        self.progress.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position: the epoch and, per segment of it (one per world size /
         worker count it ran at), the batches each rank consumed."""
-        with self._lock:
-            return {
-                "version": STATE_VERSION,
-                "epoch": self.epoch,
-                "seed": self.seed,
-                "batch_size": self.batch_size,
-                "shuffle": self.shuffle,
-                "num_samples": self.layout.num_samples,
-                "num_shards": len(self.refs),
-                "segments": [s.to_dict() for s in self.segments],
-            }
+        return self.progress.state_dict(len(self.refs))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`, taken at any world size / worker count. The same
         configuration continues the segment exactly; another one starts a new segment over the
         samples not yet consumed."""
-        for name, mine in (("version", STATE_VERSION), ("seed", self.seed),
-                           ("shuffle", self.shuffle), ("num_samples", self.layout.num_samples),
-                           ("num_shards", len(self.refs))):
-            if name in state and state[name] != mine:
-                raise PipelineError(f"pipeline state has {name}={state[name]!r}, this pipeline "
-                                    f"{mine!r}: it belongs to another dataset or setup")
-        defaults = {"batch_size": state.get("batch_size", self.batch_size),
-                    "shuffle_buffer": self.shuffle_buffer, "balance": self.balance}
-        try:
-            segments = [Segment.from_dict(d, defaults) for d in state["segments"]]
-            epoch = int(state["epoch"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise PipelineError(f"malformed pipeline state ({e!r})") from None
-        if not segments:
-            raise PipelineError("malformed pipeline state (no segments)")
-        with self._lock:
-            self.epoch, self.segments = epoch, segments
-            if segments[-1].config != self.config and not self._epoch_complete():
-                # a segment that consumed nothing changes nothing: replace it, don't stack it
-                while len(self.segments) > 1 and self.segments[-1].batches_consumed == 0:
-                    self.segments.pop()
-                if self.segments[-1].batches_consumed == 0:
-                    self.segments = [Segment(self.config)]
-                elif self.segments[-1].config != self.config:
-                    self.segments.append(Segment(self.config))
+        self.progress.load_state_dict(state, len(self.refs))
 
     def stats(self) -> dict[str, Any]:
         """samples/s, bytes/s, cache hits/misses/hit rate, skipped and padded samples, and
@@ -222,8 +220,8 @@ class ShardPipeline:
     def iterate(self, count: bool = True) -> Iterator[dict[str, Any]]:
         """Batches in the order torch's DataLoader with `num_workers` workers yields them.
         `count`: mark a batch consumed when it is handed out (else the caller marks it)."""
-        plan, t0 = self.begin()
-        reader = self._reader(plan, t0)
+        plan, t0, key = self.begin()
+        reader = self._reader(plan, t0, key)
         source = reader.batches() if reader is not None else iter(
             WorkerStream.resuming(self.spec, plan, self.rank, 0, t0))
         try:
@@ -253,38 +251,35 @@ class ShardPipeline:
     def mark_consumed(self, tag: Sequence[int], samples: int, strict: bool = False) -> bool:
         """A batch tagged [epoch, segment, t] reached the training loop. Returns False (or
         raises, `strict`) when the tag belongs to a state replaced meanwhile."""
-        epoch, segment, t = (int(x) for x in tag)
-        with self._lock:
-            current = epoch == self.epoch and segment == len(self.segments) - 1
-            if current:
-                seg = self.segments[-1]
-                seg.batches_consumed = max(seg.batches_consumed, t + 1)
-            read_ahead = (self.read_ahead and current
-                          and (epoch, segment, t) == self._last_batch_of_pass)
+        current, last_of_pass = self.progress.mark_consumed(tag)
         if not current:
             if strict:
                 raise PipelineError("set_epoch/load_state_dict was called during iteration; "
                                     "start a new iteration")
             return False
         self._stats.consumed(samples)
-        if read_ahead:
-            self._read_ahead(epoch + 1)
+        if last_of_pass and self.read_ahead:
+            self._read_ahead()
         return True
 
     def peek_sample(self) -> dict[str, Any]:
         """The first decodable sample (in manifest order): what batches will look like."""
         for ref in self.refs:
-            handle = self.cache.open(ref)
             try:
-                for raw in iter_samples(handle):
+                samples = open_samples(self.cache.open(ref), self.indexes)
+            except Exception:
+                continue
+            try:
+                for position in range(max(ref.num_samples, 1)):
+                    raw = samples.get(position)
+                    if isinstance(raw, BadSample):
+                        break
                     try:
                         return self.spec.decoder(raw)
                     except Exception:
                         continue
-            except Exception:
-                continue
             finally:
-                handle.close()
+                samples.close()
         raise PipelineDataError("no decodable sample in any shard")
 
     def example_batch(self) -> dict[str, Any]:
@@ -295,24 +290,25 @@ class ShardPipeline:
         batch["__valid__"] = np.ones(self.batch_size, dtype=bool)
         return batch
 
-    # -- internals ----------------------------------------------------------------------
-    def begin(self) -> tuple[SegmentPlan, int]:
-        """The segment to iterate and the batches of it already consumed; moves to the next
-        epoch first when the current one is complete (adapters call this once per pass)."""
-        with self._lock:
-            if self._epoch_complete():
-                self._start_epoch(self.epoch + 1)
-            return self._plans()[-1], self.segments[-1].batches_consumed
+    def close(self) -> None:
+        """Stop reading ahead (threads reading the next epoch before it is asked for)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].close()
 
-    def _reader(self, plan: SegmentPlan, t0: int) -> StreamReader | None:
+    # -- internals ----------------------------------------------------------------------
+    def begin(self) -> tuple[SegmentPlan, int, tuple]:
+        """The segment to iterate, the batches of it already consumed and the pass's key;
+        moves to the next epoch first when the current one is complete (adapters call this
+        once per pass)."""
+        return self.progress.begin()
+
+    def _reader(self, plan: SegmentPlan, t0: int, key: tuple) -> StreamReader | None:
         """The threads that read this pass (None: read in the consumer's thread): the ones
         started ahead for it when it is the pass that was expected, else new ones."""
         if self.num_workers == 0 and self.prefetch == 0:
             return None
-        with self._lock:
-            key = _pass_key(self.epoch, self.segments)
-            ahead, self._ahead = self._ahead, None
-            self._last_batch_of_pass = (plan.epoch, plan.index, plan.batches - 1)
+        ahead, self._ahead = self._ahead, None
         if ahead is not None:
             if ahead[0] == key:
                 return ahead[1]
@@ -324,32 +320,50 @@ class ShardPipeline:
                    for w in range(plan.config.streams)]
         return StreamReader(streams, t0, plan.batches, max(1, self.prefetch))
 
-    def _read_ahead(self, epoch: int) -> None:
-        """The last batch of a pass went out: start reading epoch `epoch` now (its first batch
-        waits for the shuffle buffer to fill), so the consumer's next pass finds it under way
-        while it finishes the step, validates, checkpoints."""
-        segments = [Segment(self.config)]
-        reader = self._start_reader(self._planner.plans(epoch, segments)[-1], 0)
-        with self._lock:
-            old, self._ahead = self._ahead, (_pass_key(epoch, segments), reader)
+    def _read_ahead(self) -> None:
+        """The last batch of a pass went out: start reading the next epoch now (its first
+        batch waits for the shuffle buffer to fill), so the consumer's next pass finds it under
+        way while it finishes the step, validates, checkpoints."""
+        plan, key = self.progress.next_epoch_pass()
+        reader = self._start_reader(plan, 0)
+        old, self._ahead = self._ahead, (key, reader)
         if old is not None:
             old[1].close()
 
-    def close(self) -> None:
-        """Stop reading ahead (threads reading the next epoch before it is asked for)."""
-        with self._lock:
-            ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead[1].close()
+    def _decoded_store(self, setting: bool | str | os.PathLike, limit: int | None
+                       ) -> DecodedStore | None:
+        """The decoded-sample cache to use, if any: True or a directory turn it on; "auto"
+        when the split's decoded samples are cacheable and fit (see AUTO_FREE_SHARE)."""
+        decoder = self.spec.decoder
+        if setting is False or setting is None or decoder.decode is not None \
+                or not decoder.decode_images:
+            return None  # a user decode() cannot be keyed; GPU decoding keeps the bytes
+        auto = setting == "auto"
+        if setting is True or auto:
+            directory = Path(self.cache.cache_dir) / "decoded"
+        else:
+            directory = Path(setting)
+        if auto:
+            try:
+                per_sample = layout_of(self.spec.decoder.base(self._first_raw()))
+            except (Uncacheable, PipelineDataError, Exception):
+                return None
+            need = per_sample * self.layout.num_samples
+            room = limit if limit is not None else AUTO_FREE_SHARE * _free_bytes(directory)
+            if need > room:
+                return None
+        return DecodedStore(directory, limit, decoder.settings())
 
-    def _plans(self) -> list[SegmentPlan]:
-        return self._planner.plans(self.epoch, self.segments)
-
-    def _epoch_complete(self) -> bool:
-        return self.segments[-1].batches_consumed >= self._plans()[-1].batches
-
-    def _start_epoch(self, epoch: int) -> None:
-        self.epoch, self.segments = int(epoch), [Segment(self.config)]
+    def _first_raw(self) -> dict[str, Any]:
+        for ref in self.refs:
+            samples = open_samples(self.cache.open(ref), self.indexes)
+            try:
+                raw = samples.get(0)
+            finally:
+                samples.close()
+            if not isinstance(raw, BadSample):
+                return raw
+        raise PipelineDataError("no readable sample in any shard")
 
     def _resolve(self, source: Any, split: str, allow_pipe: bool
                  ) -> tuple[Manifest | None, list[ShardRef]]:
@@ -371,19 +385,29 @@ class ShardPipeline:
         """Without a manifest, count a shard's samples by reading it (through the cache)."""
         handle = self.cache.open(ShardRef(url, 0))
         try:
-            return ShardRef(url, count_samples(handle))
+            if self.indexes is not None and not url.endswith(COMPRESSED_SUFFIXES):
+                index, _, reason = self.indexes.index_for(handle)
+                if reason is not None:
+                    raise PipelineDataError(f"{url}: cannot count samples ({reason})")
+                return ShardRef(url, index.num_samples)
+            return ShardRef(url, sum(1 for _ in iter_samples(handle)))
+        except PipelineDataError:
+            raise
         except Exception as e:
             raise PipelineDataError(f"{url}: cannot count samples ({e})") from e
         finally:
             handle.close()
 
 
-_END = object()
-
-
-def _pass_key(epoch: int, segments: list[Segment]) -> tuple:
-    """What decides a pass's batches: the epoch and its segments (with their consumed counts)."""
-    return epoch, tuple(json.dumps(seg.to_dict(), sort_keys=True) for seg in segments)
+def _free_bytes(directory: Path) -> int:
+    """Free space on the filesystem that holds (or will hold) `directory`."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return 0
 
 
 class StreamReader:
@@ -393,56 +417,19 @@ class StreamReader:
 
     def __init__(self, streams: list[WorkerStream], t0: int, total: int, depth: int) -> None:
         self.t0, self.total = t0, total
-        self._stop = threading.Event()
-        self._queues: list[queue.Queue] = [queue.Queue(maxsize=depth) for _ in streams]
-        self._threads = [threading.Thread(target=self._produce, args=(s, q), daemon=True,
-                                          name=f"ringfeed-stream-{i}")
-                         for i, (s, q) in enumerate(zip(streams, self._queues, strict=True))]
-        for th in self._threads:
-            th.start()
-
-    def _put(self, q: queue.Queue, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _produce(self, stream: WorkerStream, q: queue.Queue) -> None:
-        items = iter(stream)
-        try:
-            for item in items:
-                if not self._put(q, item):
-                    return
-            self._put(q, _END)
-        except BaseException as e:  # handed to the consumer, raised there
-            self._put(q, e)
-        finally:
-            items.close()
+        self._streams = [BackgroundIterator(iter(s), depth, f"ringfeed-stream-{i}")
+                         for i, s in enumerate(streams)]
 
     def batches(self) -> Iterator[dict[str, Any]]:
-        streams = len(self._queues)
+        streams = len(self._streams)
         for t in range(self.t0, self.total):
             w = t % streams
-            while True:
-                try:
-                    item = self._queues[w].get(timeout=1.0)
-                    break
-                except queue.Empty:
-                    if not self._threads[w].is_alive() and self._queues[w].empty():
-                        raise RuntimeError(f"worker stream {w} stopped without a result") from None
-            if isinstance(item, BaseException):
-                raise item
-            if item is _END:
-                raise RuntimeError(f"worker stream {w} ended early at batch {t} of {self.total}")
-            yield item
+            try:
+                yield next(self._streams[w])
+            except StopIteration:
+                raise RuntimeError(f"worker stream {w} ended early at batch {t} of "
+                                   f"{self.total}") from None
 
     def close(self) -> None:
-        self._stop.set()
-        for q in self._queues:  # unblock producers waiting on a full queue
-            while not q.empty():
-                q.get_nowait()
-        for th in self._threads:  # they stop at their next put; don't wait out a download
-            th.join(timeout=0.5)
+        for stream in self._streams:
+            stream.close()

@@ -25,6 +25,22 @@ from typing import Any
 
 import numpy as np
 
+try:
+    from pipeline.codecs import decode_image
+except ImportError:  # TEMPORARY until pipeline/codecs.py lands
+    def decode_image(data: bytes, image_size: tuple[int, int] | None) -> np.ndarray:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data)) as img:
+            if img.mode not in ("L", "RGB"):
+                img = img.convert("L" if img.mode in ("1", "I", "I;16", "F", "LA") else "RGB")
+            if image_size is not None:
+                h, w = image_size
+                if img.size != (w, h):
+                    img = img.resize((w, h), Image.BILINEAR)
+            array = np.asarray(img)
+        return array[:, :, None] if array.ndim == 2 else array
+
 IMAGE_EXTENSIONS = {"png", "jpg", "jpeg", "ppm", "pgm", "pbm", "pnm", "bmp", "gif", "tif",
                     "tiff", "webp"}
 KIND_BY_EXTENSION = {
@@ -49,6 +65,7 @@ class Decoder:
     normalize: tuple[Any, Any] | None = None
     decode: SampleFn | None = None
     transform: SampleFn | None = None
+    decode_images: bool = True  # False: images stay bytes (decoded on the GPU by the adapter)
 
     def __post_init__(self) -> None:
         self.image_size = as_pair(self.image_size)
@@ -68,6 +85,12 @@ class Decoder:
         return KIND_BY_EXTENSION.get(extension.rsplit(".", 1)[-1], "bytes")
 
     def __call__(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """The sample as batches carry it: base() then finish()."""
+        return self.finish(self.base(raw), normalize=True)
+
+    def base(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """The user's decode, every field decoded (images uint8, not normalized), the image
+        field renamed: what the decoded-sample cache stores."""
         sample = {k: v for k, v in raw.items() if not k.startswith("__")}
         if self.decode is not None:
             sample = self.decode(sample)
@@ -81,14 +104,47 @@ class Decoder:
             images = [name for name in sample if self.kind(name) == "image"]
             if len(images) == 1 and images[0] != self._image_field:
                 sample[self._image_field] = sample.pop(images[0])
+        return sample
+
+    def finish(self, sample: dict[str, Any], normalize: bool | None = None) -> dict[str, Any]:
+        """After base(): normalize the images and run the transform. Without a transform the
+        normalization is left to finish_batch (`normalize=None`), which does it for a whole
+        batch at once with the same float32 arithmetic, so the values are identical."""
+        if normalize is None:
+            normalize = self.transform is not None
+        if normalize and self.normalize is not None:
+            for name in self.image_fields(sample):
+                sample[name] = self._normalized(sample[name])
         if self.transform is not None:
             sample = self.transform(sample)
         return sample
 
+    def finish_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Normalize a batch's images when finish() left it (no transform)."""
+        if self.normalize is None or self.transform is not None or not self.decode_images:
+            return batch
+        for name in self.image_fields(batch):
+            value = batch[name]
+            batch[name] = (self._normalized(value) if isinstance(value, np.ndarray)
+                           else [self._normalized(v) for v in value])
+        return batch
+
+    def image_fields_encoded(self, batch: dict[str, Any]) -> list[str]:
+        """Image fields of a batch still holding encoded bytes (decode_images=False)."""
+        return [name for name, value in batch.items() if self.kind(name) == "image"
+                and isinstance(value, list) and value and isinstance(value[0], (bytes, bytearray))]
+
+    def image_fields(self, sample: dict[str, Any]) -> list[str]:
+        return [name for name in sample if self.kind(name) == "image"
+                and not isinstance(sample[name], (bytes, bytearray))]
+
+    def _normalized(self, pixels: np.ndarray) -> np.ndarray:
+        return pixels.astype(np.float32) * self._scale - self._shift
+
     def decode_field(self, name: str, data: bytes) -> Any:
         kind = self.kind(name)
         if kind == "image":
-            return self.decode_image(data)
+            return self.decode_image(data) if self.decode_images else data
         if kind == "npy":
             array = np.load(io.BytesIO(data), allow_pickle=False)
             return array.astype(np.int64) if name.startswith("tokens") else array
@@ -101,21 +157,13 @@ class Decoder:
         return data
 
     def decode_image(self, data: bytes) -> np.ndarray:
-        from PIL import Image  # Pillow is a core dependency; imported where used
+        """uint8 HWC (C = 1 or 3), resized to image_size when given; never normalized here."""
+        return decode_image(data, self.image_size)
 
-        with Image.open(io.BytesIO(data)) as img:
-            if img.mode not in ("L", "RGB"):
-                img = img.convert("L" if img.mode in ("1", "I", "I;16", "F", "LA") else "RGB")
-            if self.image_size is not None:
-                h, w = self.image_size
-                if img.size != (w, h):
-                    img = img.resize((w, h), Image.BILINEAR)
-            array = np.asarray(img)
-        if array.ndim == 2:
-            array = array[:, :, None]
-        if self.normalize is None:
-            return array
-        return array.astype(np.float32) * self._scale - self._shift
+    def settings(self) -> dict[str, Any]:
+        """What decides base()'s output besides the bytes (keys the decoded-sample cache)."""
+        return {"fields": dict(sorted(self.fields.items())), "image_size": self.image_size,
+                "image_field": self._image_field, "decode_images": self.decode_images}
 
 
 def as_pair(value: int | Sequence[int] | None) -> tuple[int, int] | None:

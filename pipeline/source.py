@@ -33,6 +33,7 @@ class ShardRef:
     num_samples: int
     bytes: int | None = None
     sha256: str | None = None
+    index: str | None = None  # the tar index sidecar `ringfeed shard` wrote, if any
 
     @property
     def is_local(self) -> bool:
@@ -111,4 +112,6 @@ def refs_from_manifest(manifest: Manifest, base: str, split: str) -> list[ShardR
         shards = manifest.split(split).shards
     except ManifestError as e:
         raise PipelineError(str(e)) from None
-    return [ShardRef(_join(base, s.name), s.num_samples, s.bytes, s.sha256) for s in shards]
+    return [ShardRef(_join(base, s.name), s.num_samples, s.bytes, s.sha256,
+                     _join(base, s.index) if getattr(s, "index", None) else None)
+            for s in shards]

@@ -13,7 +13,8 @@ from collections import Counter
 from typing import Any
 
 COUNTERS = ("bytes_read", "bytes_downloaded", "cache_hits", "cache_misses", "shards_opened",
-            "samples_read", "skipped", "padded")
+            "samples_read", "skipped", "padded", "decoded_hits", "decoded_writes",
+            "cached_samples")
 
 
 class StreamCounters:
@@ -89,6 +90,9 @@ class PipelineStats:
                 "skipped": c["skipped"],
                 "skipped_by_shard": dict(self.skipped_by_shard),
                 "padded": c["padded"],
+                "decoded_cache_hits": c["decoded_hits"],  # shards served from decoded arrays
+                "decoded_cache_writes": c["decoded_writes"],
+                "cached_samples": c["cached_samples"],  # samples gathered from those arrays
                 "data_wait_s": self.data_wait_s,
                 "data_wait_fraction": self.data_wait_s / elapsed if elapsed > 0 else 0.0,
             }

@@ -1,10 +1,12 @@
-"""One worker stream: read the planned slots of a worker, shuffle, decode, batch.
+"""One worker stream: the planned slots of a worker, read, decoded, batched.
 
-The emission order is fixed by the plan (`WorkerPlan.order`), so reading just follows it:
-shards are opened in slot order (prefetched through the cache), raw samples are held until
-their turn (at most the shuffle buffer's worth) and decoded as they are emitted. Resuming
-skips the first batches: shards none of whose remaining slots are needed are never opened,
-and samples that were already consumed are read past but not decoded.
+The emission order is fixed by the plan (`WorkerPlan.order`), so reading just follows it, a
+batch of slots at a time. Shards are opened in the order their slots are first needed
+(prefetched through the cache) and closed after their last slot. A batch whose shards all have
+a decoded-cache entry is gathered from those arrays in one step; any other batch is assembled
+sample by sample: raw sample by indexed read (shardread.py), decode, finish. Resuming skips the
+consumed batches: shards none of whose remaining slots are needed are never opened, and
+consumed samples are neither read nor decoded.
 
 Bad data never changes the batch count (ranks must agree on it): under `skip` a bad sample, or
 the rest of a corrupt shard, is replaced by a repeat of the stream's latest good sample
@@ -14,19 +16,23 @@ PipelineDataError naming the shard URL and the sample key.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from pipeline.batch import collate, gather
 from pipeline.cache import Prefetcher, ShardCache
 from pipeline.decode import Decoder
+from pipeline.decoded_cache import CachedShard, DecodedStore, Uncacheable
 from pipeline.errors import PipelineDataError
 from pipeline.plan import Layout, SegmentPlan, WorkerPlan, consumed_by_worker
-from pipeline.reader import BadSample, read_positions
-from pipeline.source import ShardRef
+from pipeline.shardread import BadSample, IndexedSamples, IndexStore, ShardSamples, open_samples
+from pipeline.source import ShardRef, local_path
 from pipeline.stats import StreamCounters
 
 log = logging.getLogger("ringfeed.pipeline")
@@ -44,36 +50,26 @@ class StreamSpec:
     cache: ShardCache
     on_error: str
     prefetch: int
+    indexes: IndexStore | None = None  # None: read every shard with the tar iterator
+    decoded: DecodedStore | None = None  # None: no decoded-sample cache
 
 
-def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Field -> stacked array when every value is an array of one shape/dtype or a number;
-    otherwise a list (strings, dicts, bytes, ragged arrays)."""
-    out: dict[str, Any] = {}
-    for name in samples[0]:
-        values = [s[name] for s in samples]
-        out[name] = stack(values)
-    return out
-
-
-def stack(values: list[Any]) -> Any:
-    first = values[0]
-    if isinstance(first, np.ndarray):
-        if all(isinstance(v, np.ndarray) and v.shape == first.shape and v.dtype == first.dtype
-               for v in values):
-            return np.stack(values)
-        return values
-    if isinstance(first, (bool, np.bool_)):
-        if all(isinstance(v, (bool, np.bool_)) for v in values):
-            return np.array(values, dtype=bool)
-    elif isinstance(first, (int, np.integer)):
-        if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
-            return np.array(values, dtype=np.int64)
-    elif isinstance(first, (float, np.floating)):
-        if all(isinstance(v, (float, int, np.number)) and not isinstance(v, bool)
-               for v in values):
-            return np.array(values)
-    return values
+def shard_identity(ref: ShardRef) -> str | None:
+    """What names a shard's content: the manifest's sha256, else a local file's path, size and
+    mtime, else a remote URL with its manifest size (None: unknown, not cached)."""
+    if ref.sha256:
+        return ref.sha256
+    if ref.is_local:
+        try:
+            st = os.stat(local_path(ref.url))
+        except OSError:
+            return None
+        text = f"{os.path.realpath(local_path(ref.url))}|{st.st_size}|{st.st_mtime_ns}"
+    elif ref.bytes is not None:
+        text = f"{ref.url}|{ref.bytes}"
+    else:
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class WorkerStream:
@@ -98,107 +94,89 @@ class WorkerStream:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         plan, b = self.plan, self.plan.batch_size
-        start = self.skip * b
-        order = plan.order
-        if start >= len(order):
+        needed = plan.order[self.skip * b:]
+        if not len(needed):
             return
         shard_of, pos_of = self.spec.layout.locate(plan.ids)
-        reader = self._read(self._runs(order[start:], shard_of, pos_of))
-        held: dict[int, Any] = {}
+        shards = _OpenShards(self.spec, needed, shard_of, pos_of, self.counters)
         items: list[tuple[Any, int, bool, str]] = []  # (sample, id, valid, key) not yet batched
         pending: list[int] = []  # items waiting for the stream's first good sample
-        last_good: tuple[dict, str] | None = None
-        reference_fields: set[str] | None = None
+        self._last_good: tuple[dict, str] | None = None
+        self._reference: set[str] | None = None
         local_batch = self.skip
         try:
-            for t in range(start, len(order)):
-                slot = int(order[t])
-                while slot not in held:
-                    got_slot, raw = next(reader)
-                    held[got_slot] = raw
-                raw = held.pop(slot)
-                url = self.spec.refs[int(shard_of[slot])].url
-                sample, bad = self._decode(raw, url, int(pos_of[slot]), reference_fields)
-                sample_id, valid = int(plan.ids[slot]), bool(plan.valid[slot])
-                if not valid:
-                    self.counters.counts["padded"] += 1
-                if bad is not None:
-                    self._bad(bad)
-                    if last_good is None:
-                        pending.append(len(items))
-                        items.append((None, sample_id, False, ""))
-                    else:
-                        items.append((last_good[0], sample_id, False, last_good[1]))
-                else:
-                    key = raw["__key__"]
-                    if last_good is None:
-                        reference_fields = set(sample)
-                        for i in pending:
-                            items[i] = (sample, items[i][1], False, key)
-                        pending.clear()
-                    last_good = (sample, key)
-                    items.append((sample, sample_id, valid, key))
-                while not pending and len(items) >= b:
-                    yield self._batch(items[:b], local_batch)
+            for first in range(0, len(needed), b):
+                chunk = needed[first:first + b]
+                sources = shards.open_through(int(shards.run_of[chunk].max()))
+                batch = None
+                if not items and not pending:
+                    batch = self._gathered(chunk, shards, sources, local_batch)
+                if batch is not None:
+                    yield batch
                     local_batch += 1
-                    del items[:b]
+                else:
+                    for slot in chunk.tolist():
+                        self._add(slot, sources[shards.run_of[slot]], pos_of, items, pending)
+                        while not pending and len(items) >= b:
+                            yield self._batch(items[:b], local_batch)
+                            local_batch += 1
+                            del items[:b]
+                shards.close_finished(first + len(chunk) - 1)
             if pending:
                 raise PipelineDataError(
                     f"no decodable sample in worker stream {self.w} of this rank "
                     f"({', '.join(sorted(self._warned))}): nothing to repeat in place of bad ones")
         finally:
-            reader.close()
+            shards.close()
 
-    # -- reading ------------------------------------------------------------------------
-    def _runs(self, needed_order: np.ndarray, shard_of: np.ndarray, pos_of: np.ndarray
-              ) -> list[tuple[int, dict[int, int]]]:
-        """Maximal stretches of slots in one shard with rising positions, that hold at least
-        one needed slot: (shard index, {position: slot}) in read order."""
-        needed = np.zeros(len(shard_of), dtype=bool)
-        needed[needed_order] = True
-        breaks = np.flatnonzero((shard_of[1:] != shard_of[:-1]) | (pos_of[1:] <= pos_of[:-1])) + 1
-        bounds = [0, *breaks.tolist(), len(shard_of)]
-        runs: list[tuple[int, dict[int, int]]] = []
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            idx = np.flatnonzero(needed[lo:hi]) + lo
-            if len(idx):
-                runs.append((int(shard_of[lo]), dict(zip(pos_of[idx].tolist(), idx.tolist(), strict=True))))
-        return runs
+    # -- one sample at a time -----------------------------------------------------------
+    def _add(self, slot: int, source: ShardSamples | CachedShard, pos_of: np.ndarray,
+             items: list, pending: list[int]) -> None:
+        plan = self.plan
+        sample, key, bad = self._sample(source, int(pos_of[slot]))
+        sample_id, valid = int(plan.ids[slot]), bool(plan.valid[slot])
+        if not valid:
+            self.counters.counts["padded"] += 1
+        if bad is not None:
+            self._bad(bad)
+            if self._last_good is None:
+                pending.append(len(items))
+                items.append((None, sample_id, False, ""))
+            else:
+                items.append((self._last_good[0], sample_id, False, self._last_good[1]))
+            return
+        if self._last_good is None:
+            self._reference = set(sample)
+            for i in pending:
+                items[i] = (sample, items[i][1], False, key)
+            pending.clear()
+        self._last_good = (sample, key)
+        items.append((sample, sample_id, valid, key))
 
-    def _read(self, runs: list[tuple[int, dict[int, int]]]):
-        spec = self.spec
-        prefetcher = Prefetcher(spec.cache, [spec.refs[s] for s, _ in runs], spec.prefetch)
-        counts = self.counters.counts
-        try:
-            for (_, wanted), handle in zip(runs, prefetcher, strict=True):
-                try:
-                    counts["shards_opened"] += 1
-                    if not handle.ref.is_local:
-                        counts["cache_hits" if handle.cache_hit else "cache_misses"] += 1
-                        counts["bytes_downloaded"] += handle.downloaded
-                    for item in read_positions(handle, wanted):
-                        counts["samples_read"] += 1
-                        yield item
-                    counts["bytes_read"] += handle.file.tell()
-                finally:
-                    handle.close()
-        finally:
-            prefetcher.close()
-
-    # -- decoding and bad data ----------------------------------------------------------
-    def _decode(self, raw: Any, url: str, position: int, reference: set[str] | None
-                ) -> tuple[dict[str, Any] | None, BadSample | None]:
-        if isinstance(raw, BadSample):
-            return None, raw
-        key = raw.get("__key__")
-        try:
-            sample = self.spec.decoder(raw)
-        except Exception as e:  # undecodable content, or the user's decode/transform failed
-            return None, BadSample(url, position, key, f"cannot decode ({e})")
+    def _sample(self, source: ShardSamples | CachedShard, position: int
+                ) -> tuple[dict[str, Any] | None, str, BadSample | None]:
+        decoder = self.spec.decoder
+        if isinstance(source, CachedShard):
+            key = source.keys[position]
+            try:
+                sample = decoder.finish(source.sample(position))
+            except Exception as e:  # the user's transform failed
+                return None, key, BadSample(source.url, position, key, f"cannot decode ({e})")
+        else:
+            raw = source.get(position)
+            if isinstance(raw, BadSample):
+                return None, "", raw
+            self.counters.counts["samples_read"] += 1
+            key = raw["__key__"]
+            try:
+                sample = decoder.finish(decoder.base(raw))
+            except Exception as e:  # undecodable content, or the user's decode/transform
+                return None, key, BadSample(source.url, position, key, f"cannot decode ({e})")
+        reference = self._reference
         if reference is not None and set(sample) != reference:
-            return None, BadSample(url, position, key,
-                                   f"has fields {sorted(sample)}, expected {sorted(reference)}")
-        return sample, None
+            return None, key, BadSample(source.url, position, key,
+                                        f"has fields {sorted(sample)}, expected {sorted(reference)}")
+        return sample, key, None
 
     def _bad(self, bad: BadSample) -> None:
         if self.spec.on_error == "fail":
@@ -211,11 +189,162 @@ class WorkerStream:
                         "place, __valid__=False): %s", bad.describe())
 
     def _batch(self, items: list[tuple[Any, int, bool, str]], local_batch: int) -> dict[str, Any]:
-        batch = collate([s for s, _, _, _ in items])
-        batch["__key__"] = [k for _, _, _, k in items]
-        batch["__index__"] = np.array([i for _, i, _, _ in items], dtype=np.int64)
-        batch["__valid__"] = np.array([v for _, _, v, _ in items], dtype=bool)
+        batch = self.spec.decoder.finish_batch(collate([s for s, _, _, _ in items]))
+        return self._booked(batch, [k for _, _, _, k in items],
+                            np.array([i for _, i, _, _ in items], dtype=np.int64),
+                            np.array([v for _, _, v, _ in items], dtype=bool), local_batch)
+
+    # -- a whole batch from the decoded cache -------------------------------------------
+    def _gathered(self, chunk: np.ndarray, shards: _OpenShards, sources: dict[int, Any],
+                  local_batch: int) -> dict[str, Any] | None:
+        """The batch of `chunk` gathered from decoded-cache entries, or None when one of its
+        shards has none (or a transform must see every sample)."""
+        if len(chunk) < self.plan.batch_size or self.spec.decoder.transform is not None:
+            return None
+        runs = shards.run_of[chunk]
+        used = np.unique(runs).tolist()
+        entries = [sources[r] for r in used]
+        if not all(isinstance(e, CachedShard) for e in entries):
+            return None
+        layout = entries[0].layout
+        if any(e.layout != layout for e in entries) or (
+                self._reference is not None and set(layout) != self._reference):
+            return None
+        positions = shards.pos_of[chunk]
+        arrays, keys = gather(entries, positions, np.searchsorted(used, runs))
+        valid = self.plan.valid[chunk]
+        self.counters.counts["padded"] += int(len(valid) - valid.sum())
+        self.counters.counts["cached_samples"] += len(chunk)
+        if self._reference is None:
+            self._reference = set(layout)
+        last = entries[used.index(int(runs[-1]))]
+        self._last_good = (self.spec.decoder.finish(last.sample(int(positions[-1]))), keys[-1])
+        batch = self.spec.decoder.finish_batch(arrays)
+        return self._booked(batch, keys, self.plan.ids[chunk], valid, local_batch)
+
+    def _booked(self, batch: dict[str, Any], keys: list[str], index: np.ndarray,
+                valid: np.ndarray, local_batch: int) -> dict[str, Any]:
+        batch["__key__"] = keys
+        batch["__index__"] = np.asarray(index, dtype=np.int64)
+        batch["__valid__"] = np.asarray(valid, dtype=bool)
         batch["__batch__"] = np.array([*self.tag, local_batch * self.streams + self.w],
                                       dtype=np.int64)
         batch["__stats__"] = self.counters.take()
         return batch
+
+
+class _OpenShards:
+    """The shards one stream reads, opened in order of first need and closed after last use.
+
+    Slots are grouped in *runs*: maximal stretches of needed slots in one shard, in read order
+    (a shard may appear in more than one run after a resume reordered the epoch)."""
+
+    def __init__(self, spec: StreamSpec, needed: np.ndarray, shard_of: np.ndarray,
+                 pos_of: np.ndarray, counters: StreamCounters) -> None:
+        self.spec, self.counters, self.pos_of = spec, counters, pos_of
+        self.runs = _runs(needed, shard_of, pos_of)
+        self.run_of = np.full(len(shard_of), -1, dtype=np.int64)
+        for r, (_, slots) in enumerate(self.runs):
+            self.run_of[slots] = r
+        # the emission index (within `needed`) of each run's last slot
+        self.last_use = np.full(len(self.runs), -1, dtype=np.int64)
+        np.maximum.at(self.last_use, self.run_of[needed], np.arange(len(needed)))
+        decoded = spec.decoded
+        self.entry_paths: list[Any] = []
+        for s, _ in self.runs:
+            ref = spec.refs[s]
+            identity = shard_identity(ref) if decoded is not None else None
+            self.entry_paths.append(decoded.path(identity, ref.url) if identity else None)
+        # runs whose entry exists now are not fetched ahead (a remote one is not downloaded)
+        self.cached = [p is not None and p.exists() for p in self.entry_paths]
+        fetch = [spec.refs[s] for (s, _), c in zip(self.runs, self.cached, strict=True) if not c]
+        self.prefetcher = Prefetcher(spec.cache, fetch, spec.prefetch)
+        self._handles = iter(self.prefetcher)
+        self.open: dict[int, Any] = {}
+        self._next = 0
+
+    def open_through(self, run: int) -> dict[int, Any]:
+        """Open every run up to `run` (in order: the prefetcher hands shards out in order)."""
+        while self._next <= run:
+            self.open[self._next] = self._open(self._next)
+            self._next += 1
+        return self.open
+
+    def close_finished(self, emitted: int) -> None:
+        for r in [r for r in self.open if self.last_use[r] <= emitted]:
+            self._close(self.open.pop(r))
+
+    def close(self) -> None:
+        for source in self.open.values():
+            self._close(source)
+        self.open.clear()
+        self.prefetcher.close()
+
+    def _close(self, source: Any) -> None:
+        if not isinstance(source, CachedShard):
+            self.counters.counts["bytes_read"] += source.bytes_read
+        source.close()
+
+    def _open(self, r: int) -> ShardSamples | CachedShard:
+        spec, counts = self.spec, self.counters.counts
+        shard, slots = self.runs[r]
+        ref, path = spec.refs[shard], self.entry_paths[r]
+        counts["shards_opened"] += 1
+        if self.cached[r]:
+            entry = spec.decoded.open(path)
+            if entry is not None and entry.num_samples == ref.num_samples:
+                entry.url = ref.url
+                counts["decoded_hits"] += 1
+                return entry
+            if entry is not None:
+                entry.close()
+            handle = spec.cache.open(ref)  # evicted meanwhile: read the shard
+        else:
+            handle = next(self._handles)
+        if not ref.is_local:
+            counts["cache_hits" if handle.cache_hit else "cache_misses"] += 1
+            counts["bytes_downloaded"] += handle.downloaded
+        samples = open_samples(handle, spec.indexes, set(self.pos_of[slots].tolist()))
+        if path is not None and isinstance(samples, IndexedSamples):
+            entry = self._fill(path, samples, ref)
+            if entry is not None:
+                counts["bytes_read"] += samples.bytes_read
+                samples.handle.close()
+                entry.url = ref.url
+                return entry
+        return samples
+
+    def _fill(self, path: Any, samples: IndexedSamples, ref: ShardRef) -> CachedShard | None:
+        """Decode the whole shard into a new decoded-cache entry (None: another process is
+        writing it, or the shard cannot be cached: then it is read as it is)."""
+        writer = self.spec.decoded.writer(path, ref.num_samples)
+        if writer is None:
+            return None
+        decoder = self.spec.decoder
+        try:
+            for position in range(ref.num_samples):
+                raw = samples.get(position)
+                if isinstance(raw, BadSample):
+                    raise Uncacheable(raw.reason)
+                writer.add(raw["__key__"], decoder.base(raw))
+        except Exception:  # Uncacheable, undecodable data, the user's decode: read as it is
+            writer.abort()
+            return None
+        self.counters.counts["decoded_writes"] += 1
+        return writer.finish()
+
+
+def _runs(needed: np.ndarray, shard_of: np.ndarray, pos_of: np.ndarray
+          ) -> list[tuple[int, np.ndarray]]:
+    """Maximal stretches of slots in one shard with rising positions, that hold at least one
+    needed slot: (shard index, its needed slots) in read order."""
+    is_needed = np.zeros(len(shard_of), dtype=bool)
+    is_needed[needed] = True
+    breaks = np.flatnonzero((shard_of[1:] != shard_of[:-1]) | (pos_of[1:] <= pos_of[:-1])) + 1
+    bounds = [0, *breaks.tolist(), len(shard_of)]
+    runs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        idx = np.flatnonzero(is_needed[lo:hi]) + lo
+        if len(idx):
+            runs.append((int(shard_of[lo]), idx))
+    return runs

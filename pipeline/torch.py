@@ -187,6 +187,29 @@ class TorchLoader:
             shutdown()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        batches = self._batches()
+        if self.pipe.decode_device == "cuda":
+            batches = (self._decoded_on_gpu(batch) for batch in batches)
+        return batches
+
+    def _decoded_on_gpu(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """decode_device="cuda": the image fields arrive as encoded bytes and are decoded here
+        with nvJPEG, a batch at a time, into uint8 NHWC tensors on the GPU (then normalized
+        there when the pipeline normalizes)."""
+        from pipeline.gpu_decode import decode_jpeg_batch
+
+        decoder = self.pipe.spec.decoder
+        device = torch.device("cuda", torch.cuda.current_device())
+        for name in decoder.image_fields_encoded(batch):
+            pixels = decode_jpeg_batch(list(batch[name]), decoder.image_size, device)
+            if decoder.normalize is not None:
+                scale = torch.as_tensor(decoder._scale, device=device)
+                shift = torch.as_tensor(decoder._shift, device=device)
+                pixels = pixels.float() * scale - shift
+            batch[name] = pixels
+        return batch
+
+    def _batches(self) -> Iterator[dict[str, Any]]:
         pipe = self.pipe
         if pipe.num_workers == 0:
             for batch in self.loader:  # tensors now (pinned with CUDA)
@@ -194,8 +217,8 @@ class TorchLoader:
                 pipe.mark_consumed(tag.tolist(), len(batch["__index__"]), strict=True)
                 yield batch
             return
-        plan, t0 = pipe.begin()
-        self._state.write({"epoch": plan.epoch, "segments": pipe.state_dict()["segments"],
+        plan, t0, _ = pipe.begin()
+        self._state.write({"epoch": plan.epoch, "segments": pipe.progress.segment_dicts(),
                            "t0": t0})
         batches = iter(self.loader)
         _worker_processes.update(getattr(batches, "_workers", ()))

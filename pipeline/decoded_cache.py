@@ -1,0 +1,276 @@
+"""Decoded-sample cache: a shard's decoded fixed-shape fields as memory-mapped arrays.
+
+The first pass that opens a shard decodes all of it (Decoder.base: images after resize, as
+uint8; token arrays; npy fields; numbers) into one entry file; later passes slice the arrays
+instead of reading and decoding. Normalization and `transform` still run per pass on top.
+
+An entry is keyed by the shard's identity (manifest sha256; else path, size and mtime) and the
+decode settings, so a changed shard or other settings never meet an old entry. File layout:
+the field arrays, each 64-byte aligned, then the keys (utf-8 blob + int64 ends), then a JSON
+footer describing them, its length (8 bytes) and a magic (8 bytes).
+
+Several processes share a directory (ranks and loader workers of one host): an entry is written
+to a temp file under an exclusive non-blocking lock and renamed into place (one writer; the
+others read the source meanwhile), readers hold a shared `flock` while they use an entry, and
+least-recently-used entries no one holds are evicted above `limit` bytes. Shards whose samples
+are not all fixed-shape arrays or numbers (text, JSON, bytes, ragged images), or that hold a bad
+sample, are not cached.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.cache import LOCK_SUFFIX, evict_lru, remove_stale_temporaries
+from shards.fsutil import publish
+
+MAGIC = b"RFDEC001"
+SUFFIX = ".rfd"
+ALIGN = 64
+
+
+class Uncacheable(Exception):
+    """This shard's decoded samples cannot be stored as fixed-shape arrays."""
+
+
+def _scalar_dtype(value: Any) -> np.dtype | None:
+    if isinstance(value, (bool, np.bool_)):
+        return np.dtype(bool)
+    if isinstance(value, (int, np.integer)):
+        return np.dtype(np.int64)
+    if isinstance(value, (float, np.floating)):
+        return np.dtype(np.float64)
+    return None
+
+
+def _layout(sample: dict[str, Any]) -> dict[str, tuple[np.dtype, tuple[int, ...], bool]]:
+    """field -> (dtype, shape, is a Python number) from the first decoded sample."""
+    fields = {}
+    for name, value in sample.items():
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+            fields[name] = (value.dtype, value.shape, False)
+        elif (dtype := _scalar_dtype(value)) is not None:
+            fields[name] = (dtype, (), True)
+        else:
+            raise Uncacheable(f"field {name!r} is {type(value).__name__}, not a number or array")
+    return fields
+
+
+def layout_of(sample: dict[str, Any]) -> int:
+    """Bytes one sample takes in an entry (raises Uncacheable for a sample it cannot hold)."""
+    return sum(dtype.itemsize * int(np.prod(shape)) for dtype, shape, _ in _layout(sample).values())
+
+
+class DecodedStore:
+    def __init__(self, directory: str | os.PathLike, limit: int | None,
+                 settings: dict[str, Any]) -> None:
+        self.directory = Path(directory)
+        self.limit = limit
+        text = json.dumps({"format": MAGIC.decode(), **settings}, sort_keys=True)
+        self.settings_key = hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def path(self, identity: str, name: str) -> Path:
+        stem = name.rstrip("/").rsplit("/", 1)[-1][:60]
+        return self.directory / f"{stem}-{identity[:20]}-{self.settings_key}{SUFFIX}"
+
+    def open(self, path: Path) -> CachedShard | None:
+        """The entry at `path`, locked for reading, or None when there is none (or it is
+        damaged: then it is removed)."""
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+            if os.fstat(f.fileno()).st_nlink == 0:  # evicted between open and lock
+                f.close()
+                return None
+            shard = CachedShard(f)
+        except (ValueError, OSError):
+            f.close()
+            _unlink(path)
+            return None
+        os.utime(path)  # LRU recency
+        return shard
+
+    def writer(self, path: Path, num_samples: int) -> EntryWriter | None:
+        """A writer for the entry, or None when another process is writing it."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + LOCK_SUFFIX), "a+b")
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            return None
+        if path.exists():  # written while we were deciding
+            lock.close()
+            return None
+        return EntryWriter(self, path, num_samples, lock)
+
+    def entries(self) -> list[Path]:
+        if not self.directory.is_dir():
+            return []
+        return [p for p in self.directory.iterdir() if p.name.endswith(SUFFIX)]
+
+    def evict(self) -> int:
+        if self.limit is None:
+            return 0
+        remove_stale_temporaries(self.directory)
+        return evict_lru(self.entries(), self.limit)
+
+
+class EntryWriter:
+    """Fill with add(sample) in tar order, then finish() (or abort())."""
+
+    def __init__(self, store: DecodedStore, path: Path, num_samples: int, lock: Any) -> None:
+        self.store, self.path, self.n, self._lock = store, path, num_samples, lock
+        self.tmp: Path | None = None
+        self.count = 0
+        self.keys: list[bytes] = []
+        self._arrays: dict[str, np.ndarray] = {}
+        self._fields: list[dict[str, Any]] = []
+        self._file: Any = None
+
+    def _start(self, sample: dict[str, Any]) -> None:
+        offset, fields = 0, []
+        for name, (dtype, shape, scalar) in _layout(sample).items():
+            fields.append({"name": name, "dtype": dtype.str, "shape": list(shape),
+                           "offset": offset, "scalar": scalar})
+            offset += -(-(self.n * dtype.itemsize * int(np.prod(shape))) // ALIGN) * ALIGN
+        self._data_bytes = offset
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.",
+                                   suffix=".tmp")  # the temp name the stale sweep knows
+        self.tmp = Path(tmp)
+        self._file = os.fdopen(fd, "w+b")
+        self._file.truncate(max(offset, 1))
+        self._mm = mmap.mmap(self._file.fileno(), max(offset, 1))
+        for field in fields:
+            dtype, shape = np.dtype(field["dtype"]), tuple(field["shape"])
+            self._arrays[field["name"]] = np.frombuffer(
+                self._mm, dtype, self.n * int(np.prod(shape)), field["offset"]
+            ).reshape((self.n, *shape))
+        self._fields = fields
+
+    def add(self, key: str, sample: dict[str, Any]) -> None:
+        """Sample number `self.count` (tar order). Raises Uncacheable on a shape change."""
+        if self._file is None:
+            self._start(sample)
+        if sample.keys() != self._arrays.keys():
+            raise Uncacheable(f"fields {sorted(sample)} differ from {sorted(self._arrays)}")
+        i = self.count
+        for name, array in self._arrays.items():
+            value = sample[name]
+            if isinstance(value, np.ndarray):
+                if value.shape != array.shape[1:] or value.dtype != array.dtype:
+                    raise Uncacheable(f"field {name!r} changes shape or dtype")
+            elif _scalar_dtype(value) != array.dtype or array.ndim != 1:
+                raise Uncacheable(f"field {name!r} changes type")
+            array[i] = value
+        self.keys.append(key.encode())
+        self.count += 1
+
+    def finish(self) -> CachedShard | None:
+        """Publish the entry (temp file, fsync, rename); the entry opened for reading."""
+        if self._file is None or self.count != self.n:
+            self.abort()
+            return None
+        try:
+            self._arrays.clear()
+            self._mm.flush()
+            self._mm.close()
+            ends = np.cumsum([len(k) for k in self.keys], dtype=np.int64)
+            f = self._file
+            f.seek(self._data_bytes)
+            blob = b"".join(self.keys)
+            footer = {"num_samples": self.n, "fields": self._fields,
+                      "keys": {"offset": self._data_bytes, "bytes": len(blob),
+                               "ends_offset": self._data_bytes + len(blob)}}
+            f.write(blob)
+            f.write(ends.tobytes())
+            text = json.dumps(footer).encode()
+            f.write(text + len(text).to_bytes(8, "little") + MAGIC)
+            f.close()
+            self._file = None
+            publish(self.tmp, self.path)
+        except OSError:
+            self.abort()
+            return None
+        finally:
+            self._lock.close()
+        self.store.evict()
+        return self.store.open(self.path)
+
+    def abort(self) -> None:
+        self._arrays.clear()
+        if self._file is not None:
+            try:
+                self._mm.close()
+            except (BufferError, ValueError):
+                pass
+            self._file.close()
+            self._file = None
+        if self.tmp is not None:
+            _unlink(self.tmp)
+        self._lock.close()
+
+
+class CachedShard:
+    """An entry opened for reading: `arrays[field]` (N, ...) views and `keys`."""
+
+    def __init__(self, f: Any, url: str = "") -> None:
+        self._file = f
+        self.url = url  # the shard's, for messages
+        size = os.fstat(f.fileno()).st_size
+        if size < 16:
+            raise ValueError("entry too short")
+        self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        mm = self._mm
+        if mm[size - 8:] != MAGIC:
+            raise ValueError("not a decoded-cache entry")
+        length = int.from_bytes(mm[size - 16:size - 8], "little")
+        footer = json.loads(mm[size - 16 - length:size - 16])
+        n = self.num_samples = int(footer["num_samples"])
+        self.arrays: dict[str, np.ndarray] = {}
+        self.scalars: set[str] = set()
+        for field in footer["fields"]:
+            dtype, shape = np.dtype(field["dtype"]), tuple(field["shape"])
+            self.arrays[field["name"]] = np.frombuffer(
+                mm, dtype, n * int(np.prod(shape)), field["offset"]).reshape((n, *shape))
+            if field["scalar"]:
+                self.scalars.add(field["name"])
+        keys = footer["keys"]
+        blob = mm[keys["offset"]:keys["offset"] + keys["bytes"]]
+        ends = np.frombuffer(mm, np.int64, n, keys["ends_offset"]).tolist()
+        self.keys = [blob[a:b].decode() for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+        # field -> (dtype, sample shape): entries with equal layouts gather into one batch
+        self.layout = {name: (a.dtype.str, a.shape[1:]) for name, a in self.arrays.items()}
+
+    def sample(self, position: int) -> dict[str, Any]:
+        """One decoded sample (copies, as the decoder would return: numbers as Python ones)."""
+        return {name: (array[position].item() if name in self.scalars
+                       else np.array(array[position]))
+                for name, array in self.arrays.items()}
+
+    def close(self) -> None:
+        self.arrays.clear()
+        try:
+            self._mm.close()
+        except BufferError:  # a batch still views it: the map closes when that is dropped
+            pass
+        self._file.close()
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

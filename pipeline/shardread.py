@@ -1,0 +1,245 @@
+"""Random access to the samples of one open (local or cached) shard.
+
+`open_samples(handle, ...)` gives a `ShardSamples` whose `get(position)` returns the raw sample
+(`{"__key__": key, ext: bytes}`, what webdataset's tar iterator yields) or a `BadSample`:
+
+- `IndexedSamples`: the shard's tar index (every member's data offset and size, see
+  tarindex.py) turns a sample into one `pread` of its members' span, with no tar parsing; a
+  sample in the middle of a shard is read without touching the ones before it. The index comes
+  from the sidecar `ringfeed shard` wrote beside the shard, else from the index cache, else it
+  is built from the tar once and kept in the cache (`<cache_dir>/index/`). Before use it is
+  checked against the file (every member inside the file, behind a valid tar header of the
+  indexed size): from the first sample that fails, the rest of the shard is bad, as with the
+  tar iterator, and a stale index is rebuilt first.
+- `SequentialSamples`: webdataset's tar iterator, for what cannot be indexed (compressed tars).
+  Samples wanted later are held until asked for (at most a shuffle buffer's worth).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pipeline.cache import ShardHandle
+from pipeline.source import is_local_url, local_path
+
+if TYPE_CHECKING:
+    from pipeline.tarindex import TarIndex
+
+COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst")
+
+
+@dataclass(frozen=True)
+class BadSample:
+    """A sample that could not be read or decoded; `key` is None when the tar lost it."""
+
+    url: str
+    position: int
+    key: str | None
+    reason: str
+
+    def describe(self) -> str:
+        where = f"sample {self.key!r}" if self.key else f"sample #{self.position}"
+        return f"{self.url}: {where}: {self.reason}"
+
+
+class ShardSamples(Protocol):
+    bytes_read: int
+
+    def get(self, position: int) -> dict[str, Any] | BadSample: ...
+
+    def close(self) -> None: ...
+
+
+# -- indexes -------------------------------------------------------------------------------
+class IndexStore:
+    """Where tar indexes come from: a shard's sidecar, the cache, or a build from the tar."""
+
+    def __init__(self, cache_dir: str | os.PathLike) -> None:
+        self.directory = Path(cache_dir) / "index"
+
+    def cached_path(self, handle: ShardHandle) -> Path:
+        ref = handle.ref
+        if ref.sha256:
+            identity = ref.sha256
+        else:  # a local shard without a manifest checksum: its path, size and mtime
+            st = os.fstat(handle.file.fileno())
+            text = f"{os.path.realpath(local_path(ref.url))}|{st.st_size}|{st.st_mtime_ns}" \
+                if ref.is_local else f"{ref.url}|{st.st_size}"
+            identity = hashlib.sha256(text.encode()).hexdigest()
+        return self.directory / f"{identity[:32]}.idx"
+
+    def index_for(self, handle: ShardHandle) -> tuple[TarIndex, int, str | None]:
+        """(index, intact samples, reason the rest is unreadable or None)."""
+        from pipeline.tarindex import build_index
+        size = os.fstat(handle.file.fileno()).st_size
+        cached = self.cached_path(handle)
+        with _mapped(handle.file.fileno(), size) as buf:
+            for candidate in (self._sidecar(handle), cached):
+                index = _load(candidate)
+                if index is not None and _complete(index, handle):
+                    intact = index.intact_samples(buf, size)
+                    if intact == index.num_samples:
+                        return index, intact, None
+            handle.file.seek(0)
+            index, reason = build_index(handle.file)
+            intact = index.intact_samples(buf, size)
+        if reason is None and intact == index.num_samples and _complete(index, handle):
+            try:
+                index.save(cached)
+            except OSError:  # a read-only cache only costs a rebuild next time
+                pass
+        if reason is None and intact < index.num_samples:
+            reason = "corrupt tar (a member header does not match its index)"
+        return index, intact, reason
+
+    @staticmethod
+    def _sidecar(handle: ShardHandle) -> Path | None:
+        index = handle.ref.index
+        if index and is_local_url(index):
+            return Path(local_path(index))
+        return None
+
+
+def _load(path: Path | None) -> TarIndex | None:
+    from pipeline.tarindex import TarIndex
+
+    if path is None:
+        return None
+    try:
+        return TarIndex.load(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _complete(index: TarIndex, handle: ShardHandle) -> bool:
+    """The index holds the samples the manifest lists (0: no manifest count to compare)."""
+    expected = handle.ref.num_samples
+    return expected == 0 or index.num_samples == expected
+
+
+class _mapped:
+    """The file memory-mapped for the index checks (an empty file maps to b"")."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+
+    def __enter__(self) -> Any:
+        self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if self.size else None
+        return self.mm if self.mm is not None else b""
+
+    def __exit__(self, *exc: object) -> None:
+        if self.mm is not None:
+            self.mm.close()
+
+
+# -- access --------------------------------------------------------------------------------
+def open_samples(handle: ShardHandle, indexes: IndexStore | None,
+                 wanted: set[int] | None = None) -> ShardSamples:
+    """Random access to `handle`'s samples: indexed when it can be, else sequential (which
+    holds the `wanted` positions read past until they are asked for)."""
+    if indexes is None or handle.ref.url.endswith(COMPRESSED_SUFFIXES):
+        return SequentialSamples(handle, wanted)
+    return IndexedSamples(handle, *indexes.index_for(handle))
+
+
+class IndexedSamples:
+    def __init__(self, handle: ShardHandle, index: TarIndex, intact: int,
+                 reason: str | None) -> None:
+        self.handle, self.url = handle, handle.ref.url
+        self._fd = handle.file.fileno()
+        self.bytes_read = 0
+        self.intact = intact
+        self._spans = index.sample_spans()  # per sample: (start, end, [(field, lo, hi)])
+        self._keys = index.keys
+        expected = handle.ref.num_samples or index.num_samples
+        if intact < expected:
+            last = self._keys[intact - 1] if intact else None
+            after = f" after sample {last!r}" if last else " at its start"
+            if reason is None or intact == index.num_samples:
+                reason = (f"shard ends after {intact} samples{after}, the manifest lists "
+                          f"{expected}")
+            else:
+                reason = f"corrupt or truncated tar{after} ({reason})"
+        self._reason = reason
+
+    def get(self, position: int) -> dict[str, Any] | BadSample:
+        if position >= self.intact:
+            return BadSample(self.url, position, None, self._reason or "no such sample")
+        start, end, members = self._spans[position]
+        data = os.pread(self._fd, end - start, start)
+        if len(data) != end - start:  # the file shrank since it was checked
+            return BadSample(self.url, position, self._keys[position],
+                             "corrupt or truncated tar (the file is shorter than its index)")
+        self.bytes_read += len(data)
+        sample: dict[str, Any] = {"__key__": self._keys[position]}
+        for field, lo, hi in members:
+            sample[field] = data[lo:hi]
+        return sample
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+class SequentialSamples:
+    def __init__(self, handle: ShardHandle, wanted: set[int] | None) -> None:
+        self.handle, self.url = handle, handle.ref.url
+        self.wanted = wanted
+        self.bytes_read = 0
+        self._samples = _positions(handle)
+        self._held: dict[int, dict[str, Any] | BadSample] = {}
+
+    def get(self, position: int) -> dict[str, Any] | BadSample:
+        while position not in self._held:
+            try:
+                got, sample = next(self._samples)
+            except StopIteration:
+                return BadSample(self.url, position, None, "no such sample")
+            if self.wanted is None or got in self.wanted or got == position:
+                self._held[got] = sample
+        self.bytes_read = self.handle.file.tell()
+        return self._held.pop(position)
+
+    def close(self) -> None:
+        self._samples.close()
+        self.handle.close()
+
+
+def iter_samples(handle: ShardHandle) -> Iterator[dict[str, Any]]:
+    """Every sample of the shard in tar order (raw bytes per extension, plus __key__)."""
+    # Imported here: webdataset imports torch when it is installed, and `import pipeline`
+    # must stay free of torch/TF for TensorFlow-only users.
+    from webdataset.handlers import reraise_exception
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    files = tar_file_expander([{"url": handle.ref.url, "stream": handle.file}],
+                              handler=reraise_exception)
+    return group_by_keys(files, handler=reraise_exception)
+
+
+def _positions(handle: ShardHandle) -> Iterator[tuple[int, dict[str, Any] | BadSample]]:
+    """(position, sample) in tar order; after a corrupt or truncated end, BadSamples forever."""
+    url, position, last_key = handle.ref.url, -1, None
+    try:
+        for position, sample in enumerate(iter_samples(handle)):
+            yield position, sample
+            last_key = sample["__key__"]
+        after = f" after {last_key!r}" if last_key else ""
+        reason = (f"shard ends after {position + 1} samples{after}, "
+                  f"the manifest lists {handle.ref.num_samples}")
+    except Exception as e:  # tarfile.ReadError, EOFError, duplicate names, ...
+        after = f" after sample {last_key!r}" if last_key else " at its start"
+        reason = f"corrupt or truncated tar{after} ({_first_arg(e)})"
+    while True:
+        position += 1
+        yield position, BadSample(url, position, None, reason)
+
+
+def _first_arg(e: Exception) -> str:
+    text = str(e.args[0]) if e.args else type(e).__name__
+    return f"{type(e).__name__}: {text.split(' @ ')[0]}"
