@@ -104,7 +104,7 @@ class ShardPipeline:
         read_ahead: bool = False,
         decoded_cache: bool | str | os.PathLike = False,
         decode_device: str = "cpu",
-        indexed: bool = False,
+        indexed: bool = True,
     ) -> None:
         if batch_size < 1:
             raise PipelineError(f"batch_size must be >= 1 (got {batch_size})")

@@ -80,7 +80,8 @@ class DecodedStore:
 
     def path(self, identity: str, name: str) -> Path:
         stem = name.rstrip("/").rsplit("/", 1)[-1][:60]
-        return self.directory / f"{stem}-{identity[:20]}-{self.settings_key}{SUFFIX}"
+        digest = hashlib.sha256(identity.encode()).hexdigest()[:20]
+        return self.directory / f"{stem}-{digest}-{self.settings_key}{SUFFIX}"
 
     def open(self, path: Path) -> CachedShard | None:
         """The entry at `path`, locked for reading, or None when there is none (or it is
@@ -129,77 +130,85 @@ class DecodedStore:
 
 
 class EntryWriter:
-    """Fill with add(sample) in tar order, then finish() (or abort())."""
+    """Fill with add(sample) in tar order, then finish() (or abort()). Rows collect in a RAM
+    chunk per field and go to the temp file in large `pwrite`s (cheaper than faulting in the
+    pages of a fresh memory map), so memory stays bounded whatever the shard's size."""
+
+    CHUNK_BYTES = 8 << 20
 
     def __init__(self, store: DecodedStore, path: Path, num_samples: int, lock: Any) -> None:
         self.store, self.path, self.n, self._lock = store, path, num_samples, lock
         self.tmp: Path | None = None
         self.count = 0
         self.keys: list[bytes] = []
-        self._arrays: dict[str, np.ndarray] = {}
         self._fields: list[dict[str, Any]] = []
-        self._file: Any = None
+        self._chunks: dict[str, np.ndarray] = {}
+        self._offsets: dict[str, int] = {}
+        self._fd: int | None = None
 
     def _start(self, sample: dict[str, Any]) -> None:
+        layout = _layout(sample)
+        row_bytes = sum(d.itemsize * int(np.prod(shape)) for d, shape, _ in layout.values())
+        self._rows = max(1, min(self.n, self.CHUNK_BYTES // max(row_bytes, 1)))
         offset, fields = 0, []
-        for name, (dtype, shape, scalar) in _layout(sample).items():
+        for name, (dtype, shape, scalar) in layout.items():
             fields.append({"name": name, "dtype": dtype.str, "shape": list(shape),
                            "offset": offset, "scalar": scalar})
+            self._offsets[name] = offset
+            self._chunks[name] = np.empty((self._rows, *shape), dtype)
             offset += -(-(self.n * dtype.itemsize * int(np.prod(shape))) // ALIGN) * ALIGN
-        self._data_bytes = offset
+        self._data_bytes, self._fields = offset, fields
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.",
                                    suffix=".tmp")  # the temp name the stale sweep knows
-        self.tmp = Path(tmp)
-        self._file = os.fdopen(fd, "w+b")
-        self._file.truncate(max(offset, 1))
-        self._mm = mmap.mmap(self._file.fileno(), max(offset, 1))
-        for field in fields:
-            dtype, shape = np.dtype(field["dtype"]), tuple(field["shape"])
-            self._arrays[field["name"]] = np.frombuffer(
-                self._mm, dtype, self.n * int(np.prod(shape)), field["offset"]
-            ).reshape((self.n, *shape))
-        self._fields = fields
+        self._fd, self.tmp = fd, Path(tmp)
 
     def add(self, key: str, sample: dict[str, Any]) -> None:
         """Sample number `self.count` (tar order). Raises Uncacheable on a shape change."""
-        if self._file is None:
+        if self._fd is None:
             self._start(sample)
-        if sample.keys() != self._arrays.keys():
-            raise Uncacheable(f"fields {sorted(sample)} differ from {sorted(self._arrays)}")
-        i = self.count
-        for name, array in self._arrays.items():
+        chunks = self._chunks
+        if sample.keys() != chunks.keys():
+            raise Uncacheable(f"fields {sorted(sample)} differ from {sorted(chunks)}")
+        i = self.count % self._rows
+        for name, chunk in chunks.items():
             value = sample[name]
             if isinstance(value, np.ndarray):
-                if value.shape != array.shape[1:] or value.dtype != array.dtype:
+                if value.shape != chunk.shape[1:] or value.dtype != chunk.dtype:
                     raise Uncacheable(f"field {name!r} changes shape or dtype")
-            elif _scalar_dtype(value) != array.dtype or array.ndim != 1:
+            elif chunk.ndim != 1 or _scalar_dtype(value) != chunk.dtype:
                 raise Uncacheable(f"field {name!r} changes type")
-            array[i] = value
+            chunk[i] = value
         self.keys.append(key.encode())
         self.count += 1
+        if i + 1 == self._rows or self.count == self.n:
+            self._flush(i + 1)
+
+    def _flush(self, rows: int) -> None:
+        first = self.count - rows
+        for name, chunk in self._chunks.items():
+            row_bytes = chunk.itemsize * int(np.prod(chunk.shape[1:]))
+            data = memoryview(np.ascontiguousarray(chunk[:rows])).cast("B")
+            done, at = 0, self._offsets[name] + first * row_bytes
+            while done < len(data):
+                done += os.pwrite(self._fd, data[done:], at + done)
 
     def finish(self) -> CachedShard | None:
         """Publish the entry (temp file, fsync, rename); the entry opened for reading."""
-        if self._file is None or self.count != self.n:
+        if self._fd is None or self.count != self.n:
             self.abort()
             return None
         try:
-            self._arrays.clear()
-            self._mm.flush()
-            self._mm.close()
             ends = np.cumsum([len(k) for k in self.keys], dtype=np.int64)
-            f = self._file
-            f.seek(self._data_bytes)
             blob = b"".join(self.keys)
             footer = {"num_samples": self.n, "fields": self._fields,
                       "keys": {"offset": self._data_bytes, "bytes": len(blob),
                                "ends_offset": self._data_bytes + len(blob)}}
-            f.write(blob)
-            f.write(ends.tobytes())
             text = json.dumps(footer).encode()
-            f.write(text + len(text).to_bytes(8, "little") + MAGIC)
-            f.close()
-            self._file = None
+            tail = blob + ends.tobytes() + text + len(text).to_bytes(8, "little") + MAGIC
+            with os.fdopen(self._fd, "r+b") as f:
+                self._fd = None
+                f.seek(self._data_bytes)
+                f.write(tail)
             publish(self.tmp, self.path)
         except OSError:
             self.abort()
@@ -210,14 +219,9 @@ class EntryWriter:
         return self.store.open(self.path)
 
     def abort(self) -> None:
-        self._arrays.clear()
-        if self._file is not None:
-            try:
-                self._mm.close()
-            except (BufferError, ValueError):
-                pass
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self.tmp is not None:
             _unlink(self.tmp)
         self._lock.close()

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.cache import ShardHandle
-from pipeline.source import is_local_url, local_path
+from pipeline.source import ShardRef, is_local_url, local_path
 
 if TYPE_CHECKING:
     from pipeline.tarindex import TarIndex
@@ -56,6 +56,24 @@ class ShardSamples(Protocol):
     def close(self) -> None: ...
 
 
+def shard_identity(ref: ShardRef, st: os.stat_result | None = None) -> str | None:
+    """What names a shard's content for the caches built from it. A local shard is read in
+    place and never re-hashed, so its path, size and mtime are part of it (a rewritten file is
+    a new shard even if the manifest was not updated); a remote one is checked against the
+    manifest's sha256 when it is downloaded, else known by its URL and listed size. None:
+    unknown (nothing is cached for it)."""
+    if ref.is_local:
+        try:
+            st = st or os.stat(local_path(ref.url))
+        except OSError:
+            return None
+        path = os.path.realpath(local_path(ref.url))
+        return f"{ref.sha256 or ''}|{path}|{st.st_size}|{st.st_mtime_ns}"
+    if ref.sha256:
+        return ref.sha256
+    return f"{ref.url}|{ref.bytes}" if ref.bytes is not None else None
+
+
 # -- indexes -------------------------------------------------------------------------------
 class IndexStore:
     """Where tar indexes come from: a shard's sidecar, the cache, or a build from the tar."""
@@ -64,15 +82,9 @@ class IndexStore:
         self.directory = Path(cache_dir) / "index"
 
     def cached_path(self, handle: ShardHandle) -> Path:
-        ref = handle.ref
-        if ref.sha256:
-            identity = ref.sha256
-        else:  # a local shard without a manifest checksum: its path, size and mtime
-            st = os.fstat(handle.file.fileno())
-            text = f"{os.path.realpath(local_path(ref.url))}|{st.st_size}|{st.st_mtime_ns}" \
-                if ref.is_local else f"{ref.url}|{st.st_size}"
-            identity = hashlib.sha256(text.encode()).hexdigest()
-        return self.directory / f"{identity[:32]}.idx"
+        st = os.fstat(handle.file.fileno())
+        identity = shard_identity(handle.ref, st) or f"{handle.ref.url}|{st.st_size}"
+        return self.directory / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.idx"
 
     def index_for(self, handle: ShardHandle) -> tuple[TarIndex, int, str | None]:
         """(index, intact samples, reason the rest is unreadable or None)."""

@@ -16,9 +16,7 @@ PipelineDataError naming the shard URL and the sample key.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +29,15 @@ from pipeline.decode import Decoder
 from pipeline.decoded_cache import CachedShard, DecodedStore, Uncacheable
 from pipeline.errors import PipelineDataError
 from pipeline.plan import Layout, SegmentPlan, WorkerPlan, consumed_by_worker
-from pipeline.shardread import BadSample, IndexedSamples, IndexStore, ShardSamples, open_samples
-from pipeline.source import ShardRef, local_path
+from pipeline.shardread import (
+    BadSample,
+    IndexedSamples,
+    IndexStore,
+    ShardSamples,
+    open_samples,
+    shard_identity,
+)
+from pipeline.source import ShardRef
 from pipeline.stats import StreamCounters
 
 log = logging.getLogger("ringfeed.pipeline")
@@ -52,24 +57,6 @@ class StreamSpec:
     prefetch: int
     indexes: IndexStore | None = None  # None: read every shard with the tar iterator
     decoded: DecodedStore | None = None  # None: no decoded-sample cache
-
-
-def shard_identity(ref: ShardRef) -> str | None:
-    """What names a shard's content: the manifest's sha256, else a local file's path, size and
-    mtime, else a remote URL with its manifest size (None: unknown, not cached)."""
-    if ref.sha256:
-        return ref.sha256
-    if ref.is_local:
-        try:
-            st = os.stat(local_path(ref.url))
-        except OSError:
-            return None
-        text = f"{os.path.realpath(local_path(ref.url))}|{st.st_size}|{st.st_mtime_ns}"
-    elif ref.bytes is not None:
-        text = f"{ref.url}|{ref.bytes}"
-    else:
-        return None
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class WorkerStream:
@@ -158,6 +145,7 @@ class WorkerStream:
         decoder = self.spec.decoder
         if isinstance(source, CachedShard):
             key = source.keys[position]
+            self.counters.counts["cached_samples"] += 1
             try:
                 sample = decoder.finish(source.sample(position))
             except Exception as e:  # the user's transform failed

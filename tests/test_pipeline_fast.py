@@ -1,0 +1,277 @@
+"""The fast data path: indexed reads, the decoded-sample cache, batches gathered from it, and
+the GPU decode option's error path. Every comparison is bit for bit against the plain path
+(the tar iterator and a fresh decode) on real shards."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pipeline_util import png_bytes, write_shards
+
+from pipeline import PipelineError, ShardPipeline
+from shards.fsutil import sha256_file
+from shards.manifest import Manifest
+
+SIZES = [10, 23, 7, 14]
+B = 4
+
+
+@pytest.fixture()
+def shard_dir(tmp_path) -> Path:
+    write_shards(tmp_path / "shards", SIZES, images=True)
+    return tmp_path / "shards"
+
+
+def make(source, cache, **kw) -> ShardPipeline:
+    kw.setdefault("batch_size", B)
+    kw.setdefault("shuffle_buffer", 9)
+    kw.setdefault("seed", 1)
+    return ShardPipeline(source, cache_dir=cache, **kw)
+
+
+def epoch(pipe: ShardPipeline, e: int) -> list[dict]:
+    pipe.set_epoch(e)
+    return [dict(b) for b in pipe]
+
+
+def assert_same(a: list[dict], b: list[dict]) -> None:
+    """Batches equal field by field: arrays by value and dtype, lists by value."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for name in x:
+            if isinstance(x[name], np.ndarray):
+                assert isinstance(y[name], np.ndarray), name
+                assert x[name].dtype == y[name].dtype and x[name].shape == y[name].shape, name
+                assert np.array_equal(x[name], y[name]), name
+            else:
+                assert x[name] == y[name], name
+
+
+# -- indexed reads ------------------------------------------------------------------------
+@pytest.mark.parametrize("workers", [0, 2])
+def test_indexed_reads_equal_the_tar_iterator(shard_dir, tmp_path, workers):
+    for world, rank in ((1, 0), (3, 2)):
+        fast = make(shard_dir, tmp_path / "c", num_workers=workers, rank=rank, world_size=world,
+                    balance="pad")
+        plain = make(shard_dir, tmp_path / "c", num_workers=workers, rank=rank,
+                     world_size=world, balance="pad", indexed=False)
+        assert_same(epoch(fast, 0), epoch(plain, 0))
+
+
+def test_indexed_resume_from_the_middle_equals_the_uninterrupted_run(shard_dir, tmp_path):
+    full = epoch(make(shard_dir, tmp_path / "c"), 0)
+    first = make(shard_dir, tmp_path / "c")
+    batches = iter(first)
+    for _ in range(5):
+        next(batches)
+    state = first.state_dict()
+    batches.close()
+    resumed = make(shard_dir, tmp_path / "c2")
+    resumed.load_state_dict(state)
+    assert_same([dict(b) for b in resumed], full[5:])
+
+
+def test_index_is_built_once_and_kept_in_the_cache(shard_dir, tmp_path):
+    epoch(make(shard_dir, tmp_path / "c"), 0)
+    kept = sorted((tmp_path / "c" / "index").glob("*.idx"))
+    assert len(kept) == len(SIZES)  # the test shards have no sidecar: built and cached
+    stamps = [p.stat().st_mtime_ns for p in kept]
+    epoch(make(shard_dir, tmp_path / "c"), 1)
+    assert [p.stat().st_mtime_ns for p in kept] == stamps  # reused, not rebuilt
+
+
+def test_a_stale_index_is_rebuilt(shard_dir, tmp_path):
+    reference = epoch(make(shard_dir, tmp_path / "ref", indexed=False), 0)
+    epoch(make(shard_dir, tmp_path / "c"), 0)
+    index_files = sorted((tmp_path / "c" / "index").glob("*.idx"))
+    data = [p.read_bytes() for p in index_files]
+    for p, d in zip(index_files, [data[-1], *data[:-1]], strict=True):  # every one wrong
+        p.write_bytes(d)
+    assert_same(epoch(make(shard_dir, tmp_path / "c"), 0), reference)
+
+
+# -- decoded-sample cache -----------------------------------------------------------------
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("normalize", [None, ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))])
+def test_decoded_cache_batches_equal_a_fresh_decode(shard_dir, tmp_path, workers, normalize):
+    fresh = make(shard_dir, tmp_path / "plain", num_workers=workers, normalize=normalize,
+                 image_size=6)
+    cached = make(shard_dir, tmp_path / "c", num_workers=workers, normalize=normalize,
+                  image_size=6, decoded_cache=True)
+    for e in range(3):  # epoch 0 writes the entries, 1 and 2 gather from them
+        assert_same(epoch(cached, e), epoch(fresh, e))
+    entries = list((tmp_path / "c" / "decoded").glob("*.rfd"))
+    assert len(entries) == len(SIZES)
+    if workers == 0:  # (with worker processes the counters travel with the batches too)
+        stats = cached.stats()
+        assert stats["decoded_cache_writes"] == len(SIZES)
+        assert stats["decoded_cache_hits"] >= len(SIZES)
+        assert stats["cached_samples"] > 0
+
+
+def test_decoded_cache_through_torch_workers_and_tf(shard_dir, tmp_path):
+    from pipeline.torch import make_loader
+
+    reference = epoch(make(shard_dir, tmp_path / "plain", num_workers=2), 1)
+    warm = make(shard_dir, tmp_path / "c", num_workers=2, decoded_cache=True)
+    epoch(warm, 0)
+    warm.set_epoch(1)
+    got = [{k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in b.items()}
+           for b in make_loader(warm)]
+    assert_same(got, reference)
+
+
+def test_transform_runs_every_epoch_on_cached_pixels(shard_dir, tmp_path):
+    def flip_by_epoch(sample):  # an augmentation: depends on something that changes
+        flip_by_epoch.calls += 1
+        sample["png"] = sample["png"][:, ::-1].copy() if flip_by_epoch.calls % 2 else sample["png"]
+        return sample
+
+    flip_by_epoch.calls = 0
+    cached = make(shard_dir, tmp_path / "c", transform=flip_by_epoch, decoded_cache=True,
+                  num_workers=0, prefetch=0)
+    epoch(cached, 0)
+    calls_first = flip_by_epoch.calls
+    epoch(cached, 1)
+    assert flip_by_epoch.calls == 2 * calls_first  # every sample again, from the cache
+    assert cached.stats()["cached_samples"] > 0
+
+
+def test_decoded_cache_is_invalidated_by_a_changed_shard_or_settings(shard_dir, tmp_path):
+    cache = tmp_path / "c"
+    first = epoch(make(shard_dir, cache, decoded_cache=True, shuffle=False), 0)
+    assert len(list((cache / "decoded").glob("*.rfd"))) == len(SIZES)
+    # other decode settings: other entries, other values
+    resized = epoch(make(shard_dir, cache, decoded_cache=True, shuffle=False, image_size=4), 0)
+    assert resized[0]["png"].shape[1:] == (4, 4, 3)
+    assert len(list((cache / "decoded").glob("*.rfd"))) == 2 * len(SIZES)
+    # a rewritten shard (same name, new content, new manifest sha256) is read afresh
+    shard = shard_dir / "train-000000.tar"
+    import webdataset as wds
+
+    with wds.TarWriter(str(shard)) as sink:
+        for pos in range(SIZES[0]):
+            sink.write({"__key__": f"s0000_{pos:05d}", "cls": b"7",
+                        "npy": np.array([pos, 2 * pos], dtype=np.int64), "png": png_bytes(99)})
+    manifest = Manifest.load(shard_dir)
+    info = manifest.splits["train"].shards[0]
+    info.sha256, info.bytes = sha256_file(shard), shard.stat().st_size
+    manifest.save(shard_dir)
+    again = epoch(make(shard_dir, cache, decoded_cache=True, shuffle=False), 0)
+    assert again[0]["cls"].tolist() == [7] * B and first[0]["cls"].tolist() != [7] * B
+    assert np.array_equal(again[0]["png"],
+                          epoch(make(shard_dir, tmp_path / "p", shuffle=False), 0)[0]["png"])
+
+
+def test_decoded_cache_stays_within_the_limit(shard_dir, tmp_path):
+    probe = make(shard_dir, tmp_path / "probe", decoded_cache=True)
+    epoch(probe, 0)
+    sizes = sorted(p.stat().st_size for p in (tmp_path / "probe" / "decoded").glob("*.rfd"))
+    limit = sizes[-1] + sizes[-2]  # room for two entries of the four
+    pipe = make(shard_dir, tmp_path / "c", decoded_cache=True, cache_limit=limit)
+    reference = epoch(make(shard_dir, tmp_path / "plain"), 1)
+    epoch(pipe, 0)
+    assert_same(epoch(pipe, 1), reference)
+    total = sum(p.stat().st_size for p in (tmp_path / "c" / "decoded").glob("*.rfd"))
+    assert total <= limit
+
+
+def test_shards_that_cannot_be_cached_are_read_as_they_are(tmp_path):
+    import webdataset as wds
+
+    d = tmp_path / "shards"
+    write_shards(d, [6, 6], images=True)
+    with wds.TarWriter(str(d / "train-000001.tar")) as sink:  # a json field: not an array
+        for pos in range(6):
+            sink.write({"__key__": f"s0001_{pos:05d}", "cls": b"1",
+                        "npy": np.array([6 + pos, 12 + 2 * pos], dtype=np.int64),
+                        "png": png_bytes(6 + pos), "json": json.dumps({"a": pos}).encode()})
+    manifest = Manifest.load(d)
+    info = manifest.splits["train"].shards[1]
+    info.sha256, info.bytes = sha256_file(d / "train-000001.tar"), (d / "train-000001.tar").stat().st_size
+    manifest.save(d)
+    kw = {"balance": "pad", "shuffle": False, "batch_size": 6}
+    cached = make(d, tmp_path / "c", decoded_cache=True, **kw)
+    plain = make(d, tmp_path / "p", **kw)
+    for e in range(2):
+        got, want = epoch(cached, e), epoch(plain, e)
+        assert [b["__key__"] for b in got] == [b["__key__"] for b in want]
+        assert np.array_equal(got[0]["png"], want[0]["png"])
+    assert len(list((tmp_path / "c" / "decoded").glob("*.rfd"))) == 1
+
+
+def test_a_bad_sample_keeps_its_shard_out_of_the_cache_and_is_skipped_as_before(tmp_path):
+    import io
+    import tarfile
+
+    d = tmp_path / "shards"
+    paths = write_shards(d, [8, 8], images=True)
+    members = []
+    with tarfile.open(paths[1]) as tar:
+        for m in tar.getmembers():
+            members.append((m, tar.extractfile(m).read()))
+    with tarfile.open(paths[1], "w") as tar:
+        for m, payload in members:
+            if m.name == "s0001_00003.png":
+                payload = b"not a png"
+                m.size = len(payload)
+            tar.addfile(m, io.BytesIO(payload))
+    # (the manifest still lists the old sha256: the shard is local, read in place)
+    kw = {"balance": "pad", "shuffle": False}
+    for e in range(2):
+        cached = make(d, tmp_path / "c", decoded_cache=True, **kw)
+        plain = make(d, tmp_path / "p", indexed=False, **kw)
+        assert_same(epoch(cached, e), epoch(plain, e))
+        assert cached.stats()["skipped"] == plain.stats()["skipped"] == 1
+
+
+def test_two_processes_share_one_decoded_cache(shard_dir, tmp_path):
+    """Two ranks of one host fill and read the same cache directory at the same time."""
+    script = tmp_path / "rank.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from pipeline import ShardPipeline
+rank, out = int(sys.argv[1]), sys.argv[2]
+pipe = ShardPipeline({str(shard_dir)!r}, batch_size={B}, seed=1, shuffle_buffer=9, rank=rank,
+                     world_size=2, balance="pad", cache_dir={str(tmp_path / "shared")!r},
+                     decoded_cache=True)
+seen = []
+for e in range(3):
+    pipe.set_epoch(e)
+    seen.append([[b["__key__"], b["png"].tolist(), b["cls"].tolist()] for b in pipe])
+json.dump(seen, open(out, "w"))
+""")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / f"{r}.json")])
+             for r in (0, 1)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    for r in (0, 1):
+        plain = make(shard_dir, tmp_path / "plain", rank=r, world_size=2, balance="pad")
+        want = [[[b["__key__"], b["png"].tolist(), b["cls"].tolist()] for b in epoch(plain, e)]
+                for e in range(3)]
+        assert json.loads((tmp_path / f"{r}.json").read_text()) == want
+    decoded = tmp_path / "shared" / "decoded"
+    assert len(list(decoded.glob("*.rfd"))) == len(SIZES)
+    assert not list(decoded.glob(".*.tmp"))
+
+
+def test_auto_turns_the_cache_on_only_when_it_fits(shard_dir, tmp_path):
+    assert make(shard_dir, tmp_path / "a", decoded_cache="auto").decoded_cache
+    assert not make(shard_dir, tmp_path / "b", decoded_cache="auto", cache_limit=100).decoded_cache
+    assert not make(shard_dir, tmp_path / "c").decoded_cache  # off unless asked
+
+
+# -- GPU decode ---------------------------------------------------------------------------
+def test_gpu_decode_without_a_gpu_is_one_clear_error(shard_dir, tmp_path):
+    with pytest.raises(PipelineError, match="decode_device") as err:
+        make(shard_dir, tmp_path / "c", decode_device="cuda")
+    assert "\n" not in str(err.value)
+    with pytest.raises(PipelineError, match="decode_device must be one of"):
+        make(shard_dir, tmp_path / "c", decode_device="tpu")
