@@ -69,6 +69,7 @@ class Decoder:
 
     def __post_init__(self) -> None:
         self.image_size = as_pair(self.image_size)
+        self._kinds: dict[str, str] = {}  # extension -> kind, looked up once
         # An image folder of mixed formats gives samples with `jpg` or `png` members. Decoded
         # they are the same thing, so each sample's one image goes under the manifest's first
         # image field: every batch then has the same fields.
@@ -80,9 +81,12 @@ class Decoder:
             self._shift = mean / std
 
     def kind(self, extension: str) -> str:
-        if extension in self.fields:
-            return self.fields[extension]
-        return KIND_BY_EXTENSION.get(extension.rsplit(".", 1)[-1], "bytes")
+        kind = self._kinds.get(extension)
+        if kind is None:
+            kind = self.fields.get(extension) or KIND_BY_EXTENSION.get(
+                extension.rsplit(".", 1)[-1], "bytes")
+            self._kinds[extension] = kind
+        return kind
 
     def __call__(self, raw: dict[str, Any]) -> dict[str, Any]:
         """The sample as batches carry it: base() then finish()."""
@@ -100,11 +104,25 @@ class Decoder:
                     sample[name] = self.decode_field(name, value)
                 except Exception as e:
                     raise DecodeError(f"field {name!r}: {type(e).__name__}: {e}") from e
+        return self.renamed(sample)
+
+    def renamed(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """A sample's (or a batch's) one image field under the manifest's first image field."""
         if self._image_field is not None:
             images = [name for name in sample if self.kind(name) == "image"]
             if len(images) == 1 and images[0] != self._image_field:
                 sample[self._image_field] = sample.pop(images[0])
         return sample
+
+    def decode_column(self, name: str, values: list[bytes]) -> list[Any]:
+        """decode_field over one field of a batch of raw samples (raises on a bad value)."""
+        kind = self.kind(name)
+        if kind == "bytes" or (kind == "image" and not self.decode_images):
+            return values
+        if kind == "image":
+            size = self.image_size
+            return [decode_image(v, size) for v in values]
+        return [self.decode_field(name, v) for v in values]
 
     def finish(self, sample: dict[str, Any], normalize: bool | None = None) -> dict[str, Any]:
         """After base(): normalize the images and run the transform. Without a transform the

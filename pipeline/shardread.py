@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from pipeline.tarindex import TarIndex
 
 COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst")
+# a sample's members up to this size are read in one pread and sliced; larger ones each get
+# their own pread (slicing would copy megabytes a second time)
+ONE_READ_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -76,10 +80,34 @@ def shard_identity(ref: ShardRef, st: os.stat_result | None = None) -> str | Non
 
 # -- indexes -------------------------------------------------------------------------------
 class IndexStore:
-    """Where tar indexes come from: a shard's sidecar, the cache, or a build from the tar."""
+    """Where tar indexes come from: a shard's sidecar, the cache, or a build from the tar.
+    What was checked is remembered per process (keyed by the file's device, inode, size and
+    mtime), so reopening an unchanged shard every epoch costs no check and no reload."""
+
+    MEMO = 256  # shards remembered
 
     def __init__(self, cache_dir: str | os.PathLike) -> None:
         self.directory = Path(cache_dir) / "index"
+        self._memo: OrderedDict[tuple, tuple[TarIndex, int, str | None, list]] = OrderedDict()
+
+    def __getstate__(self) -> dict[str, Any]:  # loader workers start with an empty memo
+        return {**self.__dict__, "_memo": OrderedDict()}
+
+    def opened(self, handle: ShardHandle) -> tuple[TarIndex, int, str | None, list]:
+        """(index, intact samples, reason, sample spans) for an open shard, remembered."""
+        st = os.fstat(handle.file.fileno())
+        key = (handle.ref.url, handle.ref.num_samples, st.st_dev, st.st_ino, st.st_size,
+               st.st_mtime_ns)
+        hit = self._memo.get(key)
+        if hit is None:
+            index, intact, reason = self.index_for(handle)
+            hit = (index, intact, reason, index.sample_spans())
+            self._memo[key] = hit
+            if len(self._memo) > self.MEMO:
+                self._memo.popitem(last=False)
+        else:
+            self._memo.move_to_end(key)
+        return hit
 
     def cached_path(self, handle: ShardHandle) -> Path:
         st = os.fstat(handle.file.fileno())
@@ -157,17 +185,17 @@ def open_samples(handle: ShardHandle, indexes: IndexStore | None,
     holds the `wanted` positions read past until they are asked for)."""
     if indexes is None or handle.ref.url.endswith(COMPRESSED_SUFFIXES):
         return SequentialSamples(handle, wanted)
-    return IndexedSamples(handle, *indexes.index_for(handle))
+    return IndexedSamples(handle, *indexes.opened(handle))
 
 
 class IndexedSamples:
     def __init__(self, handle: ShardHandle, index: TarIndex, intact: int,
-                 reason: str | None) -> None:
+                 reason: str | None, spans: list) -> None:
         self.handle, self.url = handle, handle.ref.url
         self._fd = handle.file.fileno()
         self.bytes_read = 0
         self.intact = intact
-        self._spans = index.sample_spans()  # per sample: (start, end, [(field, lo, hi)])
+        self._spans = spans  # per sample: (start, end, [(field, lo, hi)])
         self._keys = index.keys
         expected = handle.ref.num_samples or index.num_samples
         if intact < expected:
@@ -184,15 +212,25 @@ class IndexedSamples:
         if position >= self.intact:
             return BadSample(self.url, position, None, self._reason or "no such sample")
         start, end, members = self._spans[position]
-        data = os.pread(self._fd, end - start, start)
-        if len(data) != end - start:  # the file shrank since it was checked
-            return BadSample(self.url, position, self._keys[position],
-                             "corrupt or truncated tar (the file is shorter than its index)")
-        self.bytes_read += len(data)
         sample: dict[str, Any] = {"__key__": self._keys[position]}
-        for field, lo, hi in members:
-            sample[field] = data[lo:hi]
-        return sample
+        if end - start <= ONE_READ_BYTES:  # small: one read of the span, sliced
+            data = os.pread(self._fd, end - start, start)
+            if len(data) == end - start:
+                for field, lo, hi in members:
+                    sample[field] = data[lo:hi]
+                self.bytes_read += len(data)
+                return sample
+        else:  # large: each member read straight into its own bytes (no second copy)
+            for field, lo, hi in members:
+                data = os.pread(self._fd, hi - lo, start + lo)
+                if len(data) != hi - lo:
+                    break
+                sample[field] = data
+                self.bytes_read += hi - lo
+            else:
+                return sample
+        return BadSample(self.url, position, self._keys[position],  # shrank since checked
+                         "corrupt or truncated tar (the file is shorter than its index)")
 
     def close(self) -> None:
         self.handle.close()

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.batch import collate, gather
+from pipeline import malloc
+from pipeline.batch import collate, gather, stack
 from pipeline.cache import Prefetcher, ShardCache
 from pipeline.decode import Decoder
 from pipeline.decoded_cache import CachedShard, DecodedStore, Uncacheable
@@ -80,6 +81,7 @@ class WorkerStream:
                    plan.index, streams, w)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        malloc.tune()  # (in whichever process runs the stream: threads' or loader workers')
         plan, b = self.plan, self.plan.batch_size
         needed = plan.order[self.skip * b:]
         if not len(needed):
@@ -97,7 +99,8 @@ class WorkerStream:
                 sources = shards.open_through(int(shards.run_of[chunk].max()))
                 batch = None
                 if not items and not pending:
-                    batch = self._gathered(chunk, shards, sources, local_batch)
+                    batch = (self._gathered(chunk, shards, sources, local_batch)
+                             or self._columns(chunk, shards, sources, local_batch))
                 if batch is not None:
                     yield batch
                     local_batch += 1
@@ -208,6 +211,47 @@ class WorkerStream:
         last = entries[used.index(int(runs[-1]))]
         self._last_good = (self.spec.decoder.finish(last.sample(int(positions[-1]))), keys[-1])
         batch = self.spec.decoder.finish_batch(arrays)
+        return self._booked(batch, keys, self.plan.ids[chunk], valid, local_batch)
+
+    # -- a whole batch of indexed reads, field by field ------------------------------------
+    def _columns(self, chunk: np.ndarray, shards: _OpenShards, sources: dict[int, Any],
+                 local_batch: int) -> dict[str, Any] | None:
+        """The batch of `chunk` read from indexed shards and decoded one field at a time, with
+        no per-sample dict past the read; None (the caller goes sample by sample, which
+        handles bad data) when a sample is unreadable, undecodable or has other fields, or a
+        transform or the user's decode must see every sample."""
+        decoder = self.spec.decoder
+        if len(chunk) < self.plan.batch_size or decoder.transform is not None \
+                or decoder.decode is not None:
+            return None
+        raws = []
+        for run, position in zip(shards.run_of[chunk].tolist(), shards.pos_of[chunk].tolist(),
+                                 strict=True):
+            source = sources[run]
+            if type(source) is not IndexedSamples:
+                return None
+            raw = source.get(position)
+            if type(raw) is BadSample:
+                return None
+            raws.append(raw)
+        names = raws[0].keys()
+        if any(raw.keys() != names for raw in raws):
+            return None
+        try:
+            columns = {name: decoder.decode_column(name, [raw[name] for raw in raws])
+                       for name in names if name != "__key__"}
+        except Exception:  # the sample-by-sample path names the bad sample
+            return None
+        columns = decoder.renamed(columns)
+        if self._reference is not None and set(columns) != self._reference:
+            return None
+        self._reference = set(columns)
+        keys = [raw["__key__"] for raw in raws]
+        self._last_good = ({name: values[-1] for name, values in columns.items()}, keys[-1])
+        self.counters.counts["samples_read"] += len(raws)
+        valid = self.plan.valid[chunk]
+        self.counters.counts["padded"] += int(len(valid) - valid.sum())
+        batch = decoder.finish_batch({name: stack(values) for name, values in columns.items()})
         return self._booked(batch, keys, self.plan.ids[chunk], valid, local_batch)
 
     def _booked(self, batch: dict[str, Any], keys: list[str], index: np.ndarray,
