@@ -20,7 +20,7 @@ from pipeline.background import BackgroundIterator
 from pipeline.batch import collate
 from pipeline.cache import ShardCache
 from pipeline.decode import Decoder, SampleFn, as_pair
-from pipeline.decoded_cache import DecodedStore, Uncacheable, layout_of
+from pipeline.decoded_cache import DecodedStore, layout_of
 from pipeline.errors import PipelineDataError, PipelineError
 from pipeline.plan import BALANCE_POLICIES, Layout, SegmentConfig, SegmentPlan
 from pipeline.shardread import (
@@ -46,7 +46,8 @@ from shards.manifest import Manifest
 
 DECODE_DEVICES = ("cpu", "cuda")
 # decoded_cache="auto" turns the cache on when the split's decoded samples fit cache_limit,
-# or, with no limit, this share of the free space where the cache lives
+# or, with no limit, this share of the free space where the cache lives (also the decoded
+# cache's bound when there is no cache_limit)
 AUTO_FREE_SHARE = 0.5
 _HOROVOD_MODULES = ("horovod.torch", "horovod.tensorflow", "horovod.tensorflow.keras",
                     "horovod.keras")
@@ -343,16 +344,16 @@ class ShardPipeline:
             directory = Path(self.cache.cache_dir) / "decoded"
         else:
             directory = Path(setting)
+        # with no cache_limit the decoded cache still has a bound: a share of the free space
+        room = limit if limit is not None else int(AUTO_FREE_SHARE * _free_bytes(directory))
         if auto:
             try:
                 per_sample = layout_of(self.spec.decoder.base(self._first_raw()))
-            except (Uncacheable, PipelineDataError, Exception):
+            except Exception:  # Uncacheable, unreadable or undecodable first sample
                 return None
-            need = per_sample * self.layout.num_samples
-            room = limit if limit is not None else AUTO_FREE_SHARE * _free_bytes(directory)
-            if need > room:
+            if per_sample * self.layout.num_samples > room:
                 return None
-        return DecodedStore(directory, limit, decoder.settings())
+        return DecodedStore(directory, room, decoder.settings())
 
     def _first_raw(self) -> dict[str, Any]:
         for ref in self.refs:
