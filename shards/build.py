@@ -2,8 +2,11 @@
 write the manifest last.
 
 Order of effects: every input error is raised by the scan, before OUT is touched (beyond creating
-it); shards appear under their final names only when complete (temp file + rename); each finished
-shard is journaled; manifest.json is written last, atomically, and then the journal is removed.
+it); shards appear under their final names only when complete (temp file + rename), each after
+its index sidecar (`NAME.tar.idx`); each finished shard is journaled; manifest.json is written
+last, atomically, and then the journal is removed. A resumed run keeps a journaled shard that
+still hashes as recorded, and rewrites its sidecar if that is missing or differs from the
+shard's index.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 from shards.errors import UserError
-from shards.fsutil import publish, sha256_file
+from shards.fsutil import atomic_write_bytes, sha256_file
 from shards.journal import JOURNAL, Journal
 from shards.manifest import Manifest, ShardInfo, Split
 from shards.options import ShardOptions
@@ -27,10 +30,11 @@ from shards.plan import PlannedShard, fingerprint, plan_shards
 from shards.progress import Progress
 from shards.sources import Source, open_source
 from shards.sources.text import WORK_DIR
-from shards.tarwrite import write_shard
+from shards.tarwrite import index_name, publish_shard, write_shard
 
-SHARD_FILE = re.compile(r"^\w+-\d{6}\.tar$")
-TEMP_FILE = re.compile(r"^\.(manifest\.json|\.ringfeed-journal\.jsonl|\w+-\d{6}\.tar)\.\w+\.tmp$")
+SHARD_FILE = re.compile(r"^\w+-\d{6}\.tar(\.idx)?$")  # a shard or its index sidecar
+TEMP_FILE = re.compile(
+    r"^\.(manifest\.json|\.ringfeed-journal\.jsonl|\w+-\d{6}\.tar(\.idx)?)\.\w+\.tmp$")
 
 
 @dataclass
@@ -119,12 +123,30 @@ def _resumable(journal: Journal, plan_id: str, shards: list[PlannedShard],
                   and info.bytes == planned[name].bytes
                   and (opts.out / name).is_file()
                   and (opts.out / name).stat().st_size == info.bytes]
-    digests = parallel_map(_hash, [opts.out / i.name for i in candidates], opts.workers, None, 1)
-    return {i.name: i for i, digest in zip(candidates, digests, strict=True) if digest == i.sha256}
+    kept = parallel_map(_keep, candidates, opts.workers, opts.out, 1)
+    return {info.name: info for info in kept if info is not None}
 
 
-def _hash(_shared: None, path: Path) -> str:
-    return sha256_file(path)
+def _keep(out: Path, info: ShardInfo) -> ShardInfo | None:
+    """`info` (naming its sidecar) if the shard still hashes as recorded; its sidecar is
+    rewritten if missing or not the shard's index (a journal of an older ringfeed has none)."""
+    from pipeline.tarindex import build_index
+
+    path = out / info.name
+    if sha256_file(path) != info.sha256:
+        return None
+    with open(path, "rb") as f:
+        index, reason = build_index(f)
+    if reason is not None or index.num_samples != info.num_samples:
+        return None
+    sidecar, expected = out / index_name(info.name), index.to_bytes()
+    try:
+        current = sidecar.read_bytes()
+    except FileNotFoundError:
+        current = None
+    if current != expected:
+        atomic_write_bytes(sidecar, expected)
+    return ShardInfo(info.name, info.num_samples, info.bytes, info.sha256, index_name(info.name))
 
 
 def _clean_out_dir(out: Path, fresh: bool) -> None:
@@ -137,27 +159,33 @@ def _clean_out_dir(out: Path, fresh: bool) -> None:
 
 
 def _write_task(shared: tuple[Source, Path, Progress], shard: PlannedShard
-                ) -> tuple[ShardInfo, Path]:
+                ) -> tuple[ShardInfo, Path, Path]:
     source, out, progress = shared
     return write_shard(source, shard, out, progress.on_sample if progress.enabled else None)
 
 
 def _write_all(source: Source, todo: list[PlannedShard], opts: ShardOptions,
                finished: Callable[[ShardInfo], None]) -> None:
-    """Write `todo` (in `opts.workers` processes); each written temp file is published (fsync +
-    rename) and then reported to `finished`, in one thread of this process, so waiting for the
-    disk overlaps building the next shards. A failed publish stops the run at the next shard."""
+    """Write `todo` (in `opts.workers` processes); each written shard's temp files (sidecar, then
+    tar) are published (fsync + rename) and then reported to `finished`, in one thread of this
+    process, so waiting for the disk overlaps building the next shards. A failed publish stops
+    the run at the next shard."""
     progress = Progress(sum(s.num_samples for s in todo), opts.progress)
     publishing: deque[Future] = deque()
 
-    def publish_and_report(info: ShardInfo, tmp: Path) -> None:
-        publish(tmp, opts.out / info.name)
+    def publish_and_report(info: ShardInfo, tmp: Path, index_tmp: Path) -> None:
+        publish_shard(opts.out, info, tmp, index_tmp)
         finished(info)
 
     with ThreadPoolExecutor(1, thread_name_prefix="ringfeed-publish") as publisher:
-        def written(result: tuple[ShardInfo, Path]) -> None:
-            while publishing and publishing[0].done():
-                publishing.popleft().result()  # raises what the publish raised
+        def written(result: tuple[ShardInfo, Path, Path]) -> None:
+            try:
+                while publishing and publishing[0].done():
+                    publishing.popleft().result()  # raises what the publish raised
+            except BaseException:
+                for tmp in result[1:]:  # this shard will not be published
+                    tmp.unlink(missing_ok=True)
+                raise
             publishing.append(publisher.submit(publish_and_report, *result))
 
         try:
@@ -188,7 +216,8 @@ def _write_in_pool(workers: int, todo: list[PlannedShard], shared: tuple, writte
             pool.shutdown(wait=True, cancel_futures=True)
             for future in unhanded:  # written while the run failed, never to be published
                 if not future.cancelled() and future.exception() is None:
-                    future.result()[1].unlink(missing_ok=True)
+                    for tmp in future.result()[1:]:
+                        tmp.unlink(missing_ok=True)
             raise
 
 

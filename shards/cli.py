@@ -55,7 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="progress bar (default: when stderr is a terminal)")
     p.set_defaults(func=run_shard)
 
-    v = subparsers.add_parser("verify", help="re-hash and re-count shards against manifest.json")
+    v = subparsers.add_parser("verify", help="re-hash and re-count shards against manifest.json "
+                                             "and check their index sidecars")
     v.add_argument("out", metavar="OUT", help="the folder holding manifest.json")
     v.add_argument("--workers", type=int, default=1, metavar="K")
     v.set_defaults(func=run_verify)
@@ -148,7 +149,8 @@ def run_verify(args: argparse.Namespace) -> int:
               f"(e.g. {result.unlisted[0]}); the pipeline does not read them")
     samples = sum(c.num_samples for c in result.checks)
     nbytes = sum(c.bytes for c in result.checks)
-    verdict = f"{len(result.bad)} BAD" if result.bad else "all OK (sha256, size and sample counts)"
+    verdict = (f"{len(result.bad)} BAD" if result.bad
+               else "all OK (sha256, size, sample counts and index sidecars)")
     print(f"ringfeed verify: {len(result.checks)} shards, {samples:,} samples, "
           f"{human_bytes(nbytes)}: {verdict}")
     return 1 if result.bad else 0

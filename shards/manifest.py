@@ -12,7 +12,8 @@ Layout on disk (format version 1):
       "skipped": [{"path": "...", "reason": "..."}],
       "splits": {
         "train": {"shards": [{"name": "train-000000.tar", "num_samples": 100,
-                              "bytes": 123456, "sha256": "..."}]},
+                              "bytes": 123456, "sha256": "...",
+                              "index": "train-000000.tar.idx"}]},
         "val": {...}
       }
     }
@@ -21,6 +22,12 @@ Field kinds: "image" (encoded image bytes), "int" (decimal text, e.g. .cls), "np
 "json", "text" (utf-8), "bytes" (opaque). Shard names are relative to the manifest's directory
 (or absolute URLs). Samples inside a shard are numbered 0..num_samples-1 in tar order; the
 pipeline identifies a sample by (split-wide shard index, position in shard).
+
+`index` (optional; null or absent in manifests written before indexes, and for shards without
+one) names the shard's tar index sidecar (`pipeline.tarindex`), relative to the manifest like
+`name`: `ringfeed shard` writes `<shard name>.idx` beside each shard; `--format wds-index`
+writes `<shard path relative to OUT>.idx`, or `index/<sha256[:16]>-<file name>.idx` under OUT
+when that path leaves OUT (`..`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from shards.fsutil import atomic_write_text
 FORMAT = "ringfeed-shards"
 VERSION = 1
 FIELD_KINDS = ("image", "int", "npy", "json", "text", "bytes")
+INDEX_SUFFIX = ".idx"  # a shard's tar index sidecar: `train-000000.tar` -> `train-000000.tar.idx`
 
 
 class ManifestError(ValueError):
@@ -47,6 +55,7 @@ class ShardInfo:
     num_samples: int
     bytes: int
     sha256: str | None = None
+    index: str | None = None  # the tar index sidecar, relative to the manifest (or a URL)
 
 
 @dataclass

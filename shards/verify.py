@@ -1,4 +1,5 @@
-"""`ringfeed verify OUT`: re-hash every shard and re-count its samples against the manifest."""
+"""`ringfeed verify OUT`: re-hash every shard and re-count its samples against the manifest, and
+check that each shard's index sidecar is the shard's index (rebuilt from the tar and compared)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from shards.errors import UserError
 from shards.manifest import Manifest, ManifestError, ShardInfo
 from shards.parallel import parallel_map
-from shards.tarread import TarReadError, scan_tar, shard_url
+from shards.tarread import TarReadError, open_shard, scan_tar, shard_url
 
 
 @dataclass
@@ -70,4 +71,33 @@ def _check(out: str, task: tuple[str, ShardInfo]) -> ShardCheck:
         check.problems.append(f"{scan.num_samples} samples, manifest says {info.num_samples}")
     if scan.duplicate_keys:
         check.problems.append(f"sample key {scan.duplicate_keys[0]!r} appears more than once")
+    if info.index is not None:
+        problem = _check_index(out, info.name, info.index)
+        if problem:
+            check.problems.append(problem)
     return check
+
+
+def _check_index(out: str, name: str, index: str) -> str | None:
+    """What is wrong with shard `name`'s index sidecar `index`, or None when it is the shard's
+    index."""
+    from pipeline.tarindex import TarIndex, build_index
+
+    try:
+        with open_shard(shard_url(out, index)) as f:
+            recorded = TarIndex.from_bytes(f.read())
+    except FileNotFoundError:
+        return f"index sidecar {index} is missing"
+    except ValueError as e:
+        return f"index sidecar {index} is not a valid index ({e})"
+    except OSError as e:
+        return f"index sidecar {index} is unreadable ({e})"
+    try:
+        with open_shard(shard_url(out, name)) as f:
+            actual, _ = build_index(f)
+    except OSError as e:
+        return f"index sidecar {index} cannot be checked: the shard is unreadable ({e})"
+    if actual != recorded:
+        return (f"index sidecar {index} does not match the shard ({recorded.num_samples} "
+                f"samples indexed, the tar has {actual.num_samples} readable)")
+    return None

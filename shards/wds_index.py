@@ -1,10 +1,16 @@
 """`ringfeed shard SRC [OUT] --format wds-index`: give existing WebDataset shards (written by
 webdataset's ShardWriter, tarp, ...) a manifest, so the pipeline can balance and verify them.
 
-Each tar is read once: samples counted as webdataset groups them, sha256, size, and the member
-extensions seen (-> fields). A shard's split comes from its name (`train-000.tar`,
-`val_3.tar`, ...), else `train`, or `--split` for all. Shard names in the manifest are relative to
-OUT (OUT defaults to SRC, so the manifest sits beside the shards).
+Each tar is read: samples counted as webdataset groups them, sha256, size, and the member
+extensions seen (-> fields), and its tar index (`pipeline.tarindex`) built. A shard's split comes
+from its name (`train-000.tar`, `val_3.tar`, ...), else `train`, or `--split` for all. Shard names
+in the manifest are relative to OUT (OUT defaults to SRC, so the manifest sits beside the shards).
+
+Each shard's index goes to a sidecar under OUT, named in the manifest's `index`: `<shard path
+relative to OUT>.idx` (beside the shard) when that path stays inside OUT, else
+`index/<sha256[:16]>-<file name>.idx`. A tar that cannot be indexed whole (corrupt, truncated,
+compressed) is an error naming it. Sidecars are written (atomically) after every shard was read
+and before the manifest.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import braceexpand
 
 from shards.build import ShardRun, created_by
 from shards.errors import UserError
-from shards.manifest import Manifest, ShardInfo, Split
+from shards.fsutil import atomic_write_bytes
+from shards.manifest import INDEX_SUFFIX, Manifest, ShardInfo, Split
 from shards.members import kind_of
 from shards.options import ShardOptions
 from shards.parallel import parallel_map
@@ -54,11 +61,29 @@ def split_of(path: Path) -> str:
     return SPLIT_NAMES.get(m.group(1).lower(), "train") if m else "train"
 
 
-def _scan(_shared: None, path: Path) -> TarScan | str:
+def _scan(_shared: None, path: Path) -> tuple[TarScan, bytes] | str:
+    """(the shard's scan, its index as bytes), or what is wrong with it."""
+    from pipeline.tarindex import build_index
+
     try:
-        return scan_tar(str(path))
+        scan = scan_tar(str(path))
+        with open(path, "rb") as f:
+            index, reason = build_index(f)
     except (TarReadError, OSError) as e:
         return str(e)
+    if reason is not None:
+        return f"cannot be indexed: {reason}"
+    if index.num_samples != scan.num_samples:  # not expected: the index groups as webdataset
+        return (f"cannot be indexed: {index.num_samples} samples indexed, webdataset reads "
+                f"{scan.num_samples}")
+    return scan, index.to_bytes()
+
+
+def sidecar_name(shard: str, sha256: str) -> str:
+    """Where a shard's index goes, relative to OUT, for the shard at `shard` (relative to OUT)."""
+    if ".." in Path(shard).parts:
+        return f"index/{sha256[:16]}-{Path(shard).name}{INDEX_SUFFIX}"
+    return shard + INDEX_SUFFIX
 
 
 def index_shards(opts: ShardOptions) -> ShardRun:
@@ -72,22 +97,33 @@ def index_shards(opts: ShardOptions) -> ShardRun:
     scans = list(parallel_map(_scan, tars, opts.workers, None, 1))
     splits: dict[str, Split] = {}
     fields: dict[str, str] = {}
-    for path, scan in zip(tars, scans, strict=True):
-        if isinstance(scan, str):
-            raise UserError(f"{path}: {scan}")
+    sidecars: dict[str, bytes] = {}
+    for path, result in zip(tars, scans, strict=True):
+        if isinstance(result, str):
+            raise UserError(f"{path}: {result}")
+        scan, index = result
         if scan.duplicate_keys:
             raise UserError(f"{path}: sample key {scan.duplicate_keys[0]!r} appears more than "
                             "once; the pipeline would see two samples")
         name = os.path.relpath(path.resolve(), out.resolve())
+        sidecar = sidecar_name(name, scan.sha256)
+        if sidecars.setdefault(sidecar, index) != index:  # same sha256 prefix and file name
+            raise UserError(f"{path}: its index sidecar {sidecar} would be another shard's")
         split = opts.split or split_of(path)
         splits.setdefault(split, Split()).shards.append(
-            ShardInfo(name, scan.num_samples, scan.bytes, scan.sha256))
+            ShardInfo(name, scan.num_samples, scan.bytes, scan.sha256, sidecar))
         fields.update({ext: kind_of(ext) for ext in sorted(scan.fields)})
     order = sorted(splits, key=lambda s: (SPLIT_ORDER.index(s) if s in SPLIT_ORDER else 9, s))
     manifest = Manifest(splits={s: splits[s] for s in order}, fields=dict(sorted(fields.items())),
                         source={"format": "wds-index", "path": str(opts.src),
                                 "options": {"split": opts.split}},
                         created_by=created_by())
-    out.mkdir(parents=True, exist_ok=True)
-    manifest.save(out)
-    return ShardRun(manifest, out, time.monotonic() - start, written=["manifest.json"])
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for sidecar, index in sidecars.items():
+            atomic_write_bytes(out / sidecar, index)
+        manifest.save(out)
+    except OSError as e:  # no permission (OUT defaults to SRC), disk full: one line
+        raise UserError(f"{e.filename or out}: {e.strerror or e}") from e
+    return ShardRun(manifest, out, time.monotonic() - start,
+                    written=[*sidecars, "manifest.json"])

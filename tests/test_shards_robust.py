@@ -38,7 +38,9 @@ def test_two_workers_write_the_same_bytes_as_one(capsys, tmp_path, images):
     assert result.returncode == 0, result.output
     assert result.stderr == ""  # not a terminal: no progress bar
     files = tree_bytes(one)
-    assert len(files) == 15 and files == tree_bytes(two)  # 14 shards + manifest, same bytes
+    # 14 shards + their 14 index sidecars + manifest, same bytes
+    assert len(files) == 29 and files == tree_bytes(two)
+    assert sum(name.endswith(".tar.idx") for name in files) == 14
 
 
 def _start(args: list[str]) -> subprocess.Popen:
@@ -98,13 +100,18 @@ def test_resume_rehashes_kept_shards_and_replaces_partial_ones(capsys, tmp_path,
     (out / shards[3].name).unlink()                       # recorded, but gone
     (out / shards[8].name).write_bytes(b"partial tar")    # not recorded: written again
     (out / f".{shards[9].name}.k3x9_a.tmp").write_bytes(b"half a shard")  # a killed write
+    (out / f".{shards[9].index}.k3x9_b.tmp").write_bytes(b"half an index")
+    (out / shards[4].index).unlink()                      # kept, but its sidecar is gone
+    (out / shards[5].index).write_bytes(b"stale")         # kept, but its sidecar is damaged
     inode0 = (out / shards[0].name).stat().st_ino
+    sidecar_inode0 = (out / shards[0].index).stat().st_ino
 
     code, stdout, err = cli(capsys, *shard_args(images, out))
     assert code == 0, err
     assert "kept 3 finished shard(s)" in stdout  # shards 0, 4, 5
     assert (out / shards[0].name).stat().st_ino == inode0
-    assert tree_bytes(out) == tree_bytes(reference)
+    assert (out / shards[0].index).stat().st_ino == sidecar_inode0  # a good sidecar is kept
+    assert tree_bytes(out) == tree_bytes(reference)  # sidecars 4 and 5 rebuilt
 
 
 @pytest.fixture
@@ -165,8 +172,9 @@ def test_unfinished_run_of_other_options_needs_overwrite(capsys, tmp_path, image
     code, stdout, _ = cli(capsys, *shard_args(images, out, "--max-count", "5", "--overwrite"))
     assert code == 0 and not (out / JOURNAL).exists()
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["manifest.json"] + [s["name"] for sp in manifest(out)["splits"].values()
-                             for s in sp["shards"]])  # the old 4-per-shard files are gone
+        ["manifest.json"] + [n for sp in manifest(out)["splits"].values()
+                             for s in sp["shards"] for n in (s["name"], s["index"])]
+    )  # the old 4-per-shard files and their sidecars are gone
 
 
 def test_verify_names_every_bad_shard(capsys, tmp_path, images):
@@ -181,6 +189,8 @@ def test_verify_names_every_bad_shard(capsys, tmp_path, images):
     flipped.write_bytes(bytes(data))
     truncated.write_bytes(truncated.read_bytes()[:1500])
     gone.unlink()
+    shutil.copy(out / "train-000003.tar.idx", out / "train-000001.tar.idx")  # another's index
+    (out / "train-000008.tar.idx").unlink()
     shutil.copy(truncated, out / "train-000099.tar")  # a stray file the manifest does not list
     m = manifest(out)
     m["splits"]["train"]["shards"][7]["num_samples"] += 1  # a manifest that lies about a count
@@ -189,12 +199,17 @@ def test_verify_names_every_bad_shard(capsys, tmp_path, images):
     code, stdout, _ = cli(capsys, "verify", out)
     assert code == 1
     bad = [line for line in stdout.splitlines() if line.startswith("BAD")]
-    assert len(bad) == 4
-    assert bad[0].startswith("BAD train/train-000002.tar: sha256 differs")
-    assert bad[1].startswith("BAD train/train-000005.tar:") and "1500 bytes" in bad[1]
-    assert "4 samples, manifest says 5" in bad[2] and "train-000007.tar" in bad[2]
-    assert bad[3] == "BAD val/val-000001.tar: missing"
-    assert "4 BAD" in stdout
+    assert len(bad) == 6
+    assert bad[0].startswith("BAD train/train-000001.tar: index sidecar train-000001.tar.idx "
+                             "does not match the shard")
+    assert bad[1].startswith("BAD train/train-000002.tar: sha256 differs")
+    assert ";" not in bad[1]  # its headers are intact: the index still matches
+    assert bad[2].startswith("BAD train/train-000005.tar:") and "1500 bytes" in bad[2]
+    assert "index sidecar train-000005.tar.idx does not match the shard" in bad[2]
+    assert "4 samples, manifest says 5" in bad[3] and "train-000007.tar" in bad[3]
+    assert bad[4] == "BAD train/train-000008.tar: index sidecar train-000008.tar.idx is missing"
+    assert bad[5] == "BAD val/val-000001.tar: missing"
+    assert "6 BAD" in stdout
     assert "note: 1 .tar file(s)" in stdout and "(e.g. train-000099.tar)" in stdout
 
 
