@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from pipeline.tarindex import build_index
 from shards.errors import UserError
 from shards.fsutil import atomic_write_bytes, sha256_file
 from shards.journal import JOURNAL, Journal
@@ -130,8 +131,6 @@ def _resumable(journal: Journal, plan_id: str, shards: list[PlannedShard],
 def _keep(out: Path, info: ShardInfo) -> ShardInfo | None:
     """`info` (naming its sidecar) if the shard still hashes as recorded; its sidecar is
     rewritten if missing or not the shard's index (a journal of an older ringfeed has none)."""
-    from pipeline.tarindex import build_index
-
     path = out / info.name
     if sha256_file(path) != info.sha256:
         return None

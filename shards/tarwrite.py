@@ -21,16 +21,14 @@ import io
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
+from pipeline.tarindex import TarIndex, TarIndexBuilder
 from shards.errors import UserError
 from shards.fsutil import HashingIO, publish, temp_open
 from shards.manifest import INDEX_SUFFIX, ShardInfo
 from shards.plan import PlannedShard
 from shards.sources import Source
-
-if TYPE_CHECKING:
-    from pipeline.tarindex import TarIndex
 
 TAR_MTIME = 946684800  # 2000-01-01T00:00:00Z (1970 makes GNU tar warn on extraction)
 TAR_OWNER = "ringfeed"
@@ -49,8 +47,6 @@ class SampleTarWriter:
     """
 
     def __init__(self, stream: IO[bytes]):
-        from pipeline.tarindex import TarIndexBuilder
-
         self._stream = stream
         self._offset = 0
         self._index = TarIndexBuilder()

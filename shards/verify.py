@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.tarindex import TarIndex, build_index
 from shards.errors import UserError
 from shards.manifest import Manifest, ManifestError, ShardInfo
 from shards.parallel import parallel_map
@@ -81,8 +82,6 @@ def _check(out: str, task: tuple[str, ShardInfo]) -> ShardCheck:
 def _check_index(out: str, name: str, index: str) -> str | None:
     """What is wrong with shard `name`'s index sidecar `index`, or None when it is the shard's
     index."""
-    from pipeline.tarindex import TarIndex, build_index
-
     try:
         with open_shard(shard_url(out, index)) as f:
             recorded = TarIndex.from_bytes(f.read())

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import braceexpand
 
+from pipeline.tarindex import build_index
 from shards.build import ShardRun, created_by
 from shards.errors import UserError
 from shards.fsutil import atomic_write_bytes
@@ -63,8 +64,6 @@ def split_of(path: Path) -> str:
 
 def _scan(_shared: None, path: Path) -> tuple[TarScan, bytes] | str:
     """(the shard's scan, its index as bytes), or what is wrong with it."""
-    from pipeline.tarindex import build_index
-
     try:
         scan = scan_tar(str(path))
         with open(path, "rb") as f:
