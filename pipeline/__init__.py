@@ -3,9 +3,23 @@ decoded, batched, resumable batches for every Horovod rank; adapters for PyTorch
 (`pipeline.torch.make_loader`) and tf.data (`pipeline.tf.make_dataset`).
 
 Importing this package imports neither torch nor TensorFlow. Guarantees: pipeline/README.md.
+Its names load on first use, so `shards/` can import `pipeline.tarindex` without the rest.
 """
 
-from pipeline.core import ShardPipeline, horovod_rank_and_size
-from pipeline.errors import PipelineDataError, PipelineError
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["ShardPipeline", "PipelineDataError", "PipelineError", "horovod_rank_and_size"]
+
+_HOMES = {"ShardPipeline": "pipeline.core", "horovod_rank_and_size": "pipeline.core",
+          "PipelineDataError": "pipeline.errors", "PipelineError": "pipeline.errors"}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(home), name)

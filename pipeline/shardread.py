@@ -134,8 +134,6 @@ class IndexStore:
                 index.save(cached)
             except OSError:  # a read-only cache only costs a rebuild next time
                 pass
-        if reason is None and intact < index.num_samples:
-            reason = "corrupt tar (a member header does not match its index)"
         return index, intact, reason
 
     @staticmethod
@@ -201,11 +199,12 @@ class IndexedSamples:
         if intact < expected:
             last = self._keys[intact - 1] if intact else None
             after = f" after sample {last!r}" if last else " at its start"
-            if reason is None or intact == index.num_samples:
+            if intact < index.num_samples:  # the header check stopped it (build_index did not)
+                reason = f"corrupt or truncated tar{after} (a member header does not match)"
+            elif reason is None:  # a complete tar with fewer samples than the manifest lists
                 reason = (f"shard ends after {intact} samples{after}, the manifest lists "
                           f"{expected}")
-            else:
-                reason = f"corrupt or truncated tar{after} ({reason})"
+            # else: build_index's own one-line reason, naming where the tar broke
         self._reason = reason
 
     def get(self, position: int) -> dict[str, Any] | BadSample:
