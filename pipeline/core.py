@@ -140,7 +140,8 @@ class ShardPipeline:
         limit = parse_size(cache_limit) if cache_limit is not None else None
         self.cache = ShardCache(str(cache_dir) if cache_dir is not None else None, limit,
                                 self.storage_options, retries=retries)
-        self.indexes = IndexStore(self.cache.cache_dir) if indexed else None
+        self.indexes = (IndexStore(self.cache.cache_dir, self.storage_options) if indexed
+                        else None)
         self.manifest, refs = self._resolve(source, split, allow_pipe)
         self.refs = refs
         self.layout = Layout(np.array([r.num_samples for r in refs], dtype=np.int64))

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.cache import ShardHandle
 from pipeline.source import ShardRef, is_local_url, local_path
+from shards.fsutil import atomic_write_bytes
 
 if TYPE_CHECKING:
     from pipeline.tarindex import TarIndex
@@ -86,8 +87,10 @@ class IndexStore:
 
     MEMO = 256  # shards remembered
 
-    def __init__(self, cache_dir: str | os.PathLike) -> None:
+    def __init__(self, cache_dir: str | os.PathLike,
+                 storage_options: dict[str, Any] | None = None) -> None:
         self.directory = Path(cache_dir) / "index"
+        self.storage_options = dict(storage_options or {})
         self._memo: OrderedDict[tuple, tuple[TarIndex, int, str | None, list]] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:  # loader workers start with an empty memo
@@ -136,12 +139,25 @@ class IndexStore:
                 pass
         return index, intact, reason
 
-    @staticmethod
-    def _sidecar(handle: ShardHandle) -> Path | None:
-        index = handle.ref.index
-        if index and is_local_url(index):
-            return Path(local_path(index))
-        return None
+    def _sidecar(self, handle: ShardHandle) -> Path | None:
+        """The shard's sidecar as a local file: in place, or fetched once into the index
+        cache (a few bytes per member, against a tar scan of tens of microseconds each)."""
+        url = handle.ref.index
+        if not url:
+            return None
+        if is_local_url(url):
+            return Path(local_path(url))
+        path = self.directory / f"{hashlib.sha256(url.encode()).hexdigest()[:32]}.sidecar.idx"
+        if not path.exists():
+            try:
+                import fsspec
+
+                with fsspec.open(url, "rb", **self.storage_options) as f:
+                    data = f.read()
+                atomic_write_bytes(path, data)
+            except Exception:  # unreachable or missing: build the index from the tar
+                return None
+        return path
 
 
 def _load(path: Path | None) -> TarIndex | None:

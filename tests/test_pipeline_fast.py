@@ -275,3 +275,29 @@ def test_gpu_decode_without_a_gpu_is_one_clear_error(shard_dir, tmp_path):
     assert "\n" not in str(err.value)
     with pytest.raises(PipelineError, match="decode_device must be one of"):
         make(shard_dir, tmp_path / "c", decode_device="tpu")
+
+
+def test_remote_sidecars_are_fetched_once_and_used(tmp_path):
+    """Shards made by `ringfeed shard` carry index sidecars: a remote reader fetches each one
+    once into its index cache (no tar scan) and reads exactly what local reading gives."""
+    from PIL import Image
+    from pipeline_util import http_server
+
+    from train.cli import main as ringfeed
+
+    src = tmp_path / "images"
+    for i in range(24):
+        (src / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((5, 5, 3), i * 9, np.uint8)).save(src / f"c{i % 3}" / f"{i}.png")
+    out = tmp_path / "shards"
+    assert ringfeed(["shard", str(src), str(out), "--format", "imagefolder", "--max-count", "7",
+                     "--no-progress"]) == 0
+    sidecars = sorted(p.name for p in out.glob("*.idx"))
+    assert len(sidecars) == 4
+    local = epoch(make(out, tmp_path / "local"), 0)
+    with http_server(out) as (url, requests):
+        for _ in range(2):  # two runs sharing one cache
+            assert_same(epoch(make(url, tmp_path / "cache"), 0), local)
+        assert sorted(r for r in requests if r.endswith(".idx")) == sidecars
+    assert len(list((tmp_path / "cache" / "index").glob("*.sidecar.idx"))) == 4
+    assert not list((tmp_path / "cache" / "index").glob("*[0-9a-f].idx"))  # nothing built
