@@ -100,13 +100,20 @@ class DecodedStore:
             f.close()
             _unlink(path)
             return None
-        os.utime(path)  # LRU recency
+        try:
+            os.utime(path)  # LRU recency
+        except OSError:  # a read-only cache is still readable
+            pass
         return shard
 
     def writer(self, path: Path, num_samples: int) -> EntryWriter | None:
-        """A writer for the entry, or None when another process is writing it."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_name(path.name + LOCK_SUFFIX), "a+b")
+        """A writer for the entry, or None when another process is writing it or the cache
+        cannot be written (read-only, full): the shard is then read as it is."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            lock = open(path.with_name(path.name + LOCK_SUFFIX), "a+b")
+        except OSError:
+            return None
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -301,3 +301,14 @@ def test_remote_sidecars_are_fetched_once_and_used(tmp_path):
         assert sorted(r for r in requests if r.endswith(".idx")) == sidecars
     assert len(list((tmp_path / "cache" / "index").glob("*.sidecar.idx"))) == 4
     assert not list((tmp_path / "cache" / "index").glob("*[0-9a-f].idx"))  # nothing built
+
+
+def test_an_unwritable_decoded_cache_only_costs_speed(shard_dir, tmp_path):
+    cache = tmp_path / "c"
+    cache.mkdir()
+    (cache / "decoded").write_text("a file where the cache directory should be")  # even root
+    pipe = make(shard_dir, cache, decoded_cache=True)
+    plain = make(shard_dir, tmp_path / "p")
+    for e in range(2):
+        assert_same(epoch(pipe, e), epoch(plain, e))
+    assert pipe.stats()["decoded_cache_writes"] == 0
