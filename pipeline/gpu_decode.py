@@ -143,8 +143,8 @@ def decode_batch(datas: Sequence[bytes], image_size: tuple[int, int] | None, dev
     depth = {s[0] for s in shapes}
     if len(depth) > 1:
         raise ValueError("decode_jpeg_batch: the batch mixes grayscale (C=1) and colour (C=3) "
-                         "images, which do not stack (the CPU decode gives them the same "
-                         "channel counts)")
+                         "images, which do not stack (the CPU decode gives them these channel "
+                         "counts too)")
     if image_size is None:
         if len({s[1:] for s in shapes}) > 1:
             raise ValueError("decode_jpeg_batch: images of different sizes need "
