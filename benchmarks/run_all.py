@@ -60,6 +60,7 @@ BENCHES = [
     Bench("allreduce", "allreduce_bench.py", "5. allreduce"),
     Bench("scaling", "scaling_bench.py", "6. scaling with work"),
     Bench("stall", "stall_bench.py", "7. data stall"),
+    Bench("decode", "decode_bench.py", "fast data path: decode"),
 ]
 NAMES = [b.name for b in BENCHES]
 README = HERE / "README.md"

@@ -25,21 +25,7 @@ from typing import Any
 
 import numpy as np
 
-try:
-    from pipeline.codecs import decode_image
-except ImportError:  # TEMPORARY until pipeline/codecs.py lands
-    def decode_image(data: bytes, image_size: tuple[int, int] | None) -> np.ndarray:
-        from PIL import Image
-
-        with Image.open(io.BytesIO(data)) as img:
-            if img.mode not in ("L", "RGB"):
-                img = img.convert("L" if img.mode in ("1", "I", "I;16", "F", "LA") else "RGB")
-            if image_size is not None:
-                h, w = image_size
-                if img.size != (w, h):
-                    img = img.resize((w, h), Image.BILINEAR)
-            array = np.asarray(img)
-        return array[:, :, None] if array.ndim == 2 else array
+from pipeline.codecs import decode_image
 
 IMAGE_EXTENSIONS = {"png", "jpg", "jpeg", "ppm", "pgm", "pbm", "pnm", "bmp", "gif", "tif",
                     "tiff", "webp"}

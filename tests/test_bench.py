@@ -10,7 +10,7 @@ import math
 import pytest
 from helpers import REPO, ringfeed
 
-BENCHMARKS = {"shards", "pipeline", "trainer", "allreduce", "scaling", "stall"}
+BENCHMARKS = {"shards", "pipeline", "trainer", "allreduce", "scaling", "stall", "decode"}
 NOT_MEASURED_IN_QUICK = ("pending:", "full mode only")
 
 
