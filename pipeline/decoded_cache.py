@@ -137,11 +137,9 @@ class DecodedStore:
 
 
 class EntryWriter:
-    """Fill with add(sample) in tar order, then finish() (or abort()). Rows collect in a RAM
-    chunk per field and go to the temp file in large `pwrite`s (cheaper than faulting in the
-    pages of a fresh memory map), so memory stays bounded whatever the shard's size."""
-
-    CHUNK_BYTES = 8 << 20
+    """Fill with add(keys, columns) in tar order, then finish() (or abort()). Each call writes
+    its rows of every field with one `pwrite` (cheaper than faulting in the pages of a fresh
+    memory map), so memory stays bounded whatever the shard's size."""
 
     def __init__(self, store: DecodedStore, path: Path, num_samples: int, lock: Any) -> None:
         self.store, self.path, self.n, self._lock = store, path, num_samples, lock
@@ -149,55 +147,52 @@ class EntryWriter:
         self.count = 0
         self.keys: list[bytes] = []
         self._fields: list[dict[str, Any]] = []
-        self._chunks: dict[str, np.ndarray] = {}
+        self._layout: dict[str, tuple[np.dtype, tuple[int, ...], bool]] = {}
         self._offsets: dict[str, int] = {}
         self._fd: int | None = None
 
-    def _start(self, sample: dict[str, Any]) -> None:
-        layout = _layout(sample)
-        row_bytes = sum(d.itemsize * int(np.prod(shape)) for d, shape, _ in layout.values())
-        self._rows = max(1, min(self.n, self.CHUNK_BYTES // max(row_bytes, 1)))
+    def _start(self, first: dict[str, Any]) -> None:
+        self._layout = _layout(first)
         offset, fields = 0, []
-        for name, (dtype, shape, scalar) in layout.items():
+        for name, (dtype, shape, scalar) in self._layout.items():
             fields.append({"name": name, "dtype": dtype.str, "shape": list(shape),
                            "offset": offset, "scalar": scalar})
             self._offsets[name] = offset
-            self._chunks[name] = np.empty((self._rows, *shape), dtype)
             offset += -(-(self.n * dtype.itemsize * int(np.prod(shape))) // ALIGN) * ALIGN
         self._data_bytes, self._fields = offset, fields
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.",
                                    suffix=".tmp")  # the temp name the stale sweep knows
         self._fd, self.tmp = fd, Path(tmp)
 
-    def add(self, key: str, sample: dict[str, Any]) -> None:
-        """Sample number `self.count` (tar order). Raises Uncacheable on a shape change."""
+    def add(self, keys: list[str], columns: dict[str, list[Any]]) -> None:
+        """The next len(keys) samples (tar order), one list of decoded values per field.
+        Raises Uncacheable when a field is missing, extra, or changes type or shape."""
         if self._fd is None:
-            self._start(sample)
-        chunks = self._chunks
-        if sample.keys() != chunks.keys():
-            raise Uncacheable(f"fields {sorted(sample)} differ from {sorted(chunks)}")
-        i = self.count % self._rows
-        for name, chunk in chunks.items():
-            value = sample[name]
-            if isinstance(value, np.ndarray):
-                if value.shape != chunk.shape[1:] or value.dtype != chunk.dtype:
+            self._start({name: values[0] for name, values in columns.items()})
+        if columns.keys() != self._layout.keys():
+            raise Uncacheable(f"fields {sorted(columns)} differ from {sorted(self._layout)}")
+        rows = []
+        for name, (dtype, shape, scalar) in self._layout.items():
+            values = columns[name]
+            if scalar:
+                if any(_scalar_dtype(v) != dtype for v in values):
+                    raise Uncacheable(f"field {name!r} changes type")
+                block = np.array(values, dtype=dtype)
+            else:
+                if any(not isinstance(v, np.ndarray) or v.shape != shape or v.dtype != dtype
+                       for v in values):
                     raise Uncacheable(f"field {name!r} changes shape or dtype")
-            elif chunk.ndim != 1 or _scalar_dtype(value) != chunk.dtype:
-                raise Uncacheable(f"field {name!r} changes type")
-            chunk[i] = value
-        self.keys.append(key.encode())
-        self.count += 1
-        if i + 1 == self._rows or self.count == self.n:
-            self._flush(i + 1)
-
-    def _flush(self, rows: int) -> None:
-        first = self.count - rows
-        for name, chunk in self._chunks.items():
-            row_bytes = chunk.itemsize * int(np.prod(chunk.shape[1:]))
-            data = memoryview(np.ascontiguousarray(chunk[:rows])).cast("B")
-            done, at = 0, self._offsets[name] + first * row_bytes
+                block = np.stack(values)
+            rows.append((name, block))
+        first = self.count
+        for name, block in rows:
+            data = memoryview(np.ascontiguousarray(block)).cast("B")
+            at = self._offsets[name] + first * (data.nbytes // len(keys))
+            done = 0
             while done < len(data):
                 done += os.pwrite(self._fd, data[done:], at + done)
+        self.keys.extend(key.encode() for key in keys)
+        self.count += len(keys)
 
     def finish(self) -> CachedShard | None:
         """Publish the entry (temp file, fsync, rename); the entry opened for reading."""

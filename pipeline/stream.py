@@ -44,6 +44,7 @@ from pipeline.stats import StreamCounters
 log = logging.getLogger("ringfeed.pipeline")
 
 ON_ERROR_POLICIES = ("skip", "fail")
+FILL_ROWS = 256  # samples decoded and written per step while filling a decoded-cache entry
 
 
 @dataclass
@@ -354,12 +355,21 @@ class _OpenShards:
             return None
         decoder = self.spec.decoder
         try:
-            for position in range(ref.num_samples):
-                raw = samples.get(position)
-                if isinstance(raw, BadSample):
-                    raise Uncacheable(raw.reason)
-                writer.add(raw["__key__"], decoder.base(raw))
-        except Exception:  # Uncacheable, undecodable data, the user's decode: read as it is
+            for lo in range(0, ref.num_samples, FILL_ROWS):
+                raws = [samples.get(p) for p in range(lo, min(lo + FILL_ROWS, ref.num_samples))]
+                bad = next((r for r in raws if type(r) is BadSample), None)
+                if bad is not None:
+                    raise Uncacheable(bad.reason)
+                names = raws[0].keys()
+                if all(raw.keys() == names for raw in raws):  # decode field by field
+                    columns = decoder.renamed({
+                        name: decoder.decode_column(name, [raw[name] for raw in raws])
+                        for name in names if name != "__key__"})
+                else:  # (mixed image formats) sample by sample
+                    decoded = [decoder.base(raw) for raw in raws]
+                    columns = {name: [d.get(name) for d in decoded] for name in decoded[0]}
+                writer.add([raw["__key__"] for raw in raws], columns)
+        except Exception:  # Uncacheable, undecodable data: read the shard as it is
             writer.abort()
             return None
         self.counters.counts["decoded_writes"] += 1
