@@ -105,6 +105,7 @@ class ShardPipeline:
         read_ahead: bool = False,
         decoded_cache: bool | str | os.PathLike = False,
         decode_device: str = "cpu",
+        decode_threads: int = 0,
         indexed: bool = True,
     ) -> None:
         if batch_size < 1:
@@ -113,8 +114,9 @@ class ShardPipeline:
             raise PipelineError(f"balance must be one of {BALANCE_POLICIES} (got {balance!r})")
         if on_error not in ON_ERROR_POLICIES:
             raise PipelineError(f"on_error must be one of {ON_ERROR_POLICIES} (got {on_error!r})")
-        if num_workers < 0 or shuffle_buffer < 0 or prefetch < 0:
-            raise PipelineError("num_workers, shuffle_buffer and prefetch must be >= 0")
+        if min(num_workers, shuffle_buffer, prefetch, decode_threads) < 0:
+            raise PipelineError("num_workers, shuffle_buffer, prefetch and decode_threads must "
+                                "be >= 0")
         if decode_device not in DECODE_DEVICES:
             raise PipelineError(f"decode_device must be one of {DECODE_DEVICES} "
                                 f"(got {decode_device!r})")
@@ -156,7 +158,7 @@ class ShardPipeline:
         kinds = dict(self.manifest.fields) if self.manifest else {}
         kinds.update(fields or {})
         decoder = Decoder(kinds, as_pair(image_size), normalize, decode, transform,
-                          decode_images=decode_device == "cpu")
+                          decode_images=decode_device == "cpu", threads=int(decode_threads))
         self.spec = StreamSpec(refs, self.layout, decoder, self.cache, on_error, self.prefetch,
                                self.indexes)
         self.spec.decoded = self._decoded_store(decoded_cache, limit)

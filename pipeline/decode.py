@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +54,8 @@ class Decoder:
     decode: SampleFn | None = None
     transform: SampleFn | None = None
     decode_images: bool = True  # False: images stay bytes (decoded on the GPU by the adapter)
+    threads: int = 0  # > 1: a batch's images decode in this many threads (simplejpeg and
+    # PIL's decoders release the GIL, so threads can stand in for loader processes)
 
     def __post_init__(self) -> None:
         self.image_size = as_pair(self.image_size)
@@ -107,6 +111,8 @@ class Decoder:
             return values
         if kind == "image":
             size = self.image_size
+            if self.threads > 1 and len(values) > 1:
+                return list(_pool(self.threads).map(decode_image, values, [size] * len(values)))
             return [decode_image(v, size) for v in values]
         return [self.decode_field(name, v) for v in values]
 
@@ -168,6 +174,18 @@ class Decoder:
         """What decides base()'s output besides the bytes (keys the decoded-sample cache)."""
         return {"fields": dict(sorted(self.fields.items())), "image_size": self.image_size,
                 "image_field": self._image_field, "decode_images": self.decode_images}
+
+
+_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """This process's decode threads (a forked loader worker makes its own)."""
+    key = (os.getpid(), threads)
+    pool = _pools.get(key)
+    if pool is None:
+        pool = _pools[key] = ThreadPoolExecutor(threads, thread_name_prefix="ringfeed-decode")
+    return pool
 
 
 def as_pair(value: int | Sequence[int] | None) -> tuple[int, int] | None:

@@ -312,3 +312,14 @@ def test_an_unwritable_decoded_cache_only_costs_speed(shard_dir, tmp_path):
     for e in range(2):
         assert_same(epoch(pipe, e), epoch(plain, e))
     assert pipe.stats()["decoded_cache_writes"] == 0
+
+
+def test_decode_threads_give_the_same_batches(shard_dir, tmp_path):
+    plain = make(shard_dir, tmp_path / "plain", image_size=6)
+    for cached in (False, True):
+        threaded = make(shard_dir, tmp_path / f"t{cached}", image_size=6, decode_threads=2,
+                        decoded_cache=cached)
+        for e in range(2):
+            assert_same(epoch(threaded, e), epoch(plain, e))
+    with pytest.raises(PipelineError, match="decode_threads"):
+        make(shard_dir, tmp_path / "x", decode_threads=-1)
