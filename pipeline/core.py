@@ -160,8 +160,7 @@ class ShardPipeline:
         decoder = Decoder(kinds, as_pair(image_size), normalize, decode, transform,
                           decode_images=decode_device == "cpu", threads=int(decode_threads))
         self.spec = StreamSpec(refs, self.layout, decoder, self.cache, on_error, self.prefetch,
-                               self.indexes)
-        self.spec.decoded = self._decoded_store(decoded_cache, limit)
+                               self.indexes, self._decoded_store(decoded_cache, limit, decoder))
         self._stats = PipelineStats()
         # threads already reading the pass expected next
         self._ahead: tuple[tuple, StreamReader] | None = None
@@ -334,11 +333,10 @@ class ShardPipeline:
         if old is not None:
             old[1].close()
 
-    def _decoded_store(self, setting: bool | str | os.PathLike, limit: int | None
-                       ) -> DecodedStore | None:
+    def _decoded_store(self, setting: bool | str | os.PathLike, limit: int | None,
+                       decoder: Decoder) -> DecodedStore | None:
         """The decoded-sample cache to use, if any: True or a directory turn it on; "auto"
         when the split's decoded samples are cacheable and fit (see AUTO_FREE_SHARE)."""
-        decoder = self.spec.decoder
         if setting is False or setting is None or decoder.decode is not None \
                 or not decoder.decode_images:
             return None  # a user decode() cannot be keyed; GPU decoding keeps the bytes
@@ -351,7 +349,7 @@ class ShardPipeline:
         room = limit if limit is not None else int(AUTO_FREE_SHARE * _free_bytes(directory))
         if auto:
             try:
-                per_sample = layout_of(self.spec.decoder.base(self._first_raw()))
+                per_sample = layout_of(decoder.base(self._first_raw()))
             except Exception:  # Uncacheable, unreadable or undecodable first sample
                 return None
             if per_sample * self.layout.num_samples > room:
