@@ -71,7 +71,11 @@ class WorkerStream:
         self.tag = (epoch, segment)
         self.streams, self.w = streams, w
         self.counters = StreamCounters()
-        self._warned: set[str] = set()
+        self._warned: set[str] = set()  # shards already warned about
+        # the latest good sample and its key (what a bad one is replaced by), and the fields
+        # every sample must have (the first good sample's)
+        self._last_good: tuple[dict[str, Any], str] | None = None
+        self._reference: set[str] | None = None
 
     @classmethod
     def resuming(cls, spec: StreamSpec, plan: SegmentPlan, rank: int, w: int, t0: int
@@ -91,8 +95,7 @@ class WorkerStream:
         shards = _OpenShards(self.spec, needed, shard_of, pos_of, self.counters)
         items: list[tuple[Any, int, bool, str]] = []  # (sample, id, valid, key) not yet batched
         pending: list[int] = []  # items waiting for the stream's first good sample
-        self._last_good: tuple[dict, str] | None = None
-        self._reference: set[str] | None = None
+        self._last_good, self._reference = None, None
         local_batch = self.skip
         try:
             for first in range(0, len(needed), b):
