@@ -17,7 +17,7 @@ def test_pipeline_bench_quick(tmp_path):
     result = bench.main(["--quick", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "pipeline_bench_quick.json").read_text())
     assert saved["ratios"] == result["ratios"]
-    assert len(result["ratios"]) == len(result["rows"]) == 14
+    assert len(result["ratios"]) == len(result["rows"]) == 16
     assert all(r > 0 for r in result["ratios"].values())
     goals = {r["metric"] for r in result["rows"] if r["goal"]}
     assert len(goals) == 7
