@@ -37,6 +37,7 @@ COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst")
 # a sample's members up to this size are read in one pread and sliced; larger ones each get
 # their own pread (slicing would copy megabytes a second time)
 ONE_READ_BYTES = 64 << 10
+RUN_READ_BYTES = 1 << 20  # consecutive small samples are read together, up to this much
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,41 @@ class IndexedSamples:
                 return sample
         return BadSample(self.url, position, self._keys[position],  # shrank since checked
                          "corrupt or truncated tar (the file is shorter than its index)")
+
+    def get_many(self, positions: list[int]) -> list[dict[str, Any] | BadSample]:
+        """get() of each position; consecutive small samples (manifest order, a resume) come
+        from one pread of their joint span, sliced."""
+        out: list[dict[str, Any] | BadSample] = []
+        spans, keys, n, i = self._spans, self._keys, len(positions), 0
+        while i < n:
+            first = positions[i]
+            j = i + 1
+            if first < self.intact:
+                start, end, _ = spans[first]
+                while (j < n and positions[j] == positions[j - 1] + 1
+                       and positions[j] < self.intact):
+                    s, e, _ = spans[positions[j]]
+                    if e - start > RUN_READ_BYTES or e - s > ONE_READ_BYTES:
+                        break
+                    end, j = e, j + 1
+            if j == i + 1:
+                out.append(self.get(first))
+                i = j
+                continue
+            data = os.pread(self._fd, end - start, start)
+            if len(data) != end - start:  # shrank since checked: let get() say so
+                out.extend(self.get(p) for p in positions[i:j])
+            else:
+                self.bytes_read += len(data)
+                for p in positions[i:j]:
+                    s, _, members = spans[p]
+                    base = s - start
+                    sample: dict[str, Any] = {"__key__": keys[p]}
+                    for field, lo, hi in members:
+                        sample[field] = data[base + lo:base + hi]
+                    out.append(sample)
+            i = j
+        return out
 
     def close(self) -> None:
         self.handle.close()

@@ -228,16 +228,20 @@ class WorkerStream:
         if len(chunk) < self.plan.batch_size or decoder.transform is not None \
                 or decoder.decode is not None:
             return None
-        raws = []
-        for run, position in zip(shards.run_of[chunk].tolist(), shards.pos_of[chunk].tolist(),
-                                 strict=True):
-            source = sources[run]
+        runs, positions = shards.run_of[chunk].tolist(), shards.pos_of[chunk].tolist()
+        raws: list[Any] = []
+        i = 0
+        while i < len(runs):  # stretches of the batch from one shard: read together
+            j = i + 1
+            while j < len(runs) and runs[j] == runs[i]:
+                j += 1
+            source = sources[runs[i]]
             if type(source) is not IndexedSamples:
                 return None
-            raw = source.get(position)
-            if type(raw) is BadSample:
-                return None
-            raws.append(raw)
+            raws.extend(source.get_many(positions[i:j]))
+            i = j
+        if any(type(raw) is BadSample for raw in raws):
+            return None
         names = raws[0].keys()
         if any(raw.keys() != names for raw in raws):
             return None

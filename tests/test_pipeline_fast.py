@@ -55,12 +55,13 @@ def assert_same(a: list[dict], b: list[dict]) -> None:
 
 # -- indexed reads ------------------------------------------------------------------------
 @pytest.mark.parametrize("workers", [0, 2])
-def test_indexed_reads_equal_the_tar_iterator(shard_dir, tmp_path, workers):
+@pytest.mark.parametrize("shuffle", [True, False])  # (unshuffled: consecutive samples, one read)
+def test_indexed_reads_equal_the_tar_iterator(shard_dir, tmp_path, workers, shuffle):
     for world, rank in ((1, 0), (3, 2)):
         fast = make(shard_dir, tmp_path / "c", num_workers=workers, rank=rank, world_size=world,
-                    balance="pad")
+                    balance="pad", shuffle=shuffle)
         plain = make(shard_dir, tmp_path / "c", num_workers=workers, rank=rank,
-                     world_size=world, balance="pad", indexed=False)
+                     world_size=world, balance="pad", indexed=False, shuffle=shuffle)
         assert_same(epoch(fast, 0), epoch(plain, 0))
 
 
