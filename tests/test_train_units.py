@@ -12,6 +12,7 @@ import pytest
 from train_util import toy_config, write_config, write_toy_shards
 
 from shards.errors import UserError
+from train.backend import StepResult
 from train.checkpoint import (
     find_resume_point,
     list_checkpoints,
@@ -109,6 +110,24 @@ def test_validation_is_off_without_a_val_split_unless_asked_for(tmp_path, shards
         load_config(cfg_file, ["data.val_split=val"])
 
 
+def test_decoded_cache_and_decode_device_reach_the_pipeline(tmp_path, shards):
+    cfg_file = write_config(tmp_path / "c.yaml", **toy_config(
+        shards, tmp_path / "out", data={"train": str(shards), "batch_size": 4,
+                                        "cache_dir": str(tmp_path / "cache")}))
+    cfg = load_config(cfg_file)
+    assert cfg.data.decoded_cache == "auto" and cfg.data.decode_device == "cpu"
+    assert make_pipeline(cfg, "train", 0, 1).decoded_cache  # auto: the toy split fits
+    off = load_config(cfg_file, ["data.decoded_cache=false"])
+    assert off.data.decoded_cache is False
+    assert not make_pipeline(off, "train", 0, 1).decoded_cache
+    with pytest.raises(UserError, match=r"data.decode_device: 'cuda' .* needs framework torch"):
+        load_config(cfg_file, ["framework=tensorflow", "data.decode_device=cuda"])
+    with pytest.raises(UserError, match="data.decode_device"):
+        load_config(cfg_file, ["data.decode_device=gpu"])
+    with pytest.raises(UserError, match="data.decoded_cache"):
+        load_config(cfg_file, ["data.decoded_cache=''"])
+
+
 def test_print_config_without_a_file_lists_every_key(capsys):
     assert main(["train", "--print-config"]) == 0
     out = capsys.readouterr().out
@@ -145,6 +164,48 @@ def test_logger_writes_jsonl_and_tensorboard_and_a_resume_rewrites_history(tmp_p
 
     RunLogger(tmp_path, True, total_steps=6, global_batch=8, log_every=2, start_step=4).close()
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").open()] == [2, 4]
+
+
+def test_logger_asks_for_per_step_extras_only_on_log_steps(tmp_path):
+    asked: list[int] = []
+
+    def extras(step: int):
+        return lambda: asked.append(step) or {"grad_norm": 0.5}
+
+    logger = RunLogger(tmp_path, True, total_steps=5, global_batch=8, log_every=2,
+                       tensorboard=False)
+    for step in range(1, 6):
+        logger.train_step(step, 0, loss=1.0, lr=0.1, step_s=0.1, data_wait_s=0.0,
+                          extra=extras(step))
+    logger.close()
+    assert asked == [2, 4, 5]  # log steps and the last step
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [r["grad_norm"] for r in records] == [0.5, 0.5, 0.5]
+
+
+def test_step_result_reads_framework_scalars_when_asked():
+    class Scalar:  # a device tensor: converting it is the host sync
+        reads = 0
+
+        def __init__(self, value):
+            self.value = value
+
+        def __float__(self):
+            Scalar.reads += 1
+            return float(self.value)
+
+        def __bool__(self):
+            Scalar.reads += 1
+            return bool(self.value)
+
+    result = StepResult.from_stats([1.5, 0.0, 1.0], applied=Scalar(0), grad_norm=Scalar(2),
+                                   loss_scale=Scalar(4))
+    assert Scalar.reads == 0 and result.finite and result.stop_requested
+    assert not result.save_requested
+    assert (result.applied, result.grad_norm, result.loss_scale) == (False, 2.0, 4.0)
+    assert (result.applied, result.grad_norm, result.loss_scale) == (False, 2.0, 4.0)
+    assert Scalar.reads == 3  # once each
+    assert not StepResult.from_stats([float("nan"), 0.0, 0.0], applied=False).finite
 
 
 def test_bottleneck_line():

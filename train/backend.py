@@ -16,6 +16,9 @@ from train.data import DataSpec
 
 # Per-step agreement vector, allreduced with op=Average on every step. Any rank's request
 # makes the average > 0 on all ranks, so every rank takes the same decision at the same step.
+# Both backends hand it to Horovod together with the step's gradients (torch: submitted before
+# the last micro-batch's backward pass; TensorFlow: in the same tf.function), so it costs no
+# negotiation cycle of its own.
 STATS_LOSS, STATS_SAVE, STATS_STOP = 0, 1, 2
 
 
@@ -30,19 +33,50 @@ class Dist:
         return self.rank == 0
 
 
-@dataclass
 class StepResult:
-    loss: float  # mean over all ranks and micro-batches of this step
-    applied: bool  # False: the update was skipped (fp16 overflow, or a non-finite loss)
-    save_requested: bool = False
-    stop_requested: bool = False
-    grad_norm: float | None = None
-    loss_scale: float | None = None
+    """What one optimizer step reports to the loop.
+
+    `loss` and the save/stop requests come from the step's agreement allreduce, already Python
+    numbers: the loop decides on them every step. `applied`, `grad_norm` and `loss_scale` may be
+    handed over as framework scalars (a device tensor, a 0-d array): they are turned into Python
+    numbers only when read, which the loop does on log steps, so an ordinary step pays no host
+    synchronisation for them."""
+
+    __slots__ = ("loss", "save_requested", "stop_requested", "_applied", "_grad_norm",
+                 "_loss_scale")
+
+    def __init__(self, loss: float, applied: Any = True, save_requested: bool = False,
+                 stop_requested: bool = False, grad_norm: Any = None, loss_scale: Any = None):
+        self.loss = loss  # mean over all ranks and micro-batches of this step
+        self.save_requested = save_requested
+        self.stop_requested = stop_requested
+        # False: the update was skipped (fp16 overflow, or a non-finite loss)
+        self._applied = applied
+        self._grad_norm = grad_norm
+        self._loss_scale = loss_scale
 
     @classmethod
-    def from_stats(cls, stats: list[float], applied: bool, **extra: Any) -> StepResult:
+    def from_stats(cls, stats: list[float], applied: Any, **extra: Any) -> StepResult:
         return cls(loss=stats[STATS_LOSS], applied=applied, save_requested=stats[STATS_SAVE] > 0,
                    stop_requested=stats[STATS_STOP] > 0, **extra)
+
+    @property
+    def applied(self) -> bool:
+        if not isinstance(self._applied, bool):
+            self._applied = bool(self._applied)
+        return self._applied
+
+    @property
+    def grad_norm(self) -> float | None:
+        if self._grad_norm is not None and not isinstance(self._grad_norm, float):
+            self._grad_norm = float(self._grad_norm)
+        return self._grad_norm
+
+    @property
+    def loss_scale(self) -> float | None:
+        if self._loss_scale is not None and not isinstance(self._loss_scale, float):
+            self._loss_scale = float(self._loss_scale)
+        return self._loss_scale
 
     @property
     def finite(self) -> bool:

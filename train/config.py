@@ -92,11 +92,25 @@ class DataSection(_Section):
     cache_limit: int | str | None = None  # bytes or '20GB'
     prefetch: NonNegativeInt = 2
     allow_pipe: bool = False
+    # Decoded fixed-shape samples cached as memory-mapped arrays under the cache dir, so later
+    # epochs skip reading and decoding: true, false, a directory, or "auto" (on when the
+    # split's decoded samples fit cache_limit; the pipeline decides).
+    decoded_cache: bool | str = "auto"
+    # "cuda": JPEGs decoded on the GPU (nvJPEG via torchvision), for data too large for the
+    # decoded cache; framework torch only.
+    decode_device: Literal["cpu", "cuda"] = "cpu"
 
     @field_validator("decode", "transform")
     @classmethod
     def _hook(cls, v: str | None, info) -> str | None:
         return _import_path_or_none(v, f"data.{info.field_name}")
+
+    @field_validator("decoded_cache")
+    @classmethod
+    def _decoded_cache(cls, v: bool | str) -> bool | str:
+        if isinstance(v, str) and not v.strip():
+            raise ValueError('expected true, false, "auto" or a directory')
+        return v
 
     @field_validator("cache_limit")
     @classmethod
@@ -162,7 +176,7 @@ class OutputSection(_Section):
     dir: str = "runs/ringfeed"
     tensorboard: bool = True
     # samples.jsonl: the global sample ids (__index__) each step trained on, all ranks, written
-    # by rank 0 (an audit of "every sample once"; costs one allgather per step).
+    # by rank 0 (an audit of "every sample once"; costs one allgather per log_every steps).
     sample_log: bool = False
 
 
@@ -303,6 +317,9 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> None:
                 f"ranks ({ranks}) x train.accumulate ({t.accumulate}) = {per_step}"
             )
         d.batch_size = d.global_batch_size // per_step
+    if d.decode_device == "cuda" and cfg.framework != "torch":
+        raise UserError(f"{path}: data.decode_device: 'cuda' (nvJPEG through torchvision) "
+                        f"needs framework torch, not {cfg.framework}; use 'cpu'")
     if d.normalize is not None and len(d.normalize.mean) != len(d.normalize.std):
         raise UserError(f"{path}: data.normalize: mean and std must have the same length")
     if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():

@@ -67,6 +67,8 @@ def make_pipeline(cfg, split: str, rank: int, world_size: int):
         prefetch=d.prefetch,
         allow_pipe=d.allow_pipe,
         read_ahead=training,  # the loop turns it off for the last epoch
+        decoded_cache=d.decoded_cache,
+        decode_device=d.decode_device,
         **hooks,
     )
 

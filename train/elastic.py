@@ -116,6 +116,7 @@ class ElasticTrainer(Trainer):
         """Copy progress into the elastic state and commit it (new objects every time:
         Horovod keeps references to the committed values)."""
         self._state = state
+        self.flush_sample_log()  # samples.jsonl holds every committed step
         progress = asdict(self.state)
         progress["last_checkpoint"] = (str(self.state.last_checkpoint)
                                        if self.state.last_checkpoint else None)

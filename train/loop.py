@@ -162,6 +162,7 @@ class Trainer:
         self.recent_losses: deque[float] = deque(maxlen=cfg.train.log_every)
         self.logger: RunLogger | None = None
         self.sample_log: SampleLog | None = None
+        self.pending_ids: list[tuple[int, int, list[int]]] = []  # sample ids not yet gathered
         self.failed_save_step = -1  # (checkpoint.on_error: warn) not retried at the end
 
     def say(self, message: str) -> None:
@@ -226,6 +227,7 @@ class Trainer:
         self.logger = RunLogger(out, self.dist.is_root, self.total_steps, self.global_batch,
                                 cfg.train.log_every, cfg.output.tensorboard,
                                 start_step=self.state.step)
+        self.pending_ids = []
         if cfg.output.sample_log:
             self.sample_log = SampleLog(out, self.dist.is_root, start_step=self.state.step)
 
@@ -351,11 +353,13 @@ class Trainer:
         if state.step > self.first_step + 1:  # the first step traces/compiles: not timed
             self.totals.add(self.global_batch, now - self.t_last, waited)
         self.recent_losses.append(result.loss)
+        # grad norm / loss scale are read (a device sync) only when a log line is written
         self.logger.train_step(state.step, state.epoch, result.loss, lr,
-                               now - self.t_last, waited, self._step_extras(result))
+                               now - self.t_last, waited, lambda: self._step_extras(result))
         if self.sample_log is not None:
-            self.sample_log.step(state.step, state.epoch,
-                                 backend.gather_object(valid_sample_ids(micro)))
+            self.pending_ids.append((state.step, state.epoch, valid_sample_ids(micro)))
+            if state.step % cfg.train.log_every == 0:
+                self.flush_sample_log()
         if cfg.train.val_every and state.step % cfg.train.val_every == 0:
             self.validate()
         every = cfg.checkpoint.every_steps
@@ -369,6 +373,18 @@ class Trainer:
 
     def after_step(self) -> None:
         """Hook: elastic runs commit their state here."""
+
+    def flush_sample_log(self) -> None:
+        """Collective: the sample ids of the steps since the last flush, from every rank, into
+        samples.jsonl (one allgather per log_every steps, and before every checkpoint, commit
+        and the end, so the file always covers the steps a checkpoint or commit holds). All
+        ranks have the same steps pending, so all of them gather or none."""
+        if self.sample_log is None or not self.pending_ids:
+            return
+        pending, self.pending_ids = self.pending_ids, []
+        gathered = self.backend.gather_object([ids for _, _, ids in pending])
+        for i, (step, epoch, _) in enumerate(pending):
+            self.sample_log.step(step, epoch, [rank_ids[i] for rank_ids in gathered])
 
     def wrap_up(self, stopped: bool) -> None:
         """Collective: the last validation and checkpoint, the summary, and a barrier."""
@@ -406,6 +422,7 @@ class Trainer:
         learns whether it worked, so a failed write stops all of them together (or, under
         checkpoint.on_error: warn, none of them)."""
         cfg, state = self.cfg, self.state
+        self.flush_sample_log()
         rng = self.backend.rng_states()
         error = None
         if self.dist.is_root:
@@ -435,6 +452,7 @@ class Trainer:
     def finish(self, status: str) -> None:
         """Collective: the run's data-wait share is averaged over all ranks."""
         totals, recent_losses = self.totals, self.recent_losses
+        self.flush_sample_log()
         waits = self.backend.allreduce_sum({"wait": totals.data_wait_s, "step": totals.step_s})
         summary = {
             "status": status, "framework": self.cfg.framework, "world_size": self.dist.size,

@@ -12,6 +12,7 @@ import math
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -129,8 +130,12 @@ class RunLogger:
             print(message, file=self.stream, flush=True)
 
     def train_step(self, step: int, epoch: int, loss: float, lr: float, step_s: float,
-                   data_wait_s: float, extra: dict[str, float] | None = None) -> None:
-        """Called after every optimizer step (`step` counts completed steps)."""
+                   data_wait_s: float,
+                   extra: dict[str, float] | Callable[[], dict[str, float]] | None = None
+                   ) -> None:
+        """Called after every optimizer step (`step` counts completed steps). Between log steps
+        it only adds to the window; `extra` (or the function giving it, called on log steps
+        only) holds per-step values such as the gradient norm."""
         if not self.enabled:
             return
         self.window.add(self.global_batch, step_s, data_wait_s)
@@ -139,6 +144,8 @@ class RunLogger:
             self._bar.update(1)
         if step % self.log_every and step != self.total_steps:
             return
+        if callable(extra):
+            extra = extra()
         record = {"step": step, "epoch": epoch, "loss": self._window_loss / self.window.steps,
                   "lr": lr, "samples_per_s": self.window.samples_per_s,
                   "data_wait": self.window.data_wait_share, **(extra or {})}

@@ -8,6 +8,10 @@ reduced once per optimizer step with `hvd.grouped_allreduce` - the same call
 is handed the underlying tf.Variables (`v.value`): Keras 3 variables have no `.ref()`.
 The fp16 finite check (inside LossScaleOptimizer.apply) runs on the reduced gradients, which
 are identical on every rank, so an overflow on one rank skips the step on all of them.
+
+A step is one tf.function call: gradients, the grouped allreduce and the agreement allreduce
+(loss, save/stop requests) side by side, the update under a tf.cond on the averaged loss being
+finite (so a NaN/inf loss applies nothing), and one small vector back to Python.
 """
 
 from __future__ import annotations
@@ -89,8 +93,8 @@ class TFBackend:
         self.checkpoint = tf.train.Checkpoint(
             model=[v.value for v in self.model.variables],
             optimizer=[v.value for v in self.optimizer.variables])
-        self._gradients = tf.function(self._gradients_fn)
-        self._apply = tf.function(self._apply_fn)
+        self._step = tf.function(self._step_fn)
+        self._step_keys = [key for key in (spec.input_key, spec.target_key) if key]
         self._evaluate = tf.function(self._evaluate_fn)
         keras.utils.set_random_seed(t.seed * 1000 + self.dist.rank + 1)  # per-rank stream
 
@@ -102,21 +106,28 @@ class TFBackend:
     # -- steps --------------------------------------------------------------------------------
     def _prepare(self, batch: dict[str, Any]) -> tuple[tf.Tensor, tf.Tensor, Any]:
         x, y, valid = split_batch(batch, self.spec)
-        x = tf.convert_to_tensor(x)
-        if x.dtype == tf.uint8:
-            x = tf.cast(x, tf.float32) / 255.0
-        elif x.dtype.is_floating:
-            x = tf.cast(x, tf.float32)
-        return x, tf.convert_to_tensor(y), valid
+        return self._as_input(tf.convert_to_tensor(x)), tf.convert_to_tensor(y), valid
 
-    def _gradients_fn(self, micro_x: list, micro_y: list, requests: tf.Tensor):
+    @staticmethod
+    def _as_input(x: tf.Tensor) -> tf.Tensor:
+        if x.dtype == tf.uint8:
+            return tf.cast(x, tf.float32) / 255.0
+        return tf.cast(x, tf.float32) if x.dtype.is_floating else x
+
+    def _step_fn(self, micro: list, settings: tf.Tensor) -> tf.Tensor:
+        """The whole optimizer step in one graph: micro-batch gradients, one grouped allreduce
+        plus the agreement allreduce of [loss, save, stop] (negotiated together), and the update
+        applied only if the averaged loss is finite. Returns one small vector
+        [loss, save, stop, applied, grad norm, loss scale]: nothing else leaves the graph."""
         variables = self.model.trainable_variables
+        self.inner_optimizer.learning_rate.assign(settings[2])
         total = None
         loss_sum = tf.constant(0.0)
-        for x, y in zip(micro_x, micro_y, strict=True):
+        for batch in micro:
+            x, y, _ = split_batch(batch, self.spec)
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.cast(self.loss_fn(self.model(x, training=True), y),
-                                              tf.float32))
+                loss = tf.reduce_mean(tf.cast(
+                    self.loss_fn(self.model(self._as_input(x), training=True), y), tf.float32))
                 scaled = self.optimizer.scale_loss(loss)  # identity unless fp16
             grads = tape.gradient(scaled, [v.value for v in variables])
             # Unused variables get zeros; embedding gradients (IndexedSlices) are made dense,
@@ -125,34 +136,42 @@ class TFBackend:
                      for g, v in zip(grads, variables, strict=True)]
             total = grads if total is None else [a + g for a, g in zip(total, grads, strict=True)]
             loss_sum += loss
-        k = float(len(micro_x))
+        k = float(len(micro))
         reduced = hvd.grouped_allreduce([g / k for g in total], op=hvd.Average,
                                         compression=self.compression)
-        stats = hvd.allreduce(tf.concat([[loss_sum / k], requests], 0), op=hvd.Average,
+        stats = hvd.allreduce(tf.concat([[loss_sum / k], settings[:2]], 0), op=hvd.Average,
                               name="ringfeed_step_stats")
-        return reduced, stats
+        fp16 = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        # read before the update may change it (automatic control dependencies keep the order)
+        scale = tf.identity(self.optimizer.dynamic_scale.value) if fp16 else tf.constant(1.0)
+        norm = tf.linalg.global_norm(reduced) if self.cfg.train.grad_clip else tf.constant(0.0)
 
-    def _apply_fn(self, grads: list):
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-        norm = tf.linalg.global_norm(grads)
-        self.optimizer.apply(grads, self.model.trainable_variables)
-        return finite, norm
+        def apply() -> tf.Tensor:
+            # LossScaleOptimizer skips the update itself when a reduced gradient is not
+            # finite; the same check here reports it
+            finite = (tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in reduced])
+                      if fp16 else tf.constant(True))
+            self.optimizer.apply(reduced, variables)
+            return finite
+
+        # A non-finite loss applies nothing; the loop stops the run on every rank (exit 3).
+        applied = tf.cond(tf.math.is_finite(stats[STATS_LOSS]), apply,
+                          lambda: tf.constant(False))
+        return tf.concat([stats, [tf.cast(applied, tf.float32), norm, scale]], 0)
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
                    requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
-        self.inner_optimizer.learning_rate.assign(lr)
-        prepared = [self._prepare(b) for b in micro_batches]
-        grads, stats = self._gradients([p[0] for p in prepared], [p[1] for p in prepared],
-                                       tf.constant(requests, tf.float32))
-        stats = [float(v) for v in stats.numpy()]
+        keys = self._step_keys
+        micro = [{k: tf.convert_to_tensor(b[k]) for k in keys} for b in micro_batches]
+        out = self._step(micro, tf.constant((*requests, lr), tf.float32)).numpy().tolist()
+        stats, (applied, norm, scale) = out[:3], out[3:]
         if not np.isfinite(stats[STATS_LOSS]):
             return StepResult.from_stats(stats, applied=False)
         fp16 = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
-        scale = float(self.optimizer.dynamic_scale.numpy()) if fp16 else None
-        finite, norm = self._apply(grads)
-        grad_norm = float(norm) / (scale or 1.0) if self.cfg.train.grad_clip else None
-        return StepResult.from_stats(stats, applied=bool(finite) or not fp16,
-                                     grad_norm=grad_norm, loss_scale=scale)
+        return StepResult.from_stats(
+            stats, applied=applied > 0 or not fp16,
+            grad_norm=norm / scale if self.cfg.train.grad_clip else None,
+            loss_scale=scale if fp16 else None)
 
     def _evaluate_fn(self, x, y):
         out = self.model(x, training=False)

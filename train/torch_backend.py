@@ -98,52 +98,75 @@ class TorchBackend:
         return torch.autocast(self.device.type, dtype=self.amp_dtype,
                               enabled=self.amp_dtype is not None)
 
-    def _prepare(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        x, y, valid = split_batch(batch, self.spec)
+    def _inputs(self, x: Any) -> torch.Tensor:
         x = torch.as_tensor(x).to(self.device, non_blocking=True)
         if x.dtype == torch.uint8:
-            x = x.float().div_(255.0)
-        elif x.is_floating_point():
-            x = x.float()
+            return x.float().div_(255.0)
+        return x.float() if x.is_floating_point() else x
+
+    def _prepare(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        x, y, valid = split_batch(batch, self.spec)
         y = torch.as_tensor(y).to(self.device, non_blocking=True)
         if valid is not None:
             valid = torch.as_tensor(valid).to(self.device).float()
-        return x, y, valid
+        return self._inputs(x), y, valid
+
+    def _submit_stats(self, mean_loss: torch.Tensor, requests: tuple[float, float]):
+        """Start the step's agreement allreduce of [loss, save, stop] on the gradients' device
+        (filled from Python numbers: no host-to-device copy, no synchronisation). Submitted
+        just before the last backward pass, it is negotiated with the gradient allreduces that
+        pass starts (or done while it runs), instead of in a Horovod cycle of its own after
+        them."""
+        save, stop = requests
+        stats = torch.stack([mean_loss, mean_loss.new_full((), save),
+                             mean_loss.new_full((), stop)])
+        return hvd.allreduce_async_(stats, op=hvd.Average, name="ringfeed.step_stats")
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
                    requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         k = len(micro_batches)
-        loss_sum = torch.zeros((), device=self.device)
-        for batch in micro_batches:
-            x, y, _ = self._prepare(batch)
+        loss_sum = stats = None
+        for i, batch in enumerate(micro_batches):
+            x, y, _ = split_batch(batch, self.spec)  # (the valid mask only matters to eval)
+            x, y = self._inputs(x), torch.as_tensor(y).to(self.device, non_blocking=True)
             with self._autocast():
                 loss = self.loss_fn(self.model(x), y).float().mean()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            if i == k - 1:
+                stats = self._submit_stats(loss_sum / k, requests)
             # The k-th backward triggers Horovod's allreduce (backward_passes_per_step=k);
             # dividing by k makes the accumulated gradient the mean over k micro-batches.
             self.scaler.scale(loss / k).backward()
-            loss_sum += loss.detach()
-        stats = torch.stack([loss_sum.cpu() / k, *torch.tensor(requests, dtype=torch.float32)])
-        stats = hvd.allreduce(stats, op=hvd.Average, name="ringfeed.step_stats").tolist()
         self.optimizer.synchronize()
+        # The one host synchronisation of a step: every rank decides on the same numbers.
+        stats = hvd.synchronize(stats).tolist()
         if not math.isfinite(stats[0]):
+            # Nothing is applied: the loop stops the run on every rank (exit 3).
             self.optimizer.zero_grad()
             return StepResult.from_stats(stats, applied=False)
         self.scaler.unscale_(self.optimizer)
         grad_norm = None
-        if self.cfg.train.grad_clip:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                             self.cfg.train.grad_clip))
-        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        if self.cfg.train.grad_clip:  # a tensor, read on log steps only
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                       self.cfg.train.grad_clip)
+        scale = applied = None
+        if self.scaler.is_enabled():
+            # (GradScaler.step reads its overflow flag on the host right after this anyway)
+            scale = self.scaler.get_scale()
         with self.optimizer.skip_synchronize():
             self.scaler.step(self.optimizer)
         self.scaler.update()
-        # update() lowers the scale exactly when it skipped the step for an inf/NaN gradient.
-        applied = scale is None or self.scaler.get_scale() >= scale
+        if scale is not None:
+            # update() lowers the scale exactly when it skipped the step for an inf/NaN
+            # gradient; compared on the device, read only when the result is looked at.
+            current = getattr(self.scaler, "_scale", None)
+            applied = (current >= scale).squeeze() if isinstance(current, torch.Tensor) \
+                else self.scaler.get_scale() >= scale
         self.optimizer.zero_grad()
-        return StepResult.from_stats(stats, applied=applied, grad_norm=grad_norm,
-                                     loss_scale=scale)
+        return StepResult.from_stats(stats, applied=True if applied is None else applied,
+                                     grad_norm=grad_norm, loss_scale=scale)
 
     @torch.no_grad()
     def eval_batch(self, batch: dict[str, Any]) -> dict[str, float]:
