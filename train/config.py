@@ -99,6 +99,9 @@ class DataSection(_Section):
     # "cuda": JPEGs decoded on the GPU (nvJPEG via torchvision), for data too large for the
     # decoded cache; framework torch only.
     decode_device: Literal["cpu", "cuda"] = "cpu"
+    # > 1: each batch's images decode in this many threads of the reading process (the JPEG
+    # and PIL decoders release the GIL): cores used without loader worker processes.
+    decode_threads: NonNegativeInt = 0
 
     @field_validator("decode", "transform")
     @classmethod

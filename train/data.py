@@ -69,6 +69,7 @@ def make_pipeline(cfg, split: str, rank: int, world_size: int):
         read_ahead=training,  # the loop turns it off for the last epoch
         decoded_cache=d.decoded_cache,
         decode_device=d.decode_device,
+        decode_threads=d.decode_threads,
         **hooks,
     )
 
