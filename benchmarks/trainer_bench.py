@@ -5,11 +5,28 @@ torchrun) and, for TensorFlow, a minimal DistributedGradientTape loop. 2 ranks.
 
     .venv/bin/python benchmarks/trainer_bench.py            # torch and TF, best of 2
     .venv/bin/python benchmarks/trainer_bench.py --quick    # torch only, few steps
+    .venv/bin/python benchmarks/trainer_bench.py --in-memory --repeat 5   # + the loop alone
+    .venv/bin/python benchmarks/trainer_bench.py --cache-dir /tmp/rf-cache  # warm decoded cache
 
 Goals: ringfeed / minimal Horovod <= 1.03 (both frameworks), ringfeed / DDP <= 1.0.
 Step times are wall time per step after the warm-up steps, on every side. The contenders run
 one after another, interleaved across repeats; the best repeat of each counts. Writes
 benchmarks/results/trainer[_quick].json and .png. Measures, never asserts.
+
+`ringfeed train` runs with the trainer's default `data.decoded_cache: auto` and one
+`data.cache_dir` for all repeats (a fresh temporary one, or --cache-dir, which persists): the
+first repeat decodes and fills the decoded-sample cache, later ones read it warm. Each repeat's
+decoded-cache hits and writes are recorded, and the context row says whether the best repeat
+read a warm cache. --in-memory adds `workers/ringfeed_loop.py`: the trainer's own loop (backend,
+logger, per-step agreement) fed one in-memory batch, like the minimal loops, which isolates the
+loop's per-step cost from the input pipeline's.
+
+Every launched process runs with the glibc malloc settings that the pipeline applies to
+ringfeed's own processes (pipeline/malloc.py: no mmap/unmap and trim of every large block), set
+through glibc's MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_: with glibc's defaults the minimal
+torch loop re-faults its activations' pages every step (1.1-1.9x slower on the 2-core box), which
+would count an allocator setting as the trainer's advantage. --default-malloc leaves the peers
+at glibc's defaults.
 """
 
 from __future__ import annotations
@@ -43,28 +60,41 @@ PEERS = {  # contender -> (launcher, worker script)
     "horovod torch loop": ("horovodrun", "hvd_torch_loop.py"),
     "torch DDP (gloo)": ("torchrun", "ddp_loop.py"),
     "horovod TF loop": ("horovodrun", "hvd_tf_loop.py"),
+    "ringfeed torch loop, in-memory batch": ("horovodrun", "ringfeed_loop.py"),
+    "ringfeed tensorflow loop, in-memory batch": ("horovodrun", "ringfeed_loop.py"),
 }
+IN_MEMORY = "ringfeed {} loop, in-memory batch"
 
 
-def run_peer(name: str, ranks: int, peer_args: list[str], tmp: Path, timeout: float) -> float:
+def run_peer(name: str, ranks: int, peer_args: list[str], tmp: Path, timeout: float,
+             shards: Path | None = None) -> float:
     launcher, script = PEERS[name]
     out = tmp / f"{script}.json"
     args = [*peer_args, "--out", str(out)]
+    if script == "ringfeed_loop.py":
+        run_dir = Path(tempfile.mkdtemp(dir=tmp, prefix="ringfeed-loop-"))
+        args += ["--framework", name.split()[1], "--shards", str(shards), "--run-dir",
+                 str(run_dir / "run")]
     launch = hvd_launch if launcher == "horovodrun" else torchrun
     check(launch(ranks, WORKERS / script, args, timeout), f"{launcher} {script}")
     return read_json(out)["step_s_mean"]
 
 
 def run_ringfeed(framework: str, ranks: int, shards: Path, tmp: Path, opts: argparse.Namespace,
-                 timeout: float) -> tuple[float, float]:
-    """(step seconds, data-wait share) of `ringfeed train` after the warm-up steps."""
+                 timeout: float) -> tuple[float, float, dict]:
+    """(step seconds, data-wait share, decoded-cache counters) of `ringfeed train` after the
+    warm-up steps."""
     run_dir = Path(tempfile.mkdtemp(dir=tmp, prefix=f"ringfeed-{framework}-"))  # per repeat
+    data = {"num_workers": opts.num_workers, "cache_dir": str(opts.cache_dir),
+            "decoded_cache": opts.decoded_cache}
     config = write_config(run_dir / "config.yaml", framework, shards, opts.batch,
                           max_steps=opts.warmup + opts.steps, log_every=opts.warmup,
-                          model="cnn", model_args={"width": opts.width},
-                          data={"num_workers": opts.num_workers})
+                          model="cnn", model_args={"width": opts.width}, data=data)
     run = ringfeed_train(ranks, config, run_dir / "run", timeout)
-    return run.step_s(after_step=opts.warmup), run.data_wait_share_after(opts.warmup)
+    stats = run.summary.get("pipeline") or {}
+    cache = {k: stats.get(k, 0) for k in ("decoded_cache_hits", "decoded_cache_writes")}
+    cache["warm"] = bool(cache["decoded_cache_hits"]) and not cache["decoded_cache_writes"]
+    return run.step_s(after_step=opts.warmup), run.data_wait_share_after(opts.warmup), cache
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -78,10 +108,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 40)")
     ap.add_argument("--repeat", type=int, default=None, help="runs per contender (default 2)")
     ap.add_argument("--num-workers", type=int, default=0, help="ringfeed data.num_workers")
+    ap.add_argument("--cache-dir", type=Path, default=None,
+                    help="ringfeed data.cache_dir, kept (default: a temporary one shared by the "
+                    "repeats)")
+    ap.add_argument("--decoded-cache", default="auto", type=lambda v: {"true": True,
+                    "false": False}.get(v.lower(), v), help="ringfeed data.decoded_cache")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="peers with glibc's default malloc settings (ringfeed tunes its own)")
+    ap.add_argument("--in-memory", action="store_true",
+                    help="also run ringfeed's loop on one in-memory batch (workers/ringfeed_loop)")
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--timeout", type=float, default=300, help="per launch (s)")
     opts = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if not opts.default_malloc:  # every contender with the allocator settings ringfeed uses
+        from pipeline.malloc import MMAP_THRESHOLD, TRIM_THRESHOLD
+
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(TRIM_THRESHOLD))
     opts.warmup = opts.warmup or (3 if opts.quick else 5)
     opts.steps = opts.steps or (8 if opts.quick else 40)
     repeat = opts.repeat or (1 if opts.quick else 2)
@@ -91,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     for fw in frameworks:
         contenders += [f"ringfeed {fw}"] + (["horovod torch loop", "torch DDP (gloo)"]
                                             if fw == "torch" else ["horovod TF loop"])
+        if opts.in_memory:
+            contenders.append(IN_MEMORY.format(fw))
     trainer = trainer_available()
     # One epoch covers warm-up and timed steps: the comparison is the steady state (the
     # stall benchmark covers epoch boundaries).
@@ -99,22 +145,29 @@ def main(argv: list[str] | None = None) -> dict:
     peer_args = ["--model", "cnn", "--width", str(opts.width), "--image", "32", "--batch",
                  str(opts.batch), "--warmup", str(opts.warmup), "--steps", str(opts.steps)]
 
+    trains = [f"ringfeed {fw}" for fw in frameworks]  # `ringfeed train` runs
     step_s: dict[str, list[float]] = {c: [] for c in contenders}
-    wait_share: dict[str, list[float]] = {c: [] for c in contenders if c.startswith("ringfeed")}
+    wait_share: dict[str, list[float]] = {c: [] for c in trains}
+    decoded: dict[str, list[dict]] = {c: [] for c in trains}
+    kept_cache = opts.cache_dir
     with tempfile.TemporaryDirectory(prefix="ringfeed-trainer-bench-") as tmp:
+        opts.cache_dir = kept_cache or Path(tmp) / "cache"  # shared by the repeats
         for _ in range(repeat):
             for c in contenders:
-                if c.startswith("ringfeed"):
+                if c in trains:
                     if trainer:
-                        seconds, share = run_ringfeed(c.split()[1], opts.ranks, shards,
-                                                      Path(tmp), opts, opts.timeout)
+                        seconds, share, cache = run_ringfeed(c.split()[1], opts.ranks, shards,
+                                                             Path(tmp), opts, opts.timeout)
                         step_s[c].append(seconds)
                         wait_share[c].append(share)
-                else:
-                    step_s[c].append(run_peer(c, opts.ranks, peer_args, Path(tmp), opts.timeout))
+                        decoded[c].append(cache)
+                elif PEERS[c][1] != "ringfeed_loop.py" or trainer:
+                    step_s[c].append(run_peer(c, opts.ranks, peer_args, Path(tmp),
+                                              opts.timeout, shards))
     best = {c: min(v) for c, v in step_s.items() if v}
     # The data-wait share of the best ringfeed repeat: how much of its step was input.
     best_wait = {c: v[step_s[c].index(best[c])] for c, v in wait_share.items() if v}
+    best_warm = {c: v[step_s[c].index(best[c])]["warm"] for c, v in decoded.items() if v}
 
     rows = []
     for fw in frameworks:
@@ -130,9 +183,16 @@ def main(argv: list[str] | None = None) -> dict:
                                 goal=goal))
         if ours is not None:  # context: the same step without the time spent waiting for input
             wait = best_wait[f"ringfeed {fw}"]
+            warm = "warm" if best_warm[f"ringfeed {fw}"] else "cold"
             peer = peers[0][0]
-            rows.append(Row(NAME, f"{fw} step time less data wait ({100 * wait:.0f}%) vs "
-                            f"{peer}", ours * (1 - wait) * 1e3, "ms", peer, best[peer] * 1e3))
+            rows.append(Row(NAME, f"{fw} step time less data wait ({100 * wait:.0f}%, {warm} "
+                            f"decoded cache) vs {peer}", ours * (1 - wait) * 1e3, "ms", peer,
+                            best[peer] * 1e3))
+        loop = best.get(IN_MEMORY.format(fw))
+        if loop is not None:  # context: the trainer's own loop, no input pipeline
+            peer = peers[0][0]
+            rows.append(Row(NAME, f"{fw} loop on an in-memory batch vs {peer}", loop * 1e3, "ms",
+                            peer, best[peer] * 1e3))
     if "torch" in frameworks:
         rows.append(Row(NAME, "horovod loop vs DDP (context)", best["horovod torch loop"] * 1e3,
                         "ms", "torch DDP (gloo)", best["torch DDP (gloo)"] * 1e3))
@@ -148,8 +208,12 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{opts.width}, 32x32x3")
     ax.set_title("trainer overhead (lower is better)")
     data = {"step_s": step_s, "best_step_s": best, "data_wait_share": wait_share,
-            "ranks": opts.ranks, "batch": opts.batch, "warmup": opts.warmup, "steps": opts.steps, "repeat": repeat,
-            "num_workers": opts.num_workers, "dataset_samples": samples if trainer else None}
+            "decoded_cache": decoded, "decoded_cache_setting": opts.decoded_cache,
+            "cache_dir": str(kept_cache) if kept_cache else "temporary", "ranks": opts.ranks, "batch": opts.batch,
+            "warmup": opts.warmup, "steps": opts.steps, "repeat": repeat,
+            "num_workers": opts.num_workers, "dataset_samples": samples if trainer else None,
+            "malloc": {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_",
+                                                      "MALLOC_TRIM_THRESHOLD_")}}
     return finish(NAME, opts.quick, opts.results, rows, data, fig)
 
 
