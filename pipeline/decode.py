@@ -104,6 +104,16 @@ class Decoder:
                 sample[self._image_field] = sample.pop(images[0])
         return sample
 
+    def columns(self, raws: list[dict[str, Any]]) -> dict[str, list[Any]] | None:
+        """base() of raw samples one field at a time: {field: decoded values}, with no
+        per-sample dict; None when the samples do not all have the same fields. Raises on a
+        value that does not decode (without saying which sample: base() does that)."""
+        names = raws[0].keys()
+        if any(raw.keys() != names for raw in raws):
+            return None
+        return self.renamed({name: self.decode_column(name, [raw[name] for raw in raws])
+                             for name in names if name != "__key__"})
+
     def decode_column(self, name: str, values: list[bytes]) -> list[Any]:
         """decode_field over one field of a batch of raw samples (raises on a bad value)."""
         kind = self.kind(name)

@@ -242,16 +242,12 @@ class WorkerStream:
             i = j
         if any(type(raw) is BadSample for raw in raws):
             return None
-        names = raws[0].keys()
-        if any(raw.keys() != names for raw in raws):
-            return None
         try:
-            columns = {name: decoder.decode_column(name, [raw[name] for raw in raws])
-                       for name in names if name != "__key__"}
+            columns = decoder.columns(raws)
         except Exception:  # the sample-by-sample path names the bad sample
             return None
-        columns = decoder.renamed(columns)
-        if self._reference is not None and set(columns) != self._reference:
+        if columns is None or (self._reference is not None
+                               and set(columns) != self._reference):
             return None
         self._reference = set(columns)
         keys = [raw["__key__"] for raw in raws]
@@ -363,16 +359,12 @@ class _OpenShards:
         decoder = self.spec.decoder
         try:
             for lo in range(0, ref.num_samples, FILL_ROWS):
-                raws = [samples.get(p) for p in range(lo, min(lo + FILL_ROWS, ref.num_samples))]
+                raws = samples.get_many(list(range(lo, min(lo + FILL_ROWS, ref.num_samples))))
                 bad = next((r for r in raws if type(r) is BadSample), None)
                 if bad is not None:
                     raise Uncacheable(bad.reason)
-                names = raws[0].keys()
-                if all(raw.keys() == names for raw in raws):  # decode field by field
-                    columns = decoder.renamed({
-                        name: decoder.decode_column(name, [raw[name] for raw in raws])
-                        for name in names if name != "__key__"})
-                else:  # (mixed image formats) sample by sample
+                columns = decoder.columns(raws)
+                if columns is None:  # (mixed image formats) sample by sample
                     decoded = [decoder.base(raw) for raw in raws]
                     columns = {name: [d.get(name) for d in decoded] for name in decoded[0]}
                 writer.add([raw["__key__"] for raw in raws], columns)
