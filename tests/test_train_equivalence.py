@@ -104,3 +104,22 @@ def test_builtin_models_fit_a_fixed_batch(runs, model):
     losses = runs["one"]["overfit"][model]
     assert all(np.isfinite(losses))
     assert losses[-1] < 0.97 * losses[0], losses
+
+
+def test_channels_last_conv_model_two_ranks_equal_one_rank_with_double_batch(runs):
+    """A channels_last model (NHWC weights, NHWC gradients) through Horovod's broadcast and
+    allreduce, which take only contiguous tensors: 2 ranks x b == 1 rank x 2b, with and without
+    accumulation, and the weights are still channels_last afterwards."""
+    if runs["framework"] != "torch":
+        pytest.skip("channels_last is a torch memory format (Keras convolutions are NHWC)")
+    ref = runs["one"]["cl_ref"]
+    assert ref["channels_last"] and all(ref["channels_last"])
+    assert runs["one"]["conv_ref"]["channels_last"] == [False] * len(ref["channels_last"])
+    assert rel_diff(ref, ref, "weights", "initial") > 1e-2  # it trained
+    # the same model in the default layout: the same numbers up to the kernels' rounding
+    assert rel_diff(ref, runs["one"]["conv_ref"]) <= 1e-4
+    for rank in runs["two"]:
+        for scenario in ("cl_dp", "cl_dp_acc2"):
+            assert all(rank[scenario]["channels_last"]), scenario
+            assert rel_diff(rank[scenario], ref) <= RTOL, (rank["rank"], scenario)
+    assert rel_diff(runs["two"][0]["cl_dp"], runs["two"][1]["cl_dp"]) == 0.0

@@ -12,7 +12,7 @@ import pytest
 from train_util import toy_config, write_config, write_toy_shards
 
 from shards.errors import UserError
-from train.backend import StepResult
+from train.backend import StepResult, gpu_for_rank
 from train.checkpoint import (
     find_resume_point,
     list_checkpoints,
@@ -239,3 +239,32 @@ def test_token_shards_give_a_language_model_spec(tmp_path):
     assert spec.task == LM and spec.input_shape == (32,) and spec.vocab_size == 257
     x, y, _ = split_batch(next(iter(pipe)), spec)
     assert (x[:, 1:] == y[:, :-1]).all() and not math.isnan(float(x.sum()))
+
+
+@pytest.mark.parametrize(("views", "share", "expected"), [
+    # horovodrun on one 4-GPU host: local rank i -> GPU i
+    ([(0, None, 4)] * 4, False, [0, 1, 2, 3]),
+    # two hosts, two GPUs each
+    ([(0, None, 2), (0, None, 2), (1, None, 2), (1, None, 2)], False, [0, 1, 0, 1]),
+    # Slurm --gpus-per-task=1: each rank sees only its own GPU, as device 0
+    ([(0, "0", 1), (0, "1", 1), (0, "2", 1)], False, [0, 0, 0]),
+    # explicit sharing: 3 ranks round-robin on 2 GPUs
+    ([(0, None, 2)] * 3, True, [0, 1, 0]),
+    # no GPU: the CPU
+    ([(0, None, 0)] * 2, False, [None, None]),
+])
+def test_gpu_for_rank(views, share, expected):
+    assert [gpu_for_rank(r, views, share) for r in range(len(views))] == expected
+
+
+def test_more_ranks_than_gpus_is_one_line_on_every_rank():
+    # host 1 is over-subscribed; host 0 is fine but must stop too (no rank left waiting)
+    views = [(0, None, 1), (1, "0", 1), (1, "0", 1)]
+    for rank in range(3):
+        with pytest.raises(UserError) as err:
+            gpu_for_rank(rank, views, share=False)
+        assert err.value.exit_code == 2
+        message = str(err.value)
+        assert "\n" not in message
+        assert "2 ranks on one host share 1 visible GPU(s) (CUDA_VISIBLE_DEVICES=0)" in message
+        assert "train.share_gpus" in message

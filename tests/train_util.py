@@ -41,6 +41,17 @@ def toy_arrays(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, (x @ w).argmax(1).astype(np.int64)
 
 
+IMAGE = (4, 4, 2)  # the channels_last scenarios' NHWC inputs
+
+
+def toy_images(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """toy_arrays' problem on 4x4x2 images (the label: argmax of three fixed projections)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, *IMAGE)).astype(np.float32)
+    w = np.random.default_rng(4321).normal(size=(int(np.prod(IMAGE)), CLASSES))
+    return x, (x.reshape(n, -1) @ w).argmax(1).astype(np.int64)
+
+
 def write_toy_shards(out: Path, n_train: int = 480, n_val: int = 96,
                      per_shard: int = 50) -> Path:
     """x.npy / y.npy shards with a manifest, written with webdataset's TarWriter."""
@@ -260,14 +271,20 @@ def _dist(framework: str) -> tuple[int, int]:
 
 
 def run_scenario(framework: str, accumulate: int, steps: int = STEPS, inject: bool = False,
-                 **train: Any) -> dict[str, Any]:
+                 image: bool = False, **train: Any) -> dict[str, Any]:
     """`steps` optimizer steps on fixed global batches of GLOBAL_BATCH; rank r feeds rows
-    [r*G/N, (r+1)*G/N) split into `accumulate` micro-batches."""
+    [r*G/N, (r+1)*G/N) split into `accumulate` micro-batches. `image`: the built-in cnn on
+    toy_images instead of the mlp on toy_arrays."""
+    from train.data import CLASSIFY, DataSpec
+
     rank, size = _dist(framework)
     per_rank = GLOBAL_BATCH // size
     micro = per_rank // accumulate
+    if image:
+        train.setdefault("model", {"name": "cnn", "args": {"width": 4, "hidden": 8}})
+        train["spec"] = DataSpec(CLASSIFY, "x.npy", "y.npy", IMAGE, num_classes=CLASSES)
     backend = _backend(framework, accumulate, micro, **train)
-    x, y = toy_arrays(GLOBAL_BATCH * steps, seed=99)
+    x, y = (toy_images if image else toy_arrays)(GLOBAL_BATCH * steps, seed=99)
     initial = backend.weights()
     results = []
     for s in range(steps):
@@ -283,7 +300,13 @@ def run_scenario(framework: str, accumulate: int, steps: int = STEPS, inject: bo
                                                                strict=True))
         results.append({"loss": r.loss, "applied": r.applied, "loss_scale": r.loss_scale,
                         "weights_changed": changed})
-    return {"rank": rank, "size": size, "steps": results,
+    layouts = None
+    if framework == "torch":  # which 4-D weights are stored NHWC (channels_last) after training
+        import torch
+
+        layouts = [p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
+                   for p in backend.model.parameters() if p.dim() == 4]
+    return {"rank": rank, "size": size, "steps": results, "channels_last": layouts,
             "initial": [w.astype(np.float64).ravel().tolist() for w in initial],
             "weights": [w.astype(np.float64).ravel().tolist() for w in backend.weights()]}
 
@@ -321,6 +344,9 @@ def steps_main(framework: str, out: Path) -> None:
         scenarios["bf16"] = run_scenario(framework, 1, precision="bf16")
         scenarios["adam_ref"] = run_scenario(framework, 1, optim="adam", grad_clip=0.5)
         scenarios["overfit"] = {name: overfit_builtin(framework, name) for name in ("cnn", "gpt")}
+        if framework == "torch":
+            scenarios["conv_ref"] = run_scenario(framework, 1, image=True)
+            scenarios["cl_ref"] = run_scenario(framework, 1, image=True, channels_last=True)
     else:
         scenarios["dp"] = run_scenario(framework, 1)  # 2 ranks x 8
         scenarios["dp_acc2"] = run_scenario(framework, 2)  # 2 ranks x 2 micro-batches of 4
@@ -329,6 +355,9 @@ def steps_main(framework: str, out: Path) -> None:
         model = {"name": "train_util:inf_mlp", "args": {}}
         scenarios["fp16_inject"] = run_scenario(framework, 1, inject=True, precision="fp16",
                                                 model=model)
+        if framework == "torch":
+            scenarios["cl_dp"] = run_scenario(framework, 1, image=True, channels_last=True)
+            scenarios["cl_dp_acc2"] = run_scenario(framework, 2, image=True, channels_last=True)
     if framework == "torch":
         import horovod.torch as hvd
     else:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from shards.errors import UserError
 from train.data import DataSpec
 
 # Per-step agreement vector, allreduced with op=Average on every step. Any rank's request
@@ -138,6 +139,30 @@ class Backend(Protocol):
 
     def after_rollback(self) -> None:
         """Drop what a step cut short by a failure left behind (partial gradients)."""
+
+
+def gpu_for_rank(rank: int, views: list[tuple[int, str | None, int]],
+                 share: bool) -> int | None:
+    """Which of its visible GPUs rank `rank` trains on (None: it has none, train on the CPU).
+
+    `views[r]` is rank r's (host, CUDA_VISIBLE_DEVICES, GPUs it sees); Horovod's cross_rank
+    names the host. Ranks of one host that see the same devices split them in rank order:
+    horovodrun's default (every rank sees every GPU) gives local rank i GPU i, and a launcher
+    that binds GPUs per rank (Slurm --gpus-per-task, CUDA_VISIBLE_DEVICES set per rank) gives
+    each rank its own GPU 0. More ranks than GPUs is an error on every rank alike (two replicas
+    on one GPU halve its speed and can run it out of memory) unless `share` asks for it."""
+    groups: dict[tuple[int, str | None, int], list[int]] = {}
+    for r, view in enumerate(views):
+        groups.setdefault(view, []).append(r)
+    for (_, visible, count), ranks in groups.items():
+        if count and len(ranks) > count and not share:
+            shown = "all GPUs" if visible is None else f"CUDA_VISIBLE_DEVICES={visible}"
+            raise UserError(
+                f"{len(ranks)} ranks on one host share {count} visible GPU(s) ({shown}): start "
+                f"at most {count} rank(s) per host (horovodrun -H host:{count}), or set "
+                "train.share_gpus: true to put several ranks on one GPU")
+    count = views[rank][2]
+    return groups[views[rank]].index(rank) % count if count else None
 
 
 def make_backend(cfg) -> Backend:

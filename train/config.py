@@ -143,6 +143,12 @@ class TrainSection(_Section):
     grad_clip: PositiveFloat | None = None  # max global L2 norm of the averaged gradient
     seed: int = 0
     fp16_allreduce: bool = False  # compress gradients to fp16 for the allreduce
+    # torch: keep 4-D weights in NHWC memory (what tensor cores want for convolutions); the
+    # allreduce and broadcasts go through contiguous buffers. Keras layers are NHWC already.
+    channels_last: bool = False
+    # More ranks on a host than GPUs it shows them: an error (exit 2) unless this is set, then
+    # ranks share GPUs round-robin (for debugging; each rank then holds its own model copy).
+    share_gpus: bool = False
     log_every: PositiveInt = 10
     val_every: PositiveInt | None = None  # steps; null: at the end of every epoch
     loss: str | None = None  # "module:function"(outputs, targets) -> per-sample losses

@@ -16,6 +16,7 @@ finite (so a NaN/inf loss applies nothing), and one small vector back to Python.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import tensorflow as tf
 from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
 
-from train.backend import STATS_LOSS, Dist, StepResult, metric_sums
+from train.backend import STATS_LOSS, Dist, StepResult, gpu_for_rank, metric_sums
 from train.data import DataSpec, split_batch
 from train.models import build_model
 from train.userhooks import load_callable
@@ -71,8 +72,12 @@ class TFBackend:
         gpus = tf.config.list_physical_devices("GPU")
         for gpu in gpus:
             tf.config.experimental.set_memory_growth(gpu, True)
-        if gpus:  # one GPU per local rank
-            tf.config.set_visible_devices(gpus[self.dist.local_rank % len(gpus)], "GPU")
+        views = hvd.allgather_object(
+            (hvd.cross_rank(), os.environ.get("CUDA_VISIBLE_DEVICES"), len(gpus)),
+            name="ringfeed.gpus")
+        gpu = gpu_for_rank(self.dist.rank, views, cfg.train.share_gpus)
+        if gpu is not None:
+            tf.config.set_visible_devices(gpus[gpu], "GPU")
 
     # -- setup --------------------------------------------------------------------------------
     def build(self, spec: DataSpec) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 
-from train.backend import Dist, StepResult, metric_sums
+from train.backend import Dist, StepResult, gpu_for_rank, metric_sums
 from train.checkpoint import open_for_write
 from train.data import DataSpec, split_batch
 from train.models import build_model
@@ -53,6 +54,43 @@ def make_optimizer(optim, params) -> torch.optim.Optimizer:
     return cls(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
 
 
+class DenseLayout:
+    """Horovod compression wrapper: Horovod reduces only contiguous tensors, and the gradient of
+    a channels_last (or otherwise strided) weight has the weight's strides. Such a gradient goes
+    to the allreduce as a contiguous copy and comes back in its own strides; contiguous ones
+    pass through untouched."""
+
+    def __init__(self, inner: type[hvd.Compression.none]):
+        self.inner = inner
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        out, ctx = self.inner.compress(tensor)
+        if out.is_contiguous():
+            return out, (ctx, None)
+        return out.contiguous(), (ctx, tensor.stride())
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        inner_ctx, stride = ctx
+        out = self.inner.decompress(tensor, inner_ctx)
+        if stride is None:
+            return out
+        return torch.empty_strided(out.shape, stride, dtype=out.dtype,
+                                   device=out.device).copy_(out)
+
+
+def broadcast_tensors(tensors: dict[str, torch.Tensor], root_rank: int = 0) -> None:
+    """hvd.broadcast_parameters for tensors of any memory format: a non-contiguous one (a
+    channels_last weight) is broadcast through a contiguous buffer and copied back in place."""
+    pending = []
+    for name, tensor in sorted(tensors.items()):
+        buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+        pending.append((tensor, buffer, hvd.broadcast_async_(buffer, root_rank, name=name)))
+    for tensor, buffer, handle in pending:
+        hvd.synchronize(handle)
+        if buffer is not tensor:
+            tensor.copy_(buffer)
+
+
 class TorchBackend:
     name = "torch"
 
@@ -60,11 +98,15 @@ class TorchBackend:
         hvd.init()
         self.cfg = cfg
         self.dist = Dist(hvd.rank(), hvd.size(), hvd.local_rank())
-        if torch.cuda.is_available():  # one GPU per local rank
-            torch.cuda.set_device(self.dist.local_rank)
-            self.device = torch.device("cuda", self.dist.local_rank)
-        else:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        views = hvd.allgather_object(
+            (hvd.cross_rank(), os.environ.get("CUDA_VISIBLE_DEVICES"), count), name="ringfeed.gpus")
+        gpu = gpu_for_rank(self.dist.rank, views, cfg.train.share_gpus)
+        if gpu is None:
             self.device = torch.device("cpu")
+        else:
+            torch.cuda.set_device(gpu)
+            self.device = torch.device("cuda", gpu)
         self.amp_dtype = AMP_DTYPES.get(cfg.train.precision)
         self._loaded_rng: list[dict[str, torch.Tensor]] | None = None
 
@@ -75,10 +117,13 @@ class TorchBackend:
         torch.manual_seed(t.seed)
         self.model = build_model("torch", cfg.model.name, dict(cfg.model.args), spec)
         self.model.to(self.device)
+        if t.channels_last:
+            self.model.to(memory_format=torch.channels_last)
         self.optimizer = hvd.DistributedOptimizer(
             make_optimizer(cfg.optim, self.model.parameters()),
             named_parameters=self.model.named_parameters(),
-            compression=hvd.Compression.fp16 if t.fp16_allreduce else hvd.Compression.none,
+            compression=DenseLayout(hvd.Compression.fp16 if t.fp16_allreduce
+                                    else hvd.Compression.none),
             backward_passes_per_step=t.accumulate,
             op=hvd.Average,
         )
@@ -214,7 +259,7 @@ class TorchBackend:
         self._loaded_rng = state["rng"]
 
     def sync_from_root(self, resumed: bool) -> None:
-        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        broadcast_tensors(self.model.state_dict())
         if not resumed:
             # Fresh optimizers are empty and identical on every rank. (Horovod's
             # broadcast_optimizer_state would run a zero-gradient step to create the state,
@@ -245,8 +290,9 @@ class TorchBackend:
 
     def elastic_state(self, **values: Any) -> hvd.elastic.TorchState:
         """Horovod's TorchState over the model, the optimizer and the GradScaler, plus plain
-        `values`; optimizer and scaler use the handler below."""
-        ours = {torch.amp.GradScaler: _StateDictHandler, torch.optim.Optimizer: _StateDictHandler}
+        `values`, each synced by a handler below."""
+        ours = {torch.nn.Module: _ModelHandler, torch.amp.GradScaler: _StateDictHandler,
+                torch.optim.Optimizer: _StateDictHandler}
         set_handler_registry(list(ours.items()) +
                              [(t, h) for t, h in get_handler_registry() if t not in ours])
         return hvd.elastic.TorchState(model=self.model, optimizer=self.optimizer,
@@ -283,3 +329,11 @@ class _StateDictHandler(StateHandler):
         state = hvd.broadcast_object(self.value.state_dict(), root_rank=0,
                                      name=f"ringfeed.elastic.{type(self.value).__name__}")
         self.value.load_state_dict(state)
+
+
+class _ModelHandler(_StateDictHandler):
+    """Elastic state of the model: Horovod's own handler broadcasts with broadcast_parameters,
+    which rejects channels_last weights."""
+
+    def sync(self) -> None:
+        broadcast_tensors(self.value.state_dict())
