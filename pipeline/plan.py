@@ -20,11 +20,21 @@ Epoch `e`:
      from worker t % W (torch's DataLoader round-robin), local batch t // W.
   5. Within a worker a shuffle buffer of K slots, driven by rng(seed, e, k, rank, w), picks the
      emission order from slot positions alone, never from content.
+
+Cost per rank (issue 17): no list is materialised beyond the rank's own slots. L is never built:
+a position of L maps to its id through prefix sums of the shard counts in epoch order
+(`EpochOrder`, O(shards)). L_{k+1} is never built either (`Carried`): what each old
+(rank, worker) stream consumed is a count known from arithmetic, so a position of L_{k+1}
+maps to the one old stream range it falls in, and only the shuffle buffers of the old streams
+the rank's positions fall in are re-simulated (to learn which of their slots are still
+resident). `pipeline.plan_reference` is the earlier whole-epoch implementation; both give the
+same batches (tests/test_plan_scale.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -70,13 +80,13 @@ class Segment:
 class Layout:
     """Sample counts per shard, in manifest order."""
 
-    counts: np.ndarray  # int64 [num_shards]
+    counts: np.ndarray  # int64 [num_shards] (may be a read-only memmap of the manifest index)
     offsets: np.ndarray = field(init=False)  # int64 [num_shards + 1]
 
     def __post_init__(self) -> None:
         counts = np.asarray(self.counts, dtype=np.int64)
         object.__setattr__(self, "counts", counts)
-        object.__setattr__(self, "offsets", np.concatenate([[0], np.cumsum(counts)]))
+        object.__setattr__(self, "offsets", _prefix_sums(counts))
 
     @property
     def num_samples(self) -> int:
@@ -88,6 +98,12 @@ class Layout:
         return shard, ids - self.offsets[shard]
 
 
+def _prefix_sums(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
 def batches_for(n: int, world_size: int, batch_size: int, balance: str) -> int:
     """The batch count every rank yields when `n` samples are split over `world_size` ranks."""
     if balance == "drop":
@@ -96,23 +112,54 @@ def batches_for(n: int, world_size: int, batch_size: int, balance: str) -> int:
     return -(-per_rank // batch_size)
 
 
-def worker_batches(total: int, streams: int, w: int) -> int:
-    return total // streams + (1 if w < total % streams else 0)
+# The three helpers below take an int or an int array `w` (Carried applies them to every
+# old stream at once); an int in gives an int out.
+def worker_batches(total: int, streams: int, w):
+    """Batches of the rank's `total` dealt to worker `w`."""
+    return total // streams + (w < total % streams) * 1
 
 
-def consumed_by_worker(t: int, streams: int, w: int) -> int:
+def first_worker_batch(total: int, streams: int, w):
+    """Index, among the rank's batches in slot order, of worker `w`'s first batch."""
+    return _as_int(w * (total // streams) + np.minimum(w, total % streams))
+
+
+def consumed_by_worker(t: int, streams: int, w):
     """Batches of worker `w` among the rank's first `t` batches (batch t' comes from t' % W)."""
-    return max(0, (t - w + streams - 1) // streams)
+    return _as_int(np.maximum(0, (t - w + streams - 1) // streams))
 
 
-def epoch_order(layout: Layout, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """L: every global id of the epoch, shards in (shuffled) order, tar order within a shard."""
-    n_shards = len(layout.counts)
-    order = (np.random.default_rng([seed, epoch]).permutation(n_shards) if shuffle
-             else np.arange(n_shards))
-    if n_shards == 0:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(layout.offsets[s], layout.offsets[s + 1]) for s in order])
+def _as_int(x):
+    return int(x) if np.ndim(x) == 0 else x
+
+
+class Positions(Protocol):
+    """A list of global ids, addressed by position, that is not materialised: L or L_k."""
+
+    def __len__(self) -> int: ...
+
+    def ids(self, positions: np.ndarray) -> np.ndarray: ...
+
+
+class EpochOrder:
+    """L of one epoch: shards in (seeded) order, tar order within a shard. O(shards) memory:
+    a position maps to its id through the prefix sums of the counts in epoch order."""
+
+    def __init__(self, layout: Layout, seed: int, epoch: int, shuffle: bool) -> None:
+        n_shards = len(layout.counts)
+        self.layout = layout
+        self.order = (np.random.default_rng([seed, epoch]).permutation(n_shards)
+                      if shuffle else None)  # None: manifest order
+        self.starts = (layout.offsets if self.order is None
+                       else _prefix_sums(layout.counts[self.order]))
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def ids(self, positions: np.ndarray) -> np.ndarray:
+        j = np.searchsorted(self.starts, positions, side="right") - 1  # empty shards skipped
+        shard = j if self.order is None else self.order[j]
+        return self.layout.offsets[shard] + (positions - self.starts[j])
 
 
 def shuffle_order(n: int, buffer: int, rng: np.random.Generator | None,
@@ -121,32 +168,53 @@ def shuffle_order(n: int, buffer: int, rng: np.random.Generator | None,
 
     Slots enter in order; once the buffer overflows, a uniformly drawn resident leaves; at the
     end the rest drain in random order. Decisions use positions only, so the order is a pure
-    function of (n, buffer, rng). `limit` stops after that many emissions (for replay).
+    function of (n, buffer, rng). `limit` stops after that many emissions (for replay); the
+    first `limit` emissions need only the first `limit` draws, so a replay costs O(limit + K).
+    Vectorised while slots still enter (see `_fill_phase`); the final drain of <= `buffer`
+    slots is a Python loop. Same order, draw for draw, as `plan_reference.shuffle_order`.
     """
-    limit = n if limit is None else min(limit, n)
+    limit = n if limit is None else max(0, min(limit, n))
     if rng is None or buffer <= 0 or n <= 1:
         return np.arange(limit, dtype=np.int64)
-    draws = rng.random(n)
+    draws = rng.random(limit)  # emission j uses draw j (a prefix of rng.random(n))
     out = np.empty(limit, dtype=np.int64)
-    resident: list[int] = []
-    emitted = 0
-    for i in range(n):
-        if emitted >= limit:
-            return out
-        resident.append(i)
-        if len(resident) > buffer:
-            j = int(draws[emitted] * len(resident))
-            out[emitted] = resident[j]
-            resident[j] = resident[-1]
-            resident.pop()
-            emitted += 1
-    while emitted < limit:
-        j = int(draws[emitted] * len(resident))
-        out[emitted] = resident[j]
-        resident[j] = resident[-1]
-        resident.pop()
-        emitted += 1
+    fill = min(limit, max(0, n - buffer))  # emissions made while slots still enter
+    resident = _fill_phase(draws[:fill], buffer, out) if n > buffer else np.arange(n)
+    if limit > fill:  # every slot has entered: the residents drain
+        res, d = resident.tolist(), draws.tolist()
+        for j in range(fill, limit):
+            i = int(d[j] * len(res))
+            out[j] = res[i]
+            res[i] = res[-1]
+            res.pop()
     return out
+
+
+def _fill_phase(draws: np.ndarray, buffer: int, out: np.ndarray) -> np.ndarray:
+    """Emissions 0..F-1 while slots enter, written to out[:F]; returns the buffer afterwards.
+
+    Emission s happens when slot K+s enters a full buffer of K slots: pick p = floor(d_s (K+1));
+    p == K sends the entering slot straight out, else the resident at p leaves and the entering
+    slot takes its place. So emission s is the value last written at p before step s: K+s' for
+    the previous step s' that picked p, or p itself (the buffer starts as 0..K-1). A stable sort
+    by p finds every previous step at once.
+    """
+    k, steps = buffer, len(draws)
+    pick = (draws * (k + 1)).astype(np.int64)
+    out[:steps] = np.arange(k, k + steps)
+    stays = np.flatnonzero(pick < k)
+    by_pos = np.argsort(pick[stays], kind="stable")
+    pos, step = pick[stays][by_pos], stays[by_pos]
+    first = np.ones(len(pos), dtype=bool)
+    first[1:] = pos[1:] != pos[:-1]
+    left = np.where(first, pos, 0)
+    left[~first] = k + step[np.flatnonzero(~first) - 1]
+    out[step] = left
+    resident = np.arange(k, dtype=np.int64)
+    last = np.ones(len(pos), dtype=bool)
+    last[:-1] = pos[:-1] != pos[1:]
+    resident[pos[last]] = k + step[last]
+    return resident
 
 
 @dataclass(frozen=True)
@@ -164,59 +232,138 @@ class WorkerPlan:
 class SegmentPlan:
     index: int
     config: SegmentConfig
-    remaining: np.ndarray  # L_k: ids still to consume at the segment's start
+    remaining: Positions  # L_k: ids still to consume at the segment's start
     batches: int  # B: identical on every rank
     seed: int
     epoch: int
 
-    def rank_slots(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    def rank_ranges(self, ranks):
+        """(first position in L_k, own sample count) of rank(s) `ranks` (an int or array)."""
         c, n = self.config, len(self.remaining)
-        per_rank = self.batches * c.batch_size
         if c.balance == "drop":
-            ids = self.remaining[rank * per_rank:(rank + 1) * per_rank]
-            return ids, np.ones(len(ids), dtype=bool)
+            per_rank = self.batches * c.batch_size
+            return ranks * per_rank, ranks * 0 + per_rank
         q, r = divmod(n, c.world_size)
-        start = rank * q + min(rank, r)
-        own = self.remaining[start:start + q + (1 if rank < r else 0)]
-        short = per_rank - len(own)
-        source = own if len(own) else self.remaining
-        if short <= 0 or len(source) == 0:
-            return own, np.ones(len(own), dtype=bool)
-        pad = np.resize(source, short)  # repeats cyclically
-        return (np.concatenate([own, pad]),
-                np.concatenate([np.ones(len(own), dtype=bool), np.zeros(short, dtype=bool)]))
+        return ranks * q + np.minimum(ranks, r), q + (ranks < r) * 1
+
+    def slot_positions(self, rank: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Positions in L_k of the rank's slots lo..hi-1, and whether each is valid (pad
+        repeats the rank's own first samples cyclically, or L_k's when it has none)."""
+        start, own = (int(x) for x in self.rank_ranges(rank))
+        slots = np.arange(lo, hi, dtype=np.int64)
+        valid = slots < own
+        if valid.all():
+            return start + slots, valid
+        extra = slots[~valid] - own
+        positions = start + slots
+        positions[~valid] = start + extra % own if own else extra % len(self.remaining)
+        return positions, valid
+
+    def rank_slots(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Global ids (and validity) of all the rank's slots, in slot order."""
+        positions, valid = self.slot_positions(rank, 0, self.batches * self.config.batch_size)
+        return self.remaining.ids(positions), valid
 
     def worker(self, rank: int, w: int, limit: int | None = None) -> WorkerPlan:
         c = self.config
-        ids, valid = self.rank_slots(rank)
-        first = sum(worker_batches(self.batches, c.streams, v) for v in range(w))
+        first = first_worker_batch(self.batches, c.streams, w)
         count = worker_batches(self.batches, c.streams, w)
-        lo, hi = first * c.batch_size, (first + count) * c.batch_size
-        ids, valid = ids[lo:hi], valid[lo:hi]
-        rng = (np.random.default_rng([self.seed, self.epoch, self.index, rank, w])
-               if c.shuffle_buffer > 0 else None)
-        order = shuffle_order(len(ids), c.shuffle_buffer, rng, limit)
-        return WorkerPlan(ids, valid, order, count, c.batch_size)
+        positions, valid = self.slot_positions(rank, first * c.batch_size,
+                                               (first + count) * c.batch_size)
+        order = shuffle_order(len(positions), c.shuffle_buffer, self.stream_rng(rank, w), limit)
+        return WorkerPlan(self.remaining.ids(positions), valid, order, count, c.batch_size)
 
-    def consumed_ids(self, batches_consumed: int) -> np.ndarray:
-        """Valid ids every rank together consumed in this segment's first batches."""
-        c = self.config
-        parts = []
-        for rank in range(c.world_size):
-            for w in range(c.streams):
-                k = consumed_by_worker(batches_consumed, c.streams, w) * c.batch_size
-                if k == 0:
-                    continue
-                plan = self.worker(rank, w, limit=k)
-                slots = plan.order[:k]
-                parts.append(plan.ids[slots][plan.valid[slots]])
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    def stream_rng(self, rank: int, w: int) -> np.random.Generator | None:
+        if self.config.shuffle_buffer <= 0:
+            return None
+        return np.random.default_rng([self.seed, self.epoch, self.index, rank, w])
+
+
+class Carried:
+    """L_{k+1}: L_k minus what segment k consumed in its first `t` batches, order kept.
+
+    Segment k cut L_k into stream ranges, one per old (rank, worker), plus (drop) the unused
+    tail. Stream i's range starts at a_i, holds v_i valid slots and emitted k_i slots; its
+    emissions lie within its first e_i slots (e_i = min(slots, k_i + K) once it emitted), so
+    what it left of its range, in order, is: the h_i slots of its first e_i still resident in
+    its buffer ("holes"), then slots e_i..v_i-1 untouched. Counts come from arithmetic; the
+    holes of a stream are found by re-simulating its buffer, only when a position asked for
+    falls among them. (Pad repeats are never consumed: where a stream's emissions may include
+    them, its consumed count comes from simulation too.)
+    """
+
+    def __init__(self, parent: Positions, plan: SegmentPlan, batches_consumed: int) -> None:
+        self.parent, self.plan = parent, plan
+        c = plan.config
+        b, streams, buffer = c.batch_size, c.streams, c.shuffle_buffer
+        ranks = np.repeat(np.arange(c.world_size, dtype=np.int64), streams)
+        ws = np.tile(np.arange(streams, dtype=np.int64), c.world_size)
+        first = first_worker_batch(plan.batches, streams, ws)
+        slots = worker_batches(plan.batches, streams, ws) * b
+        rank_start, own = plan.rank_ranges(ranks)
+        start = rank_start + first * b
+        valid = np.clip(own - first * b, 0, slots)
+        emitted = np.minimum(consumed_by_worker(batches_consumed, streams, ws) * b, slots)
+        shuffled = (buffer > 0) & (slots > 1)
+        entered = np.where(emitted > 0, np.minimum(slots, emitted + buffer * shuffled), 0)
+        self._sims: dict[int, np.ndarray] = {}  # stream -> its emitted slot indices
+        consumed = emitted.copy()
+        for i in np.flatnonzero(entered > valid).tolist():  # may have emitted pad repeats
+            consumed[i] = int(np.count_nonzero(self._emitted(i, ranks, ws, slots, emitted)
+                                               < valid[i]))
+        tail = plan.batches * b * c.world_size if c.balance == "drop" else len(parent)
+        # one more range: the tail of L_k that segment k never assigned (drop), kept whole
+        self.ranks, self.ws = np.append(ranks, -1), np.append(ws, -1)
+        self.slots, self.emitted = np.append(slots, 0), np.append(emitted, 0)
+        self.start = np.append(start, tail)
+        self.entered = np.append(np.minimum(valid, entered), 0)
+        self.holes = self.entered - np.append(consumed, 0)
+        kept = np.append(valid - consumed, len(parent) - tail)
+        self.kept_starts = _prefix_sums(kept)
+
+    def __len__(self) -> int:
+        return int(self.kept_starts[-1])
+
+    def ids(self, positions: np.ndarray) -> np.ndarray:
+        return self.parent.ids(self.parent_positions(positions))
+
+    def parent_positions(self, positions: np.ndarray) -> np.ndarray:
+        """Positions in L_{k+1} -> positions in L_k (increasing, like the ids' order)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        i = np.searchsorted(self.kept_starts, positions, side="right") - 1  # empty ones skipped
+        local = positions - self.kept_starts[i]
+        out = self.start[i] + self.entered[i] + (local - self.holes[i])
+        in_holes = np.flatnonzero(local < self.holes[i])
+        if len(in_holes):
+            streams, inverse = np.unique(i[in_holes], return_inverse=True)
+            for u, stream in enumerate(streams.tolist()):
+                sel = in_holes[inverse == u]
+                out[sel] = self._hole_positions(stream)[local[sel]]
+        return out
+
+    def _hole_positions(self, i: int) -> np.ndarray:
+        """Positions in L_k of stream i's slots that entered its buffer and are still there."""
+        emitted = self._emitted(i, self.ranks, self.ws, self.slots, self.emitted)
+        resident = np.ones(int(self.entered[i]), dtype=bool)
+        resident[emitted[emitted < len(resident)]] = False
+        holes = np.flatnonzero(resident)
+        assert len(holes) == self.holes[i], "plan arithmetic disagrees with the replay"
+        return self.start[i] + holes
+
+    def _emitted(self, i: int, ranks: np.ndarray, ws: np.ndarray, slots: np.ndarray,
+                 emitted: np.ndarray) -> np.ndarray:
+        """Slot indices stream i emitted, from a replay of its buffer (remembered)."""
+        if i not in self._sims:
+            rank, w = int(ranks[i]), int(ws[i])
+            self._sims[i] = shuffle_order(int(slots[i]), self.plan.config.shuffle_buffer,
+                                          self.plan.stream_rng(rank, w), int(emitted[i]))
+        return self._sims[i]
 
 
 def plan_segments(layout: Layout, seed: int, epoch: int, shuffle: bool,
                   segments: list[Segment]) -> list[SegmentPlan]:
     """Replay the epoch's segments: each one partitions what the previous ones left."""
-    remaining = epoch_order(layout, seed, epoch, shuffle)
+    remaining: Positions = EpochOrder(layout, seed, epoch, shuffle)
     plans = []
     for k, seg in enumerate(segments):
         c = seg.config
@@ -224,8 +371,7 @@ def plan_segments(layout: Layout, seed: int, epoch: int, shuffle: bool,
                                                         c.batch_size, c.balance), seed, epoch)
         plans.append(plan)
         if k + 1 < len(segments) and seg.batches_consumed:
-            consumed = plan.consumed_ids(seg.batches_consumed)
-            remaining = remaining[~np.isin(remaining, consumed)]
+            remaining = Carried(remaining, plan, seg.batches_consumed)
     return plans
 
 

@@ -1,0 +1,133 @@
+"""The planner as it was before issue 17, kept as the executable specification of the plan.
+
+Not used by the pipeline. `pipeline.plan` computes the same batches from shard-level prefix
+sums, materialising only one rank's ids; this version materialises the whole epoch order on
+every rank and replays every old (rank, worker) stream on a resume at another world size. The
+tests compare the two sample for sample (tests/test_plan_scale.py), and
+benchmarks/plan_bench.py measures both where this one is still feasible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.plan import (
+    Layout,
+    Segment,
+    SegmentConfig,
+    WorkerPlan,
+    batches_for,
+    consumed_by_worker,
+    worker_batches,
+)
+
+
+def epoch_order(layout: Layout, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """L: every global id of the epoch, shards in (shuffled) order, tar order within a shard."""
+    n_shards = len(layout.counts)
+    order = (np.random.default_rng([seed, epoch]).permutation(n_shards) if shuffle
+             else np.arange(n_shards))
+    if n_shards == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(layout.offsets[s], layout.offsets[s + 1]) for s in order])
+
+
+def shuffle_order(n: int, buffer: int, rng: np.random.Generator | None,
+                  limit: int | None = None) -> np.ndarray:
+    """Emission order of n slots through a shuffle buffer (one Python step per slot)."""
+    limit = n if limit is None else min(limit, n)
+    if rng is None or buffer <= 0 or n <= 1:
+        return np.arange(limit, dtype=np.int64)
+    draws = rng.random(n)
+    out = np.empty(limit, dtype=np.int64)
+    resident: list[int] = []
+    emitted = 0
+    for i in range(n):
+        if emitted >= limit:
+            return out
+        resident.append(i)
+        if len(resident) > buffer:
+            j = int(draws[emitted] * len(resident))
+            out[emitted] = resident[j]
+            resident[j] = resident[-1]
+            resident.pop()
+            emitted += 1
+    while emitted < limit:
+        j = int(draws[emitted] * len(resident))
+        out[emitted] = resident[j]
+        resident[j] = resident[-1]
+        resident.pop()
+        emitted += 1
+    return out
+
+
+@dataclass(frozen=True)
+class ReferenceSegmentPlan:
+    index: int
+    config: SegmentConfig
+    remaining: np.ndarray  # L_k, materialised
+    batches: int
+    seed: int
+    epoch: int
+
+    def rank_slots(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        c, n = self.config, len(self.remaining)
+        per_rank = self.batches * c.batch_size
+        if c.balance == "drop":
+            ids = self.remaining[rank * per_rank:(rank + 1) * per_rank]
+            return ids, np.ones(len(ids), dtype=bool)
+        q, r = divmod(n, c.world_size)
+        start = rank * q + min(rank, r)
+        own = self.remaining[start:start + q + (1 if rank < r else 0)]
+        short = per_rank - len(own)
+        source = own if len(own) else self.remaining
+        if short <= 0 or len(source) == 0:
+            return own, np.ones(len(own), dtype=bool)
+        pad = np.resize(source, short)  # repeats cyclically
+        return (np.concatenate([own, pad]),
+                np.concatenate([np.ones(len(own), dtype=bool), np.zeros(short, dtype=bool)]))
+
+    def worker(self, rank: int, w: int, limit: int | None = None) -> WorkerPlan:
+        c = self.config
+        ids, valid = self.rank_slots(rank)
+        first = sum(worker_batches(self.batches, c.streams, v) for v in range(w))
+        count = worker_batches(self.batches, c.streams, w)
+        lo, hi = first * c.batch_size, (first + count) * c.batch_size
+        ids, valid = ids[lo:hi], valid[lo:hi]
+        rng = (np.random.default_rng([self.seed, self.epoch, self.index, rank, w])
+               if c.shuffle_buffer > 0 else None)
+        order = shuffle_order(len(ids), c.shuffle_buffer, rng, limit)
+        return WorkerPlan(ids, valid, order, count, c.batch_size)
+
+    def consumed_ids(self, batches_consumed: int) -> np.ndarray:
+        """Valid ids every rank together consumed in this segment's first batches."""
+        c = self.config
+        parts = []
+        for rank in range(c.world_size):
+            for w in range(c.streams):
+                k = consumed_by_worker(batches_consumed, c.streams, w) * c.batch_size
+                if k == 0:
+                    continue
+                plan = self.worker(rank, w, limit=k)
+                slots = plan.order[:k]
+                parts.append(plan.ids[slots][plan.valid[slots]])
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def plan_segments(layout: Layout, seed: int, epoch: int, shuffle: bool,
+                  segments: list[Segment]) -> list[ReferenceSegmentPlan]:
+    """Replay the epoch's segments: each one partitions what the previous ones left."""
+    remaining = epoch_order(layout, seed, epoch, shuffle)
+    plans = []
+    for k, seg in enumerate(segments):
+        c = seg.config
+        plan = ReferenceSegmentPlan(k, c, remaining, batches_for(len(remaining), c.world_size,
+                                                                 c.batch_size, c.balance),
+                                    seed, epoch)
+        plans.append(plan)
+        if k + 1 < len(segments) and seg.batches_consumed:
+            consumed = plan.consumed_ids(seg.batches_consumed)
+            remaining = remaining[~np.isin(remaining, consumed)]
+    return plans
