@@ -1,4 +1,5 @@
-"""Apply ringfeed's three source fixes to an unpacked Horovod 0.28.1 sdist.
+"""Apply ringfeed's source fixes to an unpacked Horovod 0.28.1 sdist (all of them, always: each is
+harmless where it is not needed).
 
 1. C++17 for the core and the torch extension (torch >= 2.1 headers need it; fixed upstream
    after 0.28.1 was released).
@@ -6,6 +7,8 @@
    TF 2.21 headers (XLA client headers moved). XLA ops are optional and off by default.
 3. GlooContext::InitializeForProcessSet ignores HOROVOD_GLOO_IFACE (uses its own, still empty,
    gloo_iface_), so multi-host Gloo runs fail wherever a hostname resolves to a loopback address.
+4. GCC 13+ no longer pulls <string> and <stdexcept> in through other standard headers:
+   group_table.h uses std::string and common.h std::logic_error without including them.
 
 Each edit must match exactly once; anything else means a different Horovod source and the
 script exits non-zero rather than building something half-patched.
@@ -36,6 +39,16 @@ EDITS: list[tuple[str, str, str]] = [
         "  attr device_attr;\n  gloo_iface_ = global_context.gloo_iface_;  // ringfeed fix\n"
         "  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
         "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;\n",
+    ),
+    (
+        "horovod/common/group_table.h",
+        "#include <queue>\n#include <unordered_map>\n",
+        "#include <queue>\n#include <string>  // ringfeed: GCC 13\n#include <unordered_map>\n",
+    ),
+    (
+        "horovod/common/common.h",
+        "#include <memory>\n#include <string>\n",
+        "#include <memory>\n#include <stdexcept>  // ringfeed: GCC 13\n#include <string>\n",
     ),
 ]
 
