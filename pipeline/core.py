@@ -35,8 +35,8 @@ from pipeline.source import (
     check_pipe_allowed,
     expand_urls,
     is_shard_list,
-    read_manifest,
-    refs_from_manifest,
+    manifest_refs,
+    sample_counts,
 )
 from pipeline.state import PipelineState
 from pipeline.stats import PipelineStats
@@ -146,7 +146,7 @@ class ShardPipeline:
                         else None)
         self.manifest, refs = self._resolve(source, split, allow_pipe)
         self.refs = refs
-        self.layout = Layout(np.array([r.num_samples for r in refs], dtype=np.int64))
+        self.layout = Layout(sample_counts(refs))
         self.config = SegmentConfig(self.world_size, self.num_workers, self.batch_size,
                                     self.shuffle_buffer, balance)
         self.progress = PipelineState(self.layout, self.seed, self.shuffle, self.config)
@@ -368,7 +368,7 @@ class ShardPipeline:
         raise PipelineDataError("no readable sample in any shard")
 
     def _resolve(self, source: Any, split: str, allow_pipe: bool
-                 ) -> tuple[Manifest | None, list[ShardRef]]:
+                 ) -> tuple[Manifest | None, Sequence[ShardRef]]:
         if is_shard_list(source):
             urls = expand_urls(source if isinstance(source, str) else [str(s) for s in source])
             check_pipe_allowed(urls, allow_pipe)
@@ -376,10 +376,10 @@ class ShardPipeline:
         else:
             location = os.fspath(source)
             check_pipe_allowed([location], allow_pipe)
-            manifest, base = read_manifest(location, self.storage_options)
-            refs = refs_from_manifest(manifest, base, split)
-            check_pipe_allowed([r.url for r in refs], allow_pipe)
-        if not refs or sum(r.num_samples for r in refs) == 0:
+            manifest, refs = manifest_refs(location, split, self.storage_options,
+                                           Path(self.cache.cache_dir) / "manifests")
+            check_pipe_allowed(refs.urls_starting_with("pipe:"), allow_pipe)
+        if not len(refs) or not sample_counts(refs).any():
             raise PipelineError(f"{source}: no samples (split {split!r})")
         return manifest, refs
 

@@ -2,25 +2,27 @@
 an ordered list of `ShardRef`s with sample counts.
 
 Sample counts drive all planning (rank balance, resume), so they are needed before any data is
-read: they come from `manifest.json` when there is one; for a bare list of shard URLs they are
-learned by one counting pass over the shards (through the cache, so remote shards are fetched
-once and reused by the epochs that follow).
+read: they come from the manifest when there is one (its memory-mapped binary index, so a
+10^6-shard manifest costs a rank milliseconds, not a JSON parse); for a bare list of shard URLs
+they are learned by one counting pass over the shards (through the cache, so remote shards are
+fetched once and reused by the epochs that follow).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import braceexpand
 import fsspec
+import numpy as np
 
 from pipeline.errors import PipelineError
 from shards.manifest import Manifest, ManifestError
+from shards.manifest_index import SplitIndex, index_of_bytes, load_index
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
@@ -85,33 +87,73 @@ def _join(base: str, name: str) -> str:
     return posixpath.join(base.rstrip("/"), name)
 
 
-def read_manifest(location: str, storage_options: dict[str, Any]) -> tuple[Manifest, str]:
-    """Load manifest.json from a local/remote directory or a manifest URL; returns (manifest,
-    base directory its shard names are relative to)."""
+def manifest_refs(location: str, split: str, storage_options: dict[str, Any],
+                  cache_dir: str | os.PathLike | None) -> tuple[Manifest, ShardRefs]:
+    """The manifest at a local/remote directory or manifest URL, and its split's shards.
+
+    Read from the manifest's compact binary index (shards/manifest_index.py), never by parsing
+    every JSON entry on every rank: the index beside a local manifest.json, else one built once
+    into `cache_dir` (keyed by the JSON's path, size and mtime; for a remote manifest, by the
+    sha256 of the JSON downloaded)."""
     if location.endswith("manifest.json"):
         manifest_url, base = location, location[: -len("manifest.json")].rstrip("/") or "."
     else:
         manifest_url, base = _join(location, "manifest.json"), location.rstrip("/") or "/"
     if is_local_url(manifest_url):
-        return Manifest.load(local_path(manifest_url)), base
+        index = load_index(local_path(manifest_url), cache_dir)
+    else:
+        try:
+            with fsspec.open(manifest_url, "rb", **storage_options) as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise PipelineError(f"{manifest_url}: no manifest.json (run `ringfeed shard` first, "
+                                "or pass a list of shard URLs)") from None
+        except OSError as e:
+            raise PipelineError(f"{manifest_url}: cannot read manifest ({e})") from e
+        try:
+            index = index_of_bytes(data, manifest_url, cache_dir)
+        except ManifestError as e:
+            raise PipelineError(str(e)) from None
     try:
-        with fsspec.open(manifest_url, "rb", **storage_options) as f:
-            data = json.loads(f.read())
-    except FileNotFoundError:
-        raise PipelineError(f"{manifest_url}: no manifest.json (run `ringfeed shard` first, "
-                            "or pass a list of shard URLs)") from None
-    except json.JSONDecodeError as e:
-        raise PipelineError(f"{manifest_url}: not valid JSON ({e})") from e
-    except OSError as e:
-        raise PipelineError(f"{manifest_url}: cannot read manifest ({e})") from e
-    return Manifest.from_dict(data, origin=manifest_url), base
-
-
-def refs_from_manifest(manifest: Manifest, base: str, split: str) -> list[ShardRef]:
-    try:
-        shards = manifest.split(split).shards
+        shards = index.split(split)
     except ManifestError as e:
         raise PipelineError(str(e)) from None
-    return [ShardRef(_join(base, s.name), s.num_samples, s.bytes, s.sha256,
-                     _join(base, s.index) if getattr(s, "index", None) else None)
-            for s in shards]
+    return index.manifest(), ShardRefs(shards, base)
+
+
+class ShardRefs(Sequence[ShardRef]):
+    """A split's shards as ShardRefs, each made when it is accessed (no Python object per shard
+    of a 10^6-shard manifest); `counts` is the sample-count array planning needs."""
+
+    def __init__(self, shards: SplitIndex, base: str) -> None:
+        self.shards, self.base = shards, base
+
+    @property
+    def counts(self) -> np.ndarray:
+        return self.shards.counts
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        s = self.shards[i]
+        return ShardRef(_join(self.base, s.name), s.num_samples, s.bytes, s.sha256,
+                        _join(self.base, s.index) if s.index else None)
+
+    def __iter__(self) -> Iterator[ShardRef]:
+        return (self[i] for i in range(len(self)))
+
+    def urls_starting_with(self, prefix: str) -> list[str]:
+        """URLs of the shards whose name starts with `prefix` (names that are URLs are used
+        as they are), found without making every ShardRef."""
+        return [self[int(i)].url for i in self.shards.names_starting_with(prefix)]
+
+
+def sample_counts(refs: Sequence[ShardRef]) -> np.ndarray:
+    """Samples per shard, int64 (the index's array when there is one)."""
+    counts = getattr(refs, "counts", None)
+    if counts is not None:
+        return counts
+    return np.array([r.num_samples for r in refs], dtype=np.int64)

@@ -17,7 +17,7 @@ PipelineDataError naming the shard URL and the sample key.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +51,7 @@ FILL_ROWS = 256  # samples decoded and written per step while filling a decoded-
 class StreamSpec:
     """Everything a worker stream needs; picklable, so DataLoader workers can get it."""
 
-    refs: list[ShardRef]
+    refs: Sequence[ShardRef]  # a list, or source.ShardRefs (made on access from the index)
     layout: Layout
     decoder: Decoder
     cache: ShardCache

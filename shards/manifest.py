@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shards.fsutil import atomic_write_text
+from shards.fsutil import atomic_write_bytes
 
 FORMAT = "ringfeed-shards"
 VERSION = 1
@@ -87,9 +87,15 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
 
     def save(self, directory: str | Path) -> Path:
-        """Write `directory/manifest.json` atomically (temp file + rename)."""
+        """Write `directory/manifest.json` atomically (temp file + rename), then its compact
+        binary index `manifest.bin` (shards/manifest_index.py: what the pipeline maps instead
+        of parsing the JSON)."""
+        from shards.manifest_index import INDEX_NAME, write_manifest_index
+
         path = Path(directory) / "manifest.json"
-        atomic_write_text(path, self.to_json())
+        text = self.to_json().encode()
+        atomic_write_bytes(path, text)
+        write_manifest_index(self, text, path.with_name(INDEX_NAME))
         return path
 
     @classmethod

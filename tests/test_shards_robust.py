@@ -38,8 +38,8 @@ def test_two_workers_write_the_same_bytes_as_one(capsys, tmp_path, images):
     assert result.returncode == 0, result.output
     assert result.stderr == ""  # not a terminal: no progress bar
     files = tree_bytes(one)
-    # 14 shards + their 14 index sidecars + manifest, same bytes
-    assert len(files) == 29 and files == tree_bytes(two)
+    # 14 shards + their 14 index sidecars + manifest.json and its binary index, same bytes
+    assert len(files) == 30 and files == tree_bytes(two)
     assert sum(name.endswith(".tar.idx") for name in files) == 14
 
 
@@ -172,7 +172,7 @@ def test_unfinished_run_of_other_options_needs_overwrite(capsys, tmp_path, image
     code, stdout, _ = cli(capsys, *shard_args(images, out, "--max-count", "5", "--overwrite"))
     assert code == 0 and not (out / JOURNAL).exists()
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["manifest.json"] + [n for sp in manifest(out)["splits"].values()
+        ["manifest.json", "manifest.bin"] + [n for sp in manifest(out)["splits"].values()
                              for s in sp["shards"] for n in (s["name"], s["index"])]
     )  # the old 4-per-shard files and their sidecars are gone
 
