@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo demo-lm lint bench clean
+.PHONY: setup test test-fast demo demo-lm lint bench gpu-kit gpu-check clean
 
 setup:            ## create .venv, install the pinned stack, build/cache Horovod (idempotent)
 	@PYTHON=$(PYTHON) bash docker/install.sh $(VENV)
@@ -23,6 +23,12 @@ lint: setup
 
 bench: setup      ## all benchmarks, full mode; results under benchmarks/results/
 	$(BIN)/python benchmarks/run_all.py
+
+gpu-kit: setup    ## pack what gpu-check needs on a GPU machine without network into .gpu/
+	VENV=$(VENV) bash docker/gpu_kit.sh
+
+gpu-check:        ## on a GPU machine: Horovod+NCCL build, GPU demo (fp32/bf16/fp16), benchmark
+	bash docker/gpu_check.sh
 
 clean:
 	rm -rf demo-out runs .pytest_cache

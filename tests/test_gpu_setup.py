@@ -187,3 +187,14 @@ def test_install_sh_gpu_build_refuses_a_cpu_torch():
     assert res.returncode == 1, res.stdout + res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "is not a CUDA build" in lines[0] and "TORCH_INDEX_URL" in lines[0]
+
+
+def test_gpu_check_on_a_machine_without_gpu_says_so_in_one_line(tmp_path):
+    env = {**os.environ, "REPORT_DIR": str(tmp_path)}
+    env["PATH"] = ":".join(p for p in env["PATH"].split(":")
+                           if not (Path(p) / "nvidia-smi").exists())
+    res = subprocess.run(["bash", REPO / "docker" / "gpu_check.sh"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    assert res.stdout.strip().splitlines() == [
+        "gpu-check: FAIL: nvidia-smi not found: this is not a GPU machine"]

@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# `make gpu-check`: is ringfeed ready on this GPU machine? Needs only PyTorch with CUDA, a C++
+# compiler and nvcc; without network it takes its packages from .gpu/ (`make gpu-kit` on a machine
+# with network). Each step prints PASS/FAIL; the summary goes to stdout and $REPORT_DIR.
+#   1. Horovod with NCCL: a cached wheel (.gpu/wheels/, $RINGFEED_CACHE) or built once (~2 min
+#      on 16 cores; the wheel is kept, and split into <16 MiB parts under $REPORT_DIR/wheel/)
+#   2. `ringfeed info` lists NCCL
+#   3. the digits demo on one GPU in fp32, bf16 and fp16 (val accuracy >= 0.95 each), and with
+#      train.channels_last
+#   4. more ranks than GPUs: one line, exit 2
+#   5. the GPU feeding benchmark -> benchmarks/results/gpu.json and the table in
+#      benchmarks/README.md (device named)
+# (TensorBoard is not among the packages carried: the runs here set output.tensorboard=false.)
+# Env: PYTHON (python3), REPORT_DIR (default $OUT when set, else gpu-check-out), GPU_CHECK_QUICK=1
+# (short benchmark), RINGFEED_CACHE.
+set -uo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(dirname "$HERE")"
+cd "$ROOT" || exit 1
+PY="${PYTHON:-python3}"
+KIT="$ROOT/.gpu"
+CACHE="${RINGFEED_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ringfeed}"
+REPORT="${REPORT_DIR:-${OUT:-$ROOT/gpu-check-out}}"
+SITE="$CACHE/gpu-site"
+mkdir -p "$REPORT" "$CACHE/wheels"
+LOG="$REPORT/gpu-check.log"
+: >"$LOG"
+failures=0
+say() { echo "gpu-check: $*" | tee -a "$LOG"; }
+die() { say "FAIL: $*"; exit 1; }
+result() {  # result NAME OK DETAIL
+  if [ "$2" = 0 ]; then say "PASS $1: $3"; else say "FAIL $1: $3"; failures=$((failures + 1)); fi
+}
+
+# --- 0. the machine ---------------------------------------------------------------------------
+command -v nvidia-smi >/dev/null 2>&1 || die "nvidia-smi not found: this is not a GPU machine"
+ngpu="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
+[ "$ngpu" -gt 0 ] || die "nvidia-smi lists no GPU"
+"$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>>"$LOG" \
+  || die "$PY's torch sees no GPU (torch.version.cuda: $("$PY" -c 'import torch; print(torch.version.cuda)' 2>&1)): install torch's CUDA build"
+say "$(nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader | head -n1), $ngpu GPU(s); $("$PY" -c 'import sys, torch; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}")')"
+
+# --- 1. Python packages and Horovod with NCCL -------------------------------------------------
+export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$SITE/bin:$PATH"
+hvd_nccl() { "$PY" -c "import sys, horovod.torch as h; sys.exit(not h.nccl_built())" 2>/dev/null; }
+torch_v="$("$PY" -c 'import torch; print(torch.__version__)')"
+pyver="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+cc="$("$PY" -c 'import torch; print("".join(map(str, torch.cuda.get_device_capability())))')"
+wheel_dir="$CACHE/wheels/horovod0.28.1-torch${torch_v}-tfnone-py${pyver}-nompi-nccl-cc${cc}"
+
+if ! "$PY" -c "import webdataset, pydantic, yaml, simplejpeg, fsspec" 2>/dev/null || ! hvd_nccl; then
+  wheel="$(find "$wheel_dir" "$KIT/wheels" -maxdepth 1 -name 'horovod-*.whl' -print -quit 2>/dev/null)"
+  if [ -z "$wheel" ] && ls "$KIT"/wheels/hvdwhl.part.* >/dev/null 2>&1; then
+    mkdir -p "$wheel_dir"  # parts brought back by an earlier run: one wheel again
+    cat "$KIT"/wheels/hvdwhl.part.* >"$wheel_dir/.tmp.whl"
+    name="$(cat "$KIT/wheels/WHEEL_NAME" 2>/dev/null || echo "horovod-0.28.1-cp${pyver/./}-cp${pyver/./}-linux_x86_64.whl")"
+    mv "$wheel_dir/.tmp.whl" "$wheel_dir/$name" && wheel="$wheel_dir/$name"
+  fi
+  if [ -z "$wheel" ]; then
+    [ -f "$KIT/horovod-0.28.1.tar.gz" ] || [ -f "$CACHE/src/horovod-0.28.1.tar.gz" ] \
+      || die "no Horovod wheel or sdist: run make gpu-kit where there is network and bring .gpu/"
+    sdist="$KIT/horovod-0.28.1.tar.gz"; [ -f "$sdist" ] || sdist="$CACHE/src/horovod-0.28.1.tar.gz"
+    build="$(mktemp -d)"
+    # cffi for Horovod's setup.py, where the build can import it
+    "$PY" -m pip install -q --no-index --no-deps --target "$build/tools" "$KIT"/whl/cffi-*.whl \
+      "$KIT"/whl/pycparser-*.whl >>"$LOG" 2>&1 || "$PY" -c "import cffi" 2>/dev/null \
+      || die "Horovod's build needs cffi: none in .gpu/whl and none installed"
+    found="$(PYTHONPATH="$build/tools" "$PY" "$HERE/gpu_build.py" --nccl-link-dir "$CACHE/nccl" 2>&1)" \
+      || die "${found#setup: }"
+    mapfile -t gpu_env <<<"$found"
+    say "building Horovod with ${gpu_env[*]} (log: $REPORT/horovod-build.log)"
+    started=$SECONDS
+    if tar -xzf "$sdist" -C "$build" && "$PY" "$HERE/patch_horovod.py" "$build/horovod-0.28.1" &&
+       env "${gpu_env[@]}" PYTHONPATH="$build/tools" CMAKE_POLICY_VERSION_MINIMUM=3.5 \
+         MAKEFLAGS="-j$(nproc)" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+         HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+         "$PY" -m pip wheel --no-build-isolation --no-deps -w "$build/dist" \
+         "$build/horovod-0.28.1" >"$REPORT/horovod-build.log" 2>&1; then
+      built="$(find "$build/dist" -name 'horovod-*.whl' -print -quit)"
+      mkdir -p "$wheel_dir" && cp "$built" "$wheel_dir/" && wheel="$wheel_dir/$(basename "$built")"
+      say "built $(basename "$built") in $((SECONDS - started)) s"
+      mkdir -p "$REPORT/wheel"  # to bring back (parts < 16 MiB), for a fresh machine next time
+      (cd "$REPORT/wheel" && split -b 15m "$wheel" hvdwhl.part. && basename "$wheel" >WHEEL_NAME)
+    else
+      die "Horovod build failed: $(grep -m1 -E 'error:|Error' "$REPORT/horovod-build.log") (log: $REPORT/horovod-build.log)"
+    fi
+    rm -rf "$build"
+  fi
+  # one --target install for all (a second one into the same folder skips bin/: no horovodrun)
+  rm -rf "$SITE"
+  "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$KIT"/whl/*.whl "$wheel" \
+    >>"$LOG" 2>&1 || die "installing .gpu/whl and $wheel into $SITE failed (log: $LOG)"
+fi
+hvd_nccl; result "horovod-nccl" $? "horovod.torch.nccl_built()"
+
+# --- 2. ringfeed info -------------------------------------------------------------------------
+"$PY" -m train info >"$REPORT/info.txt" 2>&1
+grep -q '\[X\] NCCL' "$REPORT/info.txt"; result "info" $? "ringfeed info lists NCCL ($REPORT/info.txt)"
+
+# --- 3. the digits demo on the GPU ------------------------------------------------------------
+shards="$KIT/data/digits-shards"
+[ -f "$shards/manifest.json" ] || shards="$ROOT/demo-out/digits-shards"
+accuracy() { "$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['val']['accuracy'])" "$1/summary.json" 2>/dev/null; }
+digits() {  # digits NAME SET...
+  local name="$1"; shift
+  local run="$REPORT/runs/digits-$name"
+  rm -rf "$run"
+  horovodrun -np 1 "$PY" -m train train examples/configs/digits.yaml --set "data.train=$shards" \
+    --set "output.dir=$run" --set data.cache_dir="$CACHE/data" --set output.tensorboard=false \
+    "$@" >"$REPORT/digits-$name.log" 2>&1
+  local rc=$? acc
+  acc="$(accuracy "$run")"
+  "$PY" -c "import sys; sys.exit(not ($rc == 0 and float('${acc:-0}') >= 0.95))"
+  result "digits-$name" $? "exit $rc, val accuracy ${acc:-none} (>= 0.95; log $REPORT/digits-$name.log)"
+}
+if [ -f "$shards/manifest.json" ]; then
+  digits fp32 --set train.precision=fp32
+  digits bf16 --set train.precision=bf16
+  digits fp16 --set train.precision=fp16
+  digits channels-last --set train.precision=bf16 --set train.channels_last=true
+else
+  result "digits" 1 "no digits shards (make gpu-kit makes .gpu/data/digits-shards)"
+fi
+
+# --- 4. more ranks than GPUs ------------------------------------------------------------------
+if [ -f "$shards/manifest.json" ]; then
+  horovodrun -np $((ngpu + 1)) "$PY" -m train train examples/configs/digits.yaml \
+    --set "data.train=$shards" --set "output.dir=$REPORT/runs/oversubscribed" \
+    --set train.max_steps=2 --set output.tensorboard=false >"$REPORT/oversubscribed.log" 2>&1
+  rc=$?
+  grep -q "ranks on one host share $ngpu visible GPU" "$REPORT/oversubscribed.log"
+  found=$?
+  ok=1; [ "$rc" -ne 0 ] && [ "$found" = 0 ] && ok=0
+  result "ranks>gpus" "$ok" "-np $((ngpu + 1)) on $ngpu GPU(s): exit $rc, $(grep -m1 -o 'error: .*' "$REPORT/oversubscribed.log" | head -c 200)"
+fi
+
+# --- 5. the GPU feeding benchmark -------------------------------------------------------------
+quick=(); [ "${GPU_CHECK_QUICK:-0}" = 1 ] && quick=(--quick)
+if "$PY" benchmarks/gpu_feed_bench.py --device cuda --out benchmarks/results/gpu.json "${quick[@]}" \
+     >"$REPORT/gpu_feed_bench.log" 2>&1; then
+  "$PY" - <<'EOF' >>"$LOG" 2>&1
+import json, re
+from pathlib import Path
+table = json.loads(Path("benchmarks/results/gpu.json").read_text())["table_md"].strip()
+readme = Path("benchmarks/README.md")
+text = readme.read_text()
+new = re.sub(r"<!-- gpu-table -->.*?<!-- /gpu-table -->",
+             lambda _: f"<!-- gpu-table -->\n{table}\n<!-- /gpu-table -->", text, flags=re.S)
+tmp = readme.with_suffix(".md.tmp")
+tmp.write_text(new)
+tmp.replace(readme)
+EOF
+  cp benchmarks/results/gpu.json benchmarks/README.md "$REPORT/" 2>/dev/null
+  result "feeding-bench" 0 "benchmarks/results/gpu.json, table in benchmarks/README.md"
+  cat "$REPORT/gpu_feed_bench.log" | tail -n 30 | tee -a "$LOG"
+else
+  result "feeding-bench" 1 "$(tail -n1 "$REPORT/gpu_feed_bench.log") (log $REPORT/gpu_feed_bench.log)"
+fi
+
+say "$failures check(s) failed; report in $REPORT"
+[ "$failures" = 0 ]
