@@ -83,7 +83,9 @@ class DataSection(_Section):
     input_key: str | None = None  # default: inferred from the manifest's fields
     target_key: str | None = None
     image_size: tuple[PositiveInt, PositiveInt] | None = None  # (height, width)
-    normalize: NormalizeSection | None = None
+    # images: {mean, std} per channel of x / 255; "auto": a table's features are standardised
+    # with the train split's mean/std from the manifest (images are left as they are); null: off
+    normalize: NormalizeSection | Literal["auto"] | None = "auto"
     decode: str | None = None  # "module:function", called on each raw sample dict
     transform: str | None = None  # "module:function", called on each decoded sample
     on_error: Literal["skip", "fail"] = "skip"
@@ -153,6 +155,9 @@ class TrainSection(_Section):
     val_every: PositiveInt | None = None  # steps; null: at the end of every epoch
     loss: str | None = None  # "module:function"(outputs, targets) -> per-sample losses
     metrics: str | None = None  # "module:function"(outputs, targets) -> {name: per-sample}
+    # auto: regress (MSE loss; val mse/mae) when the target is a float, else classify (cross
+    # entropy; val accuracy); an integer target can be regressed with `regress`
+    task: Literal["auto", "classify", "regress"] = "auto"
 
     @field_validator("loss", "metrics")
     @classmethod
@@ -329,7 +334,7 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> None:
     if d.decode_device == "cuda" and cfg.framework != "torch":
         raise UserError(f"{path}: data.decode_device: 'cuda' (nvJPEG through torchvision) "
                         f"needs framework torch, not {cfg.framework}; use 'cpu'")
-    if d.normalize is not None and len(d.normalize.mean) != len(d.normalize.std):
+    if isinstance(d.normalize, NormalizeSection) and len(d.normalize.mean) != len(d.normalize.std):
         raise UserError(f"{path}: data.normalize: mean and std must have the same length")
     if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():
         raise UserError(f"{path}: checkpoint.resume: {cfg.checkpoint.resume} does not exist "

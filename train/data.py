@@ -2,8 +2,12 @@
 
 `DataSpec` says what the model sees (task, input field and shape, classes or vocabulary);
 it is inferred from the manifest and one peeked sample, so a config rarely has to name fields.
-`split_batch` turns a pipeline batch into (inputs, targets, valid mask); it only slices, so it
-works on numpy arrays, torch tensors and tf tensors alike.
+Tables (`ringfeed shard --format csv|jsonl|parquet`) need nothing named: the input is the
+features vector, the task comes from the target's type (an integer class id: classify; a float:
+regress, with an MSE loss), the classes from the manifest, and with `data.normalize: auto` the
+features are standardised with the train split's mean/std the manifest records.
+`split_batch` turns a pipeline batch into (inputs, targets, valid mask); it slices (and
+standardises tabular inputs), so it works on numpy arrays, torch tensors and tf tensors alike.
 """
 
 from __future__ import annotations
@@ -16,18 +20,28 @@ import numpy as np
 from shards.errors import UserError
 from train.userhooks import load_callable
 
-CLASSIFY, LM = "classify", "lm"
+CLASSIFY, LM, REGRESS = "classify", "lm", "regress"
 TARGET_NAMES = ("y", "label", "labels", "target", "targets", "cls")
 
 
 @dataclass(frozen=True)
 class DataSpec:
-    task: str  # "classify" (input -> class) or "lm" (tokens -> next tokens)
+    task: str  # "classify" (input -> class), "regress" (input -> numbers), "lm" (tokens -> next)
     input_key: str
     target_key: str | None  # None for lm: targets are the inputs shifted by one
     input_shape: tuple[int, ...]  # one sample, as the model sees it
+    # classify: the number of classes; regress: the number of target values (the model's output
+    # width either way, which is what the built-in models read)
     num_classes: int | None = None
     vocab_size: int | None = None
+    # data.normalize: auto on a table's features: split_batch gives (x - mean) / std
+    input_mean: tuple[float, ...] | None = None
+    input_std: tuple[float, ...] | None = None
+    # regress: the target's train-split mean/std; the loss compares the model's output with the
+    # standardised target (so the default optimizer settings suit any target scale) and the
+    # metrics report errors of `output * std + mean`, in the target's units
+    target_mean: tuple[float, ...] | None = None
+    target_std: tuple[float, ...] | None = None
 
     def require(self, name: str) -> int:
         value = getattr(self, name)
@@ -60,7 +74,8 @@ def make_pipeline(cfg, split: str, rank: int, world_size: int):
         # masked out by __valid__, and all ranks still run the same number of batches.
         balance=d.balance if training else "pad",
         image_size=d.image_size,
-        normalize=(d.normalize.mean, d.normalize.std) if d.normalize else None,
+        # (auto: tables are standardised by split_batch; images are left as they are)
+        normalize=None if d.normalize in (None, "auto") else (d.normalize.mean, d.normalize.std),
         on_error=d.on_error,
         cache_dir=d.cache_dir,
         cache_limit=d.cache_limit,
@@ -81,7 +96,8 @@ def infer_spec(cfg, pipe) -> DataSpec:
     fields = {k: v for k, v in batch.items() if not k.startswith("__")}
     kinds = dict(manifest.fields) if manifest is not None else {}
     text = manifest.text if manifest is not None else None
-    input_key = cfg.data.input_key or _guess_input(fields, kinds, text)
+    columns = (getattr(manifest, "features", None) or {}) if manifest is not None else {}
+    input_key = cfg.data.input_key or _guess_input(fields, kinds, text, columns)
     if input_key not in fields:
         raise UserError(f"data.input_key: {input_key!r} is not in the batches "
                         f"(fields: {', '.join(fields)})")
@@ -90,17 +106,65 @@ def infer_spec(cfg, pipe) -> DataSpec:
         # Token rows hold seq_len + 1 ids (or seq_len): inputs t[:-1] predict targets t[1:].
         return DataSpec(LM, input_key, None, (sample_shape[0] - 1,),
                         vocab_size=int(text["vocab_size"]))
-    target_key = cfg.data.target_key or _guess_target(fields, kinds, input_key)
-    class_names = manifest.class_names if manifest is not None else None
-    num_classes = cfg.model.args.get("num_classes") or (len(class_names) if class_names else None)
-    return DataSpec(CLASSIFY, input_key, target_key, sample_shape, num_classes=num_classes)
+    target_key = cfg.data.target_key or _guess_target(fields, kinds, input_key, columns)
+    target = np.asarray(fields[target_key])
+    task = cfg.train.task if cfg.train.task != "auto" else (
+        REGRESS if target.dtype.kind == "f" else CLASSIFY)  # float targets are quantities
+    stats = _standardise(cfg, columns.get(input_key), sample_shape)
+    if task == REGRESS:
+        outputs = int(np.prod(target.shape[1:], dtype=np.int64)) or 1
+        entry = columns.get(target_key) or {}
+        target_stats = ((tuple(entry["mean"]), tuple(s or 1.0 for s in entry["std"]))
+                        if entry.get("mean") is not None and len(entry["mean"]) == outputs
+                        else (None, None))
+        return DataSpec(REGRESS, input_key, target_key, sample_shape,
+                        num_classes=cfg.model.args.get("num_classes") or outputs,
+                        input_mean=stats[0], input_std=stats[1],
+                        target_mean=target_stats[0], target_std=target_stats[1])
+    return DataSpec(CLASSIFY, input_key, target_key, sample_shape,
+                    num_classes=cfg.model.args.get("num_classes")
+                    or _num_classes(manifest, target_key, columns),
+                    input_mean=stats[0], input_std=stats[1])
 
 
-def _guess_input(fields: dict[str, Any], kinds: dict[str, str], text) -> str:
+def _num_classes(manifest, target_key: str, columns: dict[str, Any]) -> int | None:
+    """From the manifest: class names, the class ids seen (`classes`), or an integer target
+    column's largest value."""
+    if manifest is None:
+        return None
+    if manifest.class_names:
+        return len(manifest.class_names)
+    classes = getattr(manifest, "classes", None) or {}
+    if classes.get("num_classes") and classes.get("field", "cls") == target_key:
+        return int(classes["num_classes"])
+    entry = columns.get(target_key) or {}
+    if entry.get("vocabulary"):
+        return len(entry["vocabulary"])
+    if entry.get("max") is not None and str(entry.get("dtype", "")).startswith("int"):
+        return int(entry["max"]) + 1
+    return None
+
+
+def _standardise(cfg, entry: dict[str, Any] | None, shape: tuple[int, ...]
+                 ) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+    """(mean, std) for data.normalize: auto on a table's features; a constant feature (std 0)
+    is only centred."""
+    if cfg.data.normalize != "auto" or not entry or entry.get("mean") is None:
+        return None, None
+    if len(shape) != 1 or len(entry["mean"]) != shape[0]:  # a vector, as tables make
+        return None, None
+    return tuple(entry["mean"]), tuple(s or 1.0 for s in entry["std"])
+
+
+def _guess_input(fields: dict[str, Any], kinds: dict[str, str], text,
+                 columns: dict[str, Any]) -> str:
     if text is not None:
         tokens = [k for k in fields if k.startswith("tokens")]
         if tokens:
             return tokens[0]
+    for k in fields:  # a table's features vector
+        if (columns.get(k) or {}).get("role") == "features":
+            return k
     for k in fields:
         if kinds.get(k) == "image" or (np.asarray(fields[k]).ndim == 4 and k not in kinds):
             return k
@@ -112,10 +176,15 @@ def _guess_input(fields: dict[str, Any], kinds: dict[str, str], text) -> str:
                     "(set data.input_key)")
 
 
-def _guess_target(fields: dict[str, Any], kinds: dict[str, str], input_key: str) -> str:
+def _guess_target(fields: dict[str, Any], kinds: dict[str, str], input_key: str,
+                  columns: dict[str, Any]) -> str:
     for k in fields:
         if k != input_key and (kinds.get(k) == "int" or k.split(".")[0] in TARGET_NAMES):
             return k
+    numeric = [k for k in fields if k != input_key and (columns.get(k) or {}).get("role")
+               == "field" and (columns[k].get("mean") is not None or columns[k].get("vocabulary"))]
+    if len(numeric) == 1:  # a table's one numeric --field that is not the input
+        return numeric[0]
     raise UserError(f"data.target_key: cannot infer the target field from {', '.join(fields)} "
                     "(set data.target_key)")
 
@@ -126,7 +195,26 @@ def split_batch(batch: dict[str, Any], spec: DataSpec) -> tuple[Any, Any, Any]:
     x = batch[spec.input_key]
     if spec.task == LM:
         return x[:, :-1], x[:, 1:], valid
+    if spec.input_mean is not None:
+        x = standardised(x, spec.input_mean, spec.input_std)
     y = batch[spec.target_key]
     if len(y.shape) == 2 and y.shape[1] == 1:  # per-sample labels stored as shape (1,)
         y = y[:, 0]
     return x, y, valid
+
+
+def standardised(x: Any, mean: tuple[float, ...], std: tuple[float, ...]) -> Any:
+    """(x - mean) / std in float32 over the last axis, for a numpy array, a torch tensor (on its
+    device) or a tf tensor (eager or in a tf.function)."""
+    mean_ = np.asarray(mean, np.float32)
+    scale = (1.0 / np.asarray(std, np.float64)).astype(np.float32)
+    if isinstance(x, np.ndarray):
+        return (x.astype(np.float32) - mean_) * scale
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        return (x.float() - torch.from_numpy(mean_).to(x.device)) * torch.from_numpy(scale).to(
+            x.device)
+    import tensorflow as tf
+
+    return (tf.cast(x, tf.float32) - mean_) * scale

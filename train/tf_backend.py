@@ -29,7 +29,8 @@ from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
 
 from train.backend import STATS_LOSS, Dist, StepResult, gpu_for_rank, metric_sums
-from train.data import DataSpec, split_batch
+from train.data import REGRESS, DataSpec, split_batch
+from train.losses import regression_fns
 from train.models import build_model
 from train.userhooks import load_callable
 
@@ -91,8 +92,10 @@ class TFBackend:
                           if t.precision == "fp16" else self.inner_optimizer)
         self.optimizer.build(self.model.trainable_variables)
         self.compression = hvd.Compression.fp16 if t.fp16_allreduce else hvd.Compression.none
-        self.loss_fn = load_callable(t.loss, "train.loss") if t.loss else cross_entropy
-        self.metrics_fn = load_callable(t.metrics, "train.metrics") if t.metrics else accuracy
+        loss_fn, metrics_fn = (regression_fns("tensorflow", spec) if spec.task == REGRESS
+                               else (cross_entropy, accuracy))  # MSE for float targets
+        self.loss_fn = load_callable(t.loss, "train.loss") if t.loss else loss_fn
+        self.metrics_fn = load_callable(t.metrics, "train.metrics") if t.metrics else metrics_fn
         # Explicit variable lists: a Keras 3 model is not a trackable tree of its variables
         # for tf.train.Checkpoint, and model.variables also holds the dropout RNG states.
         self.checkpoint = tf.train.Checkpoint(

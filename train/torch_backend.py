@@ -23,7 +23,8 @@ from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_
 
 from train.backend import Dist, StepResult, gpu_for_rank, metric_sums
 from train.checkpoint import open_for_write
-from train.data import DataSpec, split_batch
+from train.data import REGRESS, DataSpec, split_batch
+from train.losses import regression_fns
 from train.models import build_model
 from train.userhooks import load_callable
 
@@ -128,8 +129,10 @@ class TorchBackend:
             op=hvd.Average,
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
-        self.loss_fn = load_callable(t.loss, "train.loss") if t.loss else cross_entropy
-        self.metrics_fn = load_callable(t.metrics, "train.metrics") if t.metrics else accuracy
+        loss_fn, metrics_fn = (regression_fns("torch", spec) if spec.task == REGRESS
+                               else (cross_entropy, accuracy))  # MSE for float targets
+        self.loss_fn = load_callable(t.loss, "train.loss") if t.loss else loss_fn
+        self.metrics_fn = load_callable(t.metrics, "train.metrics") if t.metrics else metrics_fn
         # Each rank its own random stream (dropout masks differ across replicas, as in DDP).
         torch.manual_seed(t.seed * 1000 + self.dist.rank + 1)
 
