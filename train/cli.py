@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "train.main",        # ringfeed train
     "train.supervise",   # ringfeed run -- <launcher ...>
     "train.bench",       # ringfeed bench
+    "train.tune",        # ringfeed tune SEARCH.yaml
 ]
 
 
