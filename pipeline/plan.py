@@ -181,9 +181,9 @@ def shuffle_order(n: int, buffer: int, rng: np.random.Generator | None,
     fill = min(limit, max(0, n - buffer))  # emissions made while slots still enter
     resident = _fill_phase(draws[:fill], buffer, out) if n > buffer else np.arange(n)
     if limit > fill:  # every slot has entered: the residents drain
-        res, d = resident.tolist(), draws.tolist()
+        res, d = resident.tolist(), draws[fill:].tolist()
         for j in range(fill, limit):
-            i = int(d[j] * len(res))
+            i = int(d[j - fill] * len(res))
             out[j] = res[i]
             res[i] = res[-1]
             res.pop()
@@ -203,7 +203,8 @@ def _fill_phase(draws: np.ndarray, buffer: int, out: np.ndarray) -> np.ndarray:
     pick = (draws * (k + 1)).astype(np.int64)
     out[:steps] = np.arange(k, k + steps)
     stays = np.flatnonzero(pick < k)
-    by_pos = np.argsort(pick[stays], kind="stable")
+    # (positions fit 16 bits for the usual buffers: numpy's stable sort is then a radix sort)
+    by_pos = np.argsort(pick[stays].astype(np.int16 if k < 2**15 else np.int64), kind="stable")
     pos, step = pick[stays][by_pos], stays[by_pos]
     first = np.ones(len(pos), dtype=bool)
     first[1:] = pos[1:] != pos[:-1]

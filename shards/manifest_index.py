@@ -202,8 +202,11 @@ class ManifestIndex:
 
     def manifest(self) -> Manifest:
         """The manifest, its shard lists read from the index as they are accessed."""
-        return Manifest(splits={name: Split(self.split(name))  # type: ignore[arg-type]
-                                for name in self.split_names}, **self.header["manifest"])
+        splits = {name: Split(self.split(name)) for name in self.split_names}
+        try:
+            return Manifest(splits=splits, **self.header["manifest"])  # type: ignore[arg-type]
+        except TypeError as e:  # written by a ringfeed with other manifest fields
+            raise ManifestError(f"{self.path or 'manifest index'}: {e}") from None
 
 
 class SplitIndex(Sequence[ShardInfo]):
