@@ -61,6 +61,7 @@ BENCHES = [
     Bench("scaling", "scaling_bench.py", "6. scaling with work"),
     Bench("stall", "stall_bench.py", "7. data stall"),
     Bench("decode", "decode_bench.py", "fast data path: decode"),
+    Bench("plan", "plan_bench.py", "issue 17: plans at scale"),
 ]
 NAMES = [b.name for b in BENCHES]
 README = HERE / "README.md"

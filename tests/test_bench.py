@@ -10,7 +10,7 @@ import math
 import pytest
 from helpers import REPO, ringfeed
 
-BENCHMARKS = {"shards", "pipeline", "trainer", "allreduce", "scaling", "stall", "decode"}
+BENCHMARKS = {"shards", "pipeline", "trainer", "allreduce", "scaling", "stall", "decode", "plan"}
 NOT_MEASURED_IN_QUICK = ("pending:", "full mode only")
 
 
