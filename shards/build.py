@@ -227,6 +227,8 @@ def _manifest(source: Source, opts: ShardOptions, shards: list[PlannedShard],
         splits.setdefault(s.split, Split()).shards.append(infos[s.name])
     description = source.describe()
     description["options"] = {**description["options"], **opts.plan_options()}
+    # the train split's samples: tables compute their per-feature mean/std over these
+    features = source.column_stats([(s.part, s.indices) for s in shards if s.split == "train"])
     return Manifest(splits=splits, fields=source.fields, source=description,
                     class_names=source.class_names, text=source.text, skipped=source.skipped,
-                    created_by=created_by())
+                    features=features, classes=source.classes, created_by=created_by())

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from shards.errors import UserError
-from shards.options import DEFAULT_MAX_SIZE, FORMATS, ShardOptions
+from shards.options import DEFAULT_MAX_SIZE, FORMATS, TABLE_FORMATS, ShardOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,10 +21,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--format", required=True, metavar="FORMAT",
                    help=f"input format: {', '.join(FORMATS)}")
     p.add_argument("--field", action="append", default=[], metavar="NAME=EXT",
-                   help="jsonl/csv/npz: store field NAME as tar member EXT (e.g. text=txt, "
-                        "label=cls, path=jpg for an image file path); the rest go to `json`")
+                   help="jsonl/csv/parquet/npz: store field NAME as tar member EXT (e.g. "
+                        "text=txt, label=cls, price=y.npy, path=jpg for an image file path or "
+                        "a parquet image column); numeric columns no --field names go to x.npy, "
+                        "the rest to `json`")
+    p.add_argument("--features", action="append", default=[], metavar="COLS=EXT",
+                   help="jsonl/csv/parquet: store columns COLS as one float32 vector member EXT "
+                        "(e.g. 'a,b,c=x.npy', 'pixel_*=x.npy', numeric=x.npy for every numeric "
+                        "column not named elsewhere); replaces the default x.npy")
+    p.add_argument("--categorical", action="append", default=[], metavar="COL",
+                   help="jsonl/csv/parquet: map the values of column COL to ids 0..V-1 "
+                        "(vocabulary in the manifest): the id as a --field, one-hot in features")
+    p.add_argument("--fill", type=float, metavar="VALUE",
+                   help="jsonl/csv/parquet: put VALUE into missing numeric cells (default: a "
+                        "missing cell is an error naming its row and column)")
     p.add_argument("--key", dest="key_field", metavar="FIELD",
-                   help="jsonl/csv: take sample keys from FIELD (default: row numbers)")
+                   help="jsonl/csv/parquet: take sample keys from FIELD (default: row numbers)")
     p.add_argument("--max-size", metavar="SIZE",
                    help=f"max bytes per shard, e.g. 256MB (default {DEFAULT_MAX_SIZE // 10**6}MB "
                         "when --max-count is not given either)")
@@ -44,7 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="text: 'bytes' (ids 0..255, EOS 256; the default) or module:attr of an "
                         "installed tokenizer")
     p.add_argument("--text-field", default="text", metavar="NAME",
-                   help="text: the document field of .jsonl files (default text)")
+                   help="text: the document field of .jsonl files or column of .parquet files "
+                        "(default text)")
     p.add_argument("--glob", default="*", metavar="PATTERN",
                    help="text: file name pattern inside a SRC folder, searched recursively "
                         "(default: every file; e.g. '*.txt')")
@@ -76,18 +90,20 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
         raise UserError(f"unknown --format {args.format!r} (choose from: {', '.join(FORMATS)})")
     if args.out is None and args.format != "wds-index":
         raise UserError("OUT is missing: ringfeed shard SRC OUT --format ...")
-    for flag, value, formats in (("--field", args.field, ("jsonl", "csv", "npz", "npy")),
-                                 ("--key", args.key_field, ("jsonl", "csv")),
+    for flag, value, formats in (("--field", args.field, (*TABLE_FORMATS, "npz", "npy")),
+                                 ("--features", args.features, TABLE_FORMATS),
+                                 ("--categorical", args.categorical, TABLE_FORMATS),
+                                 ("--fill", args.fill, TABLE_FORMATS),
+                                 ("--key", args.key_field, TABLE_FORMATS),
                                  ("--split", args.split, ("wds-index",))):
-        if value and args.format not in formats:
+        if value is not None and value != [] and args.format not in formats:
             raise UserError(f"{flag} does not apply to --format {args.format} "
                             f"(only to {', '.join(formats)})")
-    fields = {}
-    for spec in args.field:
-        name, sep, ext = spec.partition("=")
-        if not sep or not name or not ext:
-            raise UserError(f"--field {spec!r}: expected NAME=EXT, e.g. --field label=cls")
-        fields[name] = ext
+    fields = dict(_name_ext(spec, "--field", "label=cls") for spec in args.field)
+    features = [_name_ext(spec, "--features", "'a,b,c=x.npy'", last=True)
+                for spec in args.features] or None
+    if args.fill is not None and not math.isfinite(args.fill):
+        raise UserError(f"--fill {args.fill}: must be a finite number")
     max_size = None
     if args.max_size is not None:
         try:
@@ -103,11 +119,21 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
     src = Path(args.src).expanduser().resolve()
     return ShardOptions(
         src=src, out=Path(args.out) if args.out else src, format=args.format, fields=fields,
-        key_field=args.key_field, max_size=max_size, max_count=args.max_count,
+        key_field=args.key_field, features=features, categorical=list(args.categorical),
+        fill=args.fill, max_size=max_size, max_count=args.max_count,
         val_fraction=args.val_fraction, shuffle_seed=args.shuffle_seed, workers=args.workers,
         strict=args.strict, overwrite=args.overwrite, seq_len=args.seq_len,
         tokenizer=args.tokenizer, text_field=args.text_field, glob=args.glob, split=args.split,
         progress=args.progress)
+
+
+def _name_ext(spec: str, flag: str, example: str, last: bool = False) -> tuple[str, str]:
+    """NAME=EXT split at the first '=' (at the last with `last`: column lists may hold '=')."""
+    name, sep, ext = spec.rpartition("=") if last else spec.partition("=")
+    if not sep or not name or not ext:
+        form = "COLS=EXT" if last else "NAME=EXT"
+        raise UserError(f"{flag} {spec!r}: expected {form}, e.g. {flag} {example}")
+    return name, ext
 
 
 def run_shard(args: argparse.Namespace) -> int:

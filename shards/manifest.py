@@ -10,6 +10,10 @@ Layout on disk (format version 1):
       "text": {"tokenizer": "bytes", "seq_len": 128, "dtype": "uint16",
                "eos_id": 256, "vocab_size": 257} | null,
       "skipped": [{"path": "...", "reason": "..."}],
+      "features": {"x.npy": {"role": "features", "columns": [...], "names": [...],
+                             "dtype": "float32", "shape": [30], "mean": [...], "std": [...],
+                             "stats_split": "train"}, ...} | null,
+      "classes": {"field": "cls", "ids": [0, 1], "counts": [212, 357], "num_classes": 2} | null,
       "splits": {
         "train": {"shards": [{"name": "train-000000.tar", "num_samples": 100,
                               "bytes": 123456, "sha256": "...",
@@ -22,6 +26,14 @@ Field kinds: "image" (encoded image bytes), "int" (decimal text, e.g. .cls), "np
 "json", "text" (utf-8), "bytes" (opaque). Shard names are relative to the manifest's directory
 (or absolute URLs). Samples inside a shard are numbered 0..num_samples-1 in tar order; the
 pipeline identifies a sample by (split-wide shard index, position in shard).
+
+`features` (tables: csv, jsonl, parquet) says, per member made from columns, which columns it
+holds (`role` "features": a float32 vector, one-hot `vocabulary` per categorical column;
+"field": one column), its dtype and shape, and for numbers the population mean/std over the
+train split (`data.normalize: auto` standardises inputs with them; a regression target's
+mean/std standardise its loss). `classes` records the class ids seen in `cls` members and their
+counts (`num_classes` = largest id + 1, or the number of class names). Both are null where
+unknown.
 
 `index` (optional; null or absent in manifests written before indexes, and for shards without
 one) names the shard's tar index sidecar (`pipeline.tarindex`), relative to the manifest like
@@ -79,6 +91,8 @@ class Manifest:
     class_names: list[str] | None = None
     text: dict[str, Any] | None = None
     skipped: list[dict[str, str]] = field(default_factory=list)
+    features: dict[str, dict[str, Any]] | None = None  # tables: columns -> members, statistics
+    classes: dict[str, Any] | None = None  # class ids seen in `cls` members, with counts
     created_by: str = ""
     format: str = FORMAT
     version: int = VERSION

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FORMATS = ("imagefolder", "jsonl", "csv", "npz", "npy", "text", "wds-index")
+FORMATS = ("imagefolder", "jsonl", "csv", "parquet", "npz", "npy", "text", "wds-index")
+TABLE_FORMATS = ("jsonl", "csv", "parquet")  # one sample per row of typed columns
 DEFAULT_MAX_SIZE = 256_000_000  # used when neither --max-size nor --max-count is given
 
 
@@ -16,6 +17,11 @@ class ShardOptions:
     format: str
     fields: dict[str, str] = field(default_factory=dict)  # source field -> member ext
     key_field: str | None = None
+    # tables: (COLS spec, member ext) per --features; COLS is a comma list of names, globs or
+    # `numeric`. None: every numeric column no --field names goes into x.npy.
+    features: list[tuple[str, str]] | None = None
+    categorical: list[str] = field(default_factory=list)  # columns whose values map to ids
+    fill: float | None = None  # value for missing numeric cells (None: a missing cell is an error)
     max_size: int | None = None
     max_count: int | None = None
     val_fraction: float = 0.0

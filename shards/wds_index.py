@@ -2,7 +2,8 @@
 webdataset's ShardWriter, tarp, ...) a manifest, so the pipeline can balance and verify them.
 
 Each tar is read: samples counted as webdataset groups them, sha256, size, and the member
-extensions seen (-> fields), and its tar index (`pipeline.tarindex`) built. A shard's split comes
+extensions seen (-> fields), and its tar index (`pipeline.tarindex`) built. The class ids in
+`cls` members are counted (-> the manifest's `classes`, so the trainer infers num_classes). A shard's split comes
 from its name (`train-000.tar`, `val_3.tar`, ...), else `train`, or `--split` for all. Shard names
 in the manifest are relative to OUT (OUT defaults to SRC, so the manifest sits beside the shards).
 
@@ -19,6 +20,7 @@ import glob
 import os
 import re
 import time
+from collections import Counter
 from pathlib import Path
 
 import braceexpand
@@ -32,8 +34,8 @@ from shards.members import kind_of
 from shards.options import ShardOptions
 from shards.parallel import parallel_map
 from shards.plan import SPLIT_ORDER
-from shards.sources.base import SPLIT_NAMES
-from shards.tarread import TarReadError, TarScan, scan_tar
+from shards.sources.base import SPLIT_NAMES, class_record
+from shards.tarread import TarReadError, TarScan, read_ints, scan_tar
 
 _SPLIT_PREFIX = re.compile(r"^([a-z]+)[-_.]", re.IGNORECASE)
 
@@ -62,20 +64,23 @@ def split_of(path: Path) -> str:
     return SPLIT_NAMES.get(m.group(1).lower(), "train") if m else "train"
 
 
-def _scan(_shared: None, path: Path) -> tuple[TarScan, bytes] | str:
-    """(the shard's scan, its index as bytes), or what is wrong with it."""
+def _scan(_shared: None, path: Path) -> tuple[TarScan, bytes, Counter] | str:
+    """(the shard's scan, its index as bytes, counts of its class ids), or what is wrong."""
     try:
         scan = scan_tar(str(path))
         with open(path, "rb") as f:
             index, reason = build_index(f)
+        classes = read_ints(str(path), "cls") if "cls" in scan.fields else Counter()
     except (TarReadError, OSError) as e:
         return str(e)
+    except ValueError as e:  # int() of a cls member
+        return f"a cls member is not a class index ({e})"
     if reason is not None:
         return f"cannot be indexed: {reason}"
     if index.num_samples != scan.num_samples:  # not expected: the index groups as webdataset
         return (f"cannot be indexed: {index.num_samples} samples indexed, webdataset reads "
                 f"{scan.num_samples}")
-    return scan, index.to_bytes()
+    return scan, index.to_bytes(), classes
 
 
 def sidecar_name(shard: str, sha256: str) -> str:
@@ -97,10 +102,15 @@ def index_shards(opts: ShardOptions) -> ShardRun:
     splits: dict[str, Split] = {}
     fields: dict[str, str] = {}
     sidecars: dict[str, bytes] = {}
+    classes: Counter = Counter()
     for path, result in zip(tars, scans, strict=True):
         if isinstance(result, str):
             raise UserError(f"{path}: {result}")
-        scan, index = result
+        scan, index, counts = result
+        if counts and min(counts) < 0:
+            raise UserError(f"{path}: class id {min(counts)} in a cls member (class ids are "
+                            "0, 1, ...)")
+        classes.update(counts)
         if scan.duplicate_keys:
             raise UserError(f"{path}: sample key {scan.duplicate_keys[0]!r} appears more than "
                             "once; the pipeline would see two samples")
@@ -116,7 +126,7 @@ def index_shards(opts: ShardOptions) -> ShardRun:
     manifest = Manifest(splits={s: splits[s] for s in order}, fields=dict(sorted(fields.items())),
                         source={"format": "wds-index", "path": str(opts.src),
                                 "options": {"split": opts.split}},
-                        created_by=created_by())
+                        classes=class_record(classes), created_by=created_by())
     try:
         out.mkdir(parents=True, exist_ok=True)
         for sidecar, index in sidecars.items():

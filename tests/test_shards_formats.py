@@ -191,9 +191,9 @@ def test_csv_quoted_multiline_cells_and_image_paths(capsys, tmp_path, images):
     files = sorted(images.rglob("*.png"))[:5]
     with open(src, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["caption", "label", "path", "score"])
+        w.writerow(["caption", "label", "path", "score", "note"])
         for i, p in enumerate(files):
-            w.writerow([f'line {i}, "quoted"\nsecond line', i, str(p), i / 2])
+            w.writerow([f'line {i}, "quoted"\nsecond line', i, str(p), i / 2, f"n{i}"])
     out = tmp_path / "out"
     code, _, err = cli(capsys, "shard", src, out, "--format", "csv", "--field", "caption=txt",
                        "--field", "label=cls", "--field", "path=png", "--shuffle-seed", "3",
@@ -204,8 +204,11 @@ def test_csv_quoted_multiline_cells_and_image_paths(capsys, tmp_path, images):
     for i, p in enumerate(files):
         assert got[i]["txt"].decode() == f'line {i}, "quoted"\nsecond line'
         assert got[i]["png"] == p.read_bytes()
-        assert json.loads(got[i]["json"]) == {"score": str(i / 2)}
-    assert manifest(out)["fields"] == {"txt": "text", "cls": "int", "png": "image", "json": "json"}
+        # the numeric column no --field names is a feature; the text column goes to json
+        np.testing.assert_array_equal(load_npy(got[i]["x.npy"]), np.float32([i / 2]))
+        assert json.loads(got[i]["json"]) == {"note": f"n{i}"}
+    assert manifest(out)["fields"] == {"txt": "text", "cls": "int", "png": "image",
+                                       "x.npy": "npy", "json": "json"}
 
 
 def test_npz_arrays_and_npy_folder(capsys, tmp_path):

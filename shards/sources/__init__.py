@@ -14,6 +14,9 @@ def open_source(opts: ShardOptions) -> Source:
     if opts.format in ("jsonl", "csv"):
         from shards.sources.tabular import Tabular
         return Tabular(opts)
+    if opts.format == "parquet":
+        from shards.sources.parquet import Parquet
+        return Parquet(opts)
     if opts.format in ("npz", "npy"):
         from shards.sources.arrays import Arrays
         return Arrays(opts)

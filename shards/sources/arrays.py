@@ -8,6 +8,7 @@ array `y` as another member kind (here a class index) instead of `y.npy`.
 from __future__ import annotations
 
 import zipfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from shards.errors import UserError
 from shards.keys import NumberedKeys, check_ext, safe_key
 from shards.members import encode, kind_of, member_tar_bytes
 from shards.options import ShardOptions
-from shards.sources.base import Part, Source, int_sizes, source_splits, visible
+from shards.sources.base import Part, Source, class_record, int_sizes, source_splits, visible
 
 
 class Arrays(Source):
@@ -54,6 +55,9 @@ class Arrays(Source):
             self.parts[part] = Part(NumberedKeys(n), int_sizes(sizes), labels)
             self._arrays[part] = arrays
         self.fields = {ext: kind_of(ext) for ext in self._exts.values()}
+        # class ids seen in a cls member: the trainer's num_classes
+        self.classes = class_record(Counter(v for p in self.parts.values()
+                                            if p.labels is not None for v in p.labels.tolist()))
 
     def _load(self, path: Path) -> dict[str, np.ndarray]:
         if path.is_dir():

@@ -9,8 +9,11 @@ before any is written; `sample(part, i)` then produces the members, in any proce
 from __future__ import annotations
 
 import os
+import shutil
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from shards.options import ShardOptions
 # Source-provided split names (file or folder stems) -> the split name used in shard names.
 SPLIT_NAMES = {"train": "train", "training": "train", "val": "val", "valid": "val",
                "validation": "val", "dev": "val", "test": "test"}
+WORK_DIR = ".ringfeed-work"  # a scan's scratch files under OUT (check_out_dir tolerates it)
 
 
 @dataclass
@@ -53,6 +57,7 @@ class Source(ABC):
         self.skipped: list[dict[str, str]] = []
         self.inputs: list[tuple[str, int, int]] = []  # (file, size, mtime_ns): the plan's identity
         self.val_drawn = False  # the source drew --val-fraction itself (text: whole documents)
+        self.classes: dict[str, Any] | None = None  # class ids seen in `cls` (manifest.classes)
 
     @abstractmethod
     def sample(self, part: str, index: int) -> dict[str, Any]:
@@ -62,12 +67,47 @@ class Source(ABC):
         """Release files and work space the scan created (none by default)."""
         return None
 
+    def column_stats(self, train: list[tuple[str, np.ndarray]]) -> dict[str, Any] | None:
+        """The manifest's `features` (tables: what each member holds, per-feature mean/std),
+        given the train split as (part, positions) pairs; None for sources without columns."""
+        return None
+
     def record_input(self, path: str | Path, st: os.stat_result | None = None) -> None:
         st = st or os.stat(path)
         self.inputs.append((str(path), st.st_size, st.st_mtime_ns))
 
     def describe(self) -> dict[str, Any]:
         return {"format": self.format, "path": str(self.path), "options": self.options}
+
+
+class WorkDir:
+    """A scan's scratch files in OUT/.ringfeed-work, so shard writers in other processes read
+    them instead of redoing the scan. remove() deletes them, and OUT when the scan created it
+    and nothing else is in it (a failed scan leaves no OUT behind)."""
+
+    def __init__(self, out: Path):
+        self.path = out / WORK_DIR
+        self._made_out = not out.exists()
+
+    def make(self) -> Path:
+        self.path.mkdir(parents=True, exist_ok=True)
+        return self.path
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._made_out:
+            with suppress(OSError):  # removed only while empty
+                self.path.parent.rmdir()
+
+
+def class_record(counts: Counter, num_classes: int | None = None) -> dict[str, Any] | None:
+    """The manifest's `classes` from counts of the ids in `cls` members: the ids seen, their
+    counts and num_classes (given, e.g. the number of class names, else largest id + 1)."""
+    if not counts:
+        return None
+    ids = sorted(counts)
+    return {"field": "cls", "ids": ids, "counts": [counts[i] for i in ids],
+            "num_classes": num_classes if num_classes is not None else ids[-1] + 1}
 
 
 def visible(path: Path) -> list[Path]:

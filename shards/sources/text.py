@@ -1,6 +1,7 @@
 """`text`: documents -> tokens -> fixed-length sequences, one `tokens.npy` member per sample.
 
-A document is a whole file, or in a `.jsonl` file one line's `--text-field`. Documents are
+A document is a whole file, or in a `.jsonl` file one line's `--text-field`, or in a `.parquet`
+file one row's `--text-field` column (read a batch of rows at a time). Documents are
 tokenized in order, each followed by the end-of-document id, and the stream is cut into
 `--seq-len` sequences (GPT-style packing: a sequence may span a document boundary, marked by the
 EOS id; the last incomplete sequence is dropped and counted). Tokens go to a work file under
@@ -13,9 +14,8 @@ split packed on its own: no document has sequences on both sides.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,12 @@ from shards.keys import NumberedKeys
 from shards.members import member_tar_bytes, npy_bytes
 from shards.options import ShardOptions
 from shards.parallel import parallel_map
-from shards.sources.base import Part, Source, int_sizes, source_splits
+from shards.sources.base import WORK_DIR, Part, Source, WorkDir, int_sizes, source_splits
 from shards.tokenizers import Tokenizer, load_tokenizer
 
 MEMBER = "tokens.npy"
 READ_CHUNK = 1 << 24
-WORK_DIR = ".ringfeed-work"
+__all__ = ["WORK_DIR", "Text"]
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[bytes]:
@@ -56,6 +56,11 @@ def _file_tokens(tokenizer: Tokenizer, path: Path, text_field: str
         if path.suffix == ".jsonl":
             for doc in _jsonl_documents(path, text_field):
                 yield tokenizer.tokens(doc, str(path)), 1
+        elif path.suffix == ".parquet":  # one document per row of the text column
+            from shards.sources.parquet import parquet_documents
+
+            for text in parquet_documents(path, text_field):
+                yield tokenizer.tokens(text.encode(), str(path)), 1
         elif tokenizer.encode is None:  # byte-level: stream, the file need not fit in memory
             with open(path, "rb") as f:
                 while chunk := f.read(READ_CHUNK):
@@ -72,8 +77,13 @@ def _tokenize_file(shared: tuple[Tokenizer, str], path: Path) -> list[tuple[np.n
     return list(_file_tokens(tokenizer, path, text_field))
 
 
-def _count_documents(path: Path) -> int:
-    """Documents in one file, as `_file_tokens` will find them: a file, or a jsonl line."""
+def _count_documents(path: Path, text_field: str) -> int:
+    """Documents in one file, as `_file_tokens` will find them: a file, a jsonl line, or a
+    parquet row."""
+    if path.suffix == ".parquet":
+        from shards.sources.parquet import parquet_documents
+
+        return sum(1 for _ in parquet_documents(path, text_field))
     if path.suffix != ".jsonl":
         return 1
     try:
@@ -94,8 +104,8 @@ class Text(Source):
         self.seq_len = opts.seq_len
         self.options = {"seq_len": opts.seq_len, "tokenizer": opts.tokenizer,
                         "text_field": opts.text_field, "glob": opts.glob}
-        self._work = opts.out / WORK_DIR
-        self._made_out = not opts.out.exists()  # the work dir creates OUT: undone on failure
+        self._scratch = WorkDir(opts.out)
+        self._work = self._scratch.path
         self._tokens: dict[str, np.ndarray] = {}
         stats = {"documents": 0, "tokens": 0, "dropped_tokens": 0}
         try:
@@ -136,7 +146,7 @@ class Text(Source):
         """A mask over the documents of `files`, in order: the ones drawn into val."""
         from shards.plan import choose_val  # plan imports the sources package
 
-        n = sum(_count_documents(f) for f in files)
+        n = sum(_count_documents(f, opts.text_field) for f in files)
         seed = opts.shuffle_seed if opts.shuffle_seed is not None else 0
         is_val = choose_val(n, None, opts.val_fraction, np.random.default_rng([seed, 0]))
         if is_val.all() or not is_val.any():
@@ -193,7 +203,4 @@ class Text(Source):
 
     def close(self) -> None:
         self._tokens.clear()
-        shutil.rmtree(self._work, ignore_errors=True)
-        if self._made_out:
-            with suppress(OSError):  # removed only while empty: a failed scan leaves no OUT
-                self._work.parent.rmdir()
+        self._scratch.remove()

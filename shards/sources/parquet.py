@@ -1,0 +1,172 @@
+"""`parquet`: a Parquet file, or a folder of them, one sample per row (see tabular.py for what a
+row becomes).
+
+Read with pyarrow, a batch of rows at a time (`ParquetFile.iter_batches`), so a table larger
+than memory shards in bounded memory: the scan keeps only what every table source keeps per row
+(its size, key, label, offsets), and the rows' member bytes go to the work file under OUT.
+
+Columns keep their schema's types: integers, floats (and decimals, as floats), booleans,
+strings; list columns become arrays (`--field emb=emb.npy`, dtype of the list's values);
+binary columns and Hugging Face's image struct `{bytes, path}` are images (`--field
+image=jpg`: the bytes as they are, or the file `path` names, relative to the Parquet file);
+dates and times go into `json` as ISO text. A folder's files may be named by split the way
+Hugging Face publishes them (`train-00000-of-00002.parquet`, `test-...`).
+
+`--format text` reads a Parquet file's `--text-field` column as documents (`parquet_documents`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+from shards.errors import UserError
+from shards.options import ShardOptions
+from shards.sources.tabular import TableSource
+
+BATCH_ROWS = 1024  # rows per record batch read: memory ~ one batch (and pyarrow's row group)
+
+
+def open_parquet(path: Path) -> Any:
+    """A pyarrow ParquetFile, or a one-line UserError naming the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    except (pa.ArrowException, ValueError) as e:
+        raise UserError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
+
+
+def arrow_kind(dtype: Any) -> str:
+    """The column kind (tabular.Column.kind) of a pyarrow type."""
+    import pyarrow as pa
+
+    t = pa.types
+    if t.is_dictionary(dtype):
+        return arrow_kind(dtype.value_type)
+    if t.is_boolean(dtype):
+        return "bool"
+    if t.is_integer(dtype):
+        return "int"
+    if t.is_floating(dtype) or t.is_decimal(dtype):
+        return "float"
+    if t.is_string(dtype) or t.is_large_string(dtype) or t.is_temporal(dtype):
+        return "str"
+    if t.is_list(dtype) or t.is_large_list(dtype) or t.is_fixed_size_list(dtype):
+        return "list"
+    if t.is_binary(dtype) or t.is_large_binary(dtype) or t.is_fixed_size_binary(dtype):
+        return "binary"
+    if t.is_struct(dtype) and dtype.get_field_index("bytes") >= 0:
+        return "image"
+    return "other"
+
+
+def _merge(a: str | None, b: str) -> str:
+    if a is None or a == b:
+        return b
+    return "float" if {a, b} <= {"int", "float"} else "other"
+
+
+def _batches(pf: Any, path: Path, columns: list[str] | None = None,
+             close: bool = False) -> Iterator[Any]:
+    """The file's record batches (of `columns`); closes the file at the end when `close`."""
+    import pyarrow as pa
+
+    try:
+        yield from pf.iter_batches(batch_size=BATCH_ROWS, columns=columns)
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{path}: not readable ({str(e).splitlines()[0]})") from None
+    finally:
+        if close:
+            pf.close()
+
+
+class Parquet(TableSource):
+    format = "parquet"
+
+    def __init__(self, opts: ShardOptions):
+        self._arrow_types: dict[str, Any] = {}  # column -> pyarrow type (the last file's)
+        super().__init__(opts)
+
+    def type_file(self, path: Path) -> None:
+        with closing(open_parquet(path)) as pf:
+            schema = pf.schema_arrow
+            for f in schema:
+                col = self.column(f.name)
+                col.kind_hint = _merge(col.kind_hint, arrow_kind(f.type))
+                self._arrow_types[f.name] = f.type
+            wanted = [name for name in self._categorical if name in schema.names]
+            row = 0
+            for batch in _batches(pf, path, wanted) if wanted else ():
+                # vocabularies: one pass over just those columns
+                for name, values in zip(wanted, batch.columns, strict=True):
+                    for value in values.unique().to_pylist():
+                        if value is not None:
+                            self.column(name).see("str", value, f"{path}: row {row}")
+                row += batch.num_rows
+
+    def _plan_members(self) -> None:
+        super()._plan_members()
+        for col in self._columns.values():  # bytes have no place in the json member
+            if col.kind in ("binary", "image") and col.name not in self._used:
+                raise UserError(f"{self.path}: column {col.name!r} holds binary data (images?); "
+                                f"store it with --field {col.name}=jpg (or png, ..., or bin for "
+                                "opaque bytes)")
+
+    def rows(self, path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        pf = open_parquet(path)
+        casts = {}
+        for f in pf.schema_arrow:  # what JSON cannot hold as it is: text, floats
+            if pa.types.is_temporal(f.type):
+                casts[f.name] = pa.string()
+            elif pa.types.is_decimal(f.type):
+                casts[f.name] = pa.float64()
+        row = 0
+        for batch in _batches(pf, path, close=True):
+            if casts:
+                batch = pa.RecordBatch.from_arrays(
+                    [pc.cast(c, casts[n]) if n in casts else c
+                     for n, c in zip(batch.schema.names, batch.columns, strict=True)],
+                    names=batch.schema.names)
+            for values in batch.to_pylist():
+                yield f"{path}: row {row}", values
+                row += 1
+
+    def list_dtype(self, name: str) -> Any:
+        import pyarrow as pa
+
+        dtype = self._arrow_types.get(name)
+        if dtype is None or not (pa.types.is_list(dtype) or pa.types.is_large_list(dtype)
+                                 or pa.types.is_fixed_size_list(dtype)):
+            return None
+        try:
+            return dtype.value_type.to_pandas_dtype()
+        except NotImplementedError:
+            return None
+
+
+def parquet_documents(path: Path, column: str) -> Iterator[str]:
+    """The non-null values of a Parquet file's text column, in order (`--format text`)."""
+    import pyarrow as pa
+
+    pf = open_parquet(path)
+    schema = pf.schema_arrow
+    if column not in schema.names:
+        raise UserError(f"{path}: no column {column!r} (columns: {', '.join(schema.names)}); "
+                        "name the document column with --text-field")
+    if not (pa.types.is_string(schema.field(column).type)
+            or pa.types.is_large_string(schema.field(column).type)):
+        raise UserError(f"{path}: column {column!r} is {schema.field(column).type}, not text "
+                        "(name the document column with --text-field)")
+    for batch in _batches(pf, path, [column], close=True):
+        for value in batch.column(0).to_pylist():
+            if value is not None:
+                yield value
