@@ -4,19 +4,18 @@
 The config is loaded and validated here, before torch, TensorFlow or Horovod is imported, so a
 bad config fails in about a second with one line and exit 2 on every rank.
 
-Errors that a relaunch cannot fix (bad config or data, NaN loss, a checkpoint that cannot be
-written) also print `ringfeed: not restartable: <why>` on stdout: launchers such as horovodrun
-do not pass a rank's exit code on, and `ringfeed run` stops relaunching when it sees that line.
+An error is one line on stderr, `ringfeed: error: <why>` (train/cli.py prints it). Every such
+error is one a relaunch cannot fix (bad config or data, NaN loss, a checkpoint that cannot be
+written: exit 2-4), so that line is also what `ringfeed run` stops relaunching on (launchers
+such as horovodrun do not pass a rank's exit code on): nothing else is printed for it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from shards.errors import UserError
-from train.supervise import NO_RESTART_EXIT_CODES, NO_RESTART_MARKER
 
 
 def register(subparsers) -> None:
@@ -45,15 +44,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except UserError as e:
-        if e.exit_code in NO_RESTART_EXIT_CODES:
-            print(f"{NO_RESTART_MARKER} {e}", file=sys.stdout, flush=True)
-        raise
-
-
-def _run(args: argparse.Namespace) -> int:
     from train.config import load_config, template
 
     if args.config is None:

@@ -7,8 +7,9 @@ command (replacing any --resume; so it continues from the newest complete checkp
 --max-restarts times with exponential backoff; RINGFEED_RESTART_COUNT tells the job which
 attempt it is (the trainer reports it). Errors a restart cannot fix stop it at once: a job that
 exits with code 2 (bad config or input), 3 (loss became NaN: it would again) or 4 (checkpoint
-cannot be written), or whose output carries ringfeed's not-restartable marker, which the
-trainer prints before such an exit (launchers like horovodrun do not pass exit codes on).
+cannot be written), or whose output carries ringfeed's error line, `ringfeed: error: <why>`,
+which the trainer prints (once, on stderr) for exactly those errors (launchers like horovodrun
+do not pass exit codes on).
 SIGTERM/SIGINT to the supervisor are forwarded to the job and end supervision (a scheduler asked
 the job to stop).
 """
@@ -22,7 +23,8 @@ import subprocess
 import sys
 import time
 
-NO_RESTART_MARKER = "ringfeed: not restartable:"
+# The trainer's one error line: every `ringfeed: error:` is an exit 2-4 (shards.errors.UserError)
+NO_RESTART_MARKER = "ringfeed: error:"
 NO_RESTART_EXIT_CODES = {2, 3, 4}  # bad config/data, NaN loss, checkpoint unwritable
 RESTART_ENV = "RINGFEED_RESTART_COUNT"
 
