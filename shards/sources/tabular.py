@@ -1,8 +1,8 @@
 """Tables: one sample per row of typed columns. `jsonl` and `csv` here, `parquet` in parquet.py.
 
 The scan types every column over the whole table first: a CSV column is int, float or bool when
-each of its non-missing cells parses as one (missing: an empty cell, NA, N/A, NaN, null, None),
-else text; JSON values keep their own types; Parquet columns have their schema's. Each row then
+each of its non-missing cells parses as one (missing: an empty cell, NA, N/A, NaN, null, None;
+a number with a leading zero, like 007, is a code and stays text), else text; JSON values keep their own types; Parquet columns have their schema's. Each row then
 becomes these members:
 
 - `--field NAME=EXT`: column NAME as member EXT, typed (`price=y.npy`: a 0-d float64 array,
@@ -60,8 +60,9 @@ REST = "json"  # the member holding the columns no other member names
 DEFAULT_FEATURES = "x.npy"
 NUMERIC = frozenset({"int", "float", "bool"})
 MISSING = frozenset({"", "na", "n/a", "nan", "null", "none"})  # CSV cells that hold no value
-_INT = re.compile(r"^[+-]?\d+$")
-_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+# numbers as written; a leading zero (007, 02139) makes a code, which stays text
+_INT = re.compile(r"^[+-]?(0|[1-9]\d*)$")
+_FLOAT = re.compile(r"^[+-]?((0|[1-9]\d*)(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 _SPLIT_PREFIX = re.compile(r"^([a-z]+)[-_.]", re.IGNORECASE)
 STATS_CHUNK = 65536  # rows per read when the train split's mean/std are computed
 
