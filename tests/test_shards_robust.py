@@ -43,16 +43,54 @@ def test_two_workers_write_the_same_bytes_as_one(capsys, tmp_path, images):
     assert sum(name.endswith(".tar.idx") for name in files) == 14
 
 
+def parquet_table(path: Path, rows: int, row_group_size: int) -> Path:
+    """A Parquet file of several row groups: numbers, text, a list and bytes of varying size."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    table = pa.table({
+        "blob": pa.array([rng.bytes(int(n)) for n in rng.integers(1, 3000, rows)], pa.binary()),
+        "emb": pa.array(list(rng.normal(size=(rows, 3)).astype(np.float32)),
+                        pa.list_(pa.float32())),
+        "a": pa.array(rng.normal(size=rows)), "b": pa.array(rng.integers(0, 9, rows)),
+        "note": pa.array([f"row {i}" for i in range(rows)]),
+        "label": pa.array(np.arange(rows) % 3)})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    assert pq.ParquetFile(path).num_row_groups > 1
+    return path
+
+
+PARQUET_ARGS = ["--format", "parquet", "--field", "blob=bin", "--field", "emb=emb.npy",
+                "--field", "label=cls"]
+
+
+def test_parquet_two_workers_write_the_same_bytes_as_one(capsys, tmp_path):
+    src = parquet_table(tmp_path / "t.parquet", 300, row_group_size=37)
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = [*PARQUET_ARGS, "--max-count", "16", "--val-fraction", "0.2", "--shuffle-seed", "5"]
+    assert cli(capsys, "shard", src, one, *args, "--workers", "1")[0] == 0
+    result = ringfeed("shard", str(src), str(two), *args, "--workers", "2", timeout=120)
+    assert result.returncode == 0, result.output
+    files = tree_bytes(one)
+    assert sum(name.endswith(".tar") for name in files) == 19 and files == tree_bytes(two)
+
+
 def _start(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([str(BIN / "ringfeed"), *args], env=test_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
-def test_resume_after_kill_9_is_byte_identical(capsys, tmp_path):
+@pytest.mark.parametrize("kind", ["imagefolder", "parquet"])
+def test_resume_after_kill_9_is_byte_identical(capsys, tmp_path, kind):
     # many small shards, so the kill lands mid-run: 240 samples, 2 per shard
-    src = make_images(tmp_path / "src", {"x": 120, "y": 120}, side=4)
+    if kind == "imagefolder":
+        src, fmt = make_images(tmp_path / "src", {"x": 120, "y": 120}, side=4), ["--format", kind]
+    else:
+        src, fmt = parquet_table(tmp_path / "t.parquet", 240, row_group_size=50), PARQUET_ARGS
     out, reference = tmp_path / "out", tmp_path / "reference"
-    args = ["shard", str(src), str(out), "--format", "imagefolder", "--max-count", "2",
+    args = ["shard", str(src), str(out), *fmt, "--max-count", "2",
             "--shuffle-seed", "1", "--val-fraction", "0.1"]
     assert cli(capsys, *[str(reference) if a == str(out) else a for a in args])[0] == 0
     expected = tree_bytes(reference)
