@@ -18,8 +18,8 @@ count), batch 32, 2 loader workers, shuffle buffer 1,000, balance drop, seed 0, 
   (<= 10^7 samples; and 10^8 at 4,096 ranks in full mode); both plans' arrays are hashed and
   compared ("same" in the JSON).
 Every point runs in a fresh Python process (`plan_bench.py --point JSON`): seconds is the wall
-time of the planning alone; rss_mb is the process's peak resident set (getrusage maxrss:
-interpreter, numpy and the layout included, what the goals are judged on); plan_mb is that
+time of the planning alone; rss_mb is the process's peak resident set (VmHWM: interpreter,
+numpy and the layout included, what the goals are judged on); plan_mb is that
 peak less the peak before planning (the plan's own memory). Points where one rank's own share
 exceeds 10^7 samples (10^9 on 8 or 64 ranks, 10^8 on 8) are left out: a rank then holds
 >= 80 MB of its own ids by definition, and the box has 24 GB for every point.
@@ -45,7 +45,17 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import REPO, RESULTS, Row, bench_env, finish, new_figure, pending_row, run  # noqa: E402
+from common import (  # noqa: E402
+    REPO,
+    RESULTS,
+    Row,
+    bench_env,
+    finish,
+    machine,
+    new_figure,
+    pending_row,
+    run,
+)
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -113,6 +123,14 @@ def synthetic_manifest(directory: Path, shards: int, samples: int, seed: int = 0
 
 # -- one point, in a fresh process ------------------------------------------------------------
 def _maxrss_mb() -> float:
+    """This process's peak resident set, MB. VmHWM, not getrusage's ru_maxrss: that one keeps
+    the parent's peak across fork + exec (here: the parent that wrote a 10^6-shard manifest)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
@@ -250,11 +268,13 @@ def rows_of(points: list[dict], grid: dict[str, Any], quick: bool) -> list[Row]:
     for shards in grid["manifests"]:
         new = find(points, kind="load", planner="new", shards=shards)
         old = find(points, kind="load", planner="json", shards=shards)
-        if new and old:
-            rows.append(Row("plan", f"manifest load, {shards:,} shards: index / JSON, s",
-                            new["seconds"], "s", "JSON", old["seconds"]))
-            rows.append(Row("plan", f"manifest load, {shards:,} shards: index / JSON, peak RSS",
-                            new["rss_mb"], "MB", "JSON", old["rss_mb"]))
+        if new and old:  # ratios as gains: JSON / index
+            rows.append(Row("plan", f"manifest load, {shards:,} shards: JSON / index, s",
+                            new["seconds"], "s", "JSON", old["seconds"],
+                            ratio=old["seconds"] / new["seconds"]))
+            rows.append(Row("plan", f"manifest load, {shards:,} shards: JSON / index, "
+                            "peak RSS", new["rss_mb"], "MB", "JSON", old["rss_mb"],
+                            ratio=old["rss_mb"] / new["rss_mb"]))
     # against the old planner, at the largest size it ran at
     for kind in ("fresh", "resume"):
         pairs = [(p, find(points, kind=kind, planner="old", samples=p["samples"],
@@ -266,10 +286,10 @@ def rows_of(points: list[dict], grid: dict[str, Any], quick: bool) -> list[Row]:
         a, b = max(pairs, key=lambda ab: (ab[0]["samples"], ab[0]["ranks"] == 4096,
                                           ab[0]["ranks"]))
         where = f"{a['samples']:.0e} samples / {a['ranks']:,} ranks".replace("e+0", "e")
-        rows.append(Row("plan", f"{kind} plan, {where}: new / old planner, s", a["seconds"],
-                        "s", "old", b["seconds"]))
-        rows.append(Row("plan", f"{kind} plan, {where}: new / old planner, peak RSS",
-                        a["rss_mb"], "MB", "old", b["rss_mb"]))
+        rows.append(Row("plan", f"{kind} plan, {where}: old planner / new, s", a["seconds"],
+                        "s", "old", b["seconds"], ratio=b["seconds"] / a["seconds"]))
+        rows.append(Row("plan", f"{kind} plan, {where}: old planner / new, peak RSS",
+                        a["rss_mb"], "MB", "old", b["rss_mb"], ratio=b["rss_mb"] / a["rss_mb"]))
     return rows
 
 
@@ -311,12 +331,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="10^5-10^6 samples, 8 and 64 ranks")
     parser.add_argument("--results", default=str(RESULTS), help="where the JSON/PNG go")
     parser.add_argument("--point", help=argparse.SUPPRESS)  # one measurement (child process)
+    parser.add_argument("--report", type=Path, metavar="JSON",
+                        help="no measuring: the table and plot again from a saved result")
     args = parser.parse_args(argv)
     if args.point:
         print(json.dumps(measure(json.loads(args.point))))
         return {}
     grid = QUICK if args.quick else FULL
+    if args.report:
+        data = json.loads(args.report.read_text())["data"]
+        return finish(NAME, args.quick, Path(args.results),
+                      rows_of(data["points"], grid, args.quick), data, plot(data["points"]))
     points: list[dict[str, Any]] = []
+    started_on = machine()  # (the load average when measuring began; finish() adds the end's)
     with tempfile.TemporaryDirectory(prefix="plan_bench-") as tmp:
         for shards in grid["manifests"]:
             directory = Path(tmp) / f"m{shards}"
@@ -340,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     data = {"settings": {"shard_size": SHARD_SIZE, "batch_size": BATCH, "workers": WORKERS,
                          "shuffle_buffer": BUFFER, "resume_after": RESUME_AFTER,
                          "max_own_share": MAX_OWN},
-            "points": points, "identical_to_old": all(same)}
+            "started_on": started_on, "points": points, "identical_to_old": all(same)}
     return finish(NAME, args.quick, Path(args.results), rows_of(points, grid, args.quick), data,
                   plot(points))
 
