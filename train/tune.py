@@ -84,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
             run_tpe(search, study, stop)
     except TuneInterrupted:
         pass
+    except UserError:
+        tune_report.report(search, study)  # what did finish, before the one-line error
+        raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -9,6 +9,7 @@ import csv
 import io
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -119,9 +120,10 @@ def write_best(search: Search, study) -> Path | None:
                          f"{t.user_attrs.get('end_step')}: {shown} (trial {t.number}, member "
                          f"{t.user_attrs.get('member')})")
         lines.append(f"its trained weights: {best.user_attrs.get('run_dir')}/checkpoints")
-    lines.append("run: <launcher> ringfeed train best.yaml")
+    path = search.out_dir / "best.yaml"
+    lines.append(f"run: {shlex.join(search.command(path, search.out_dir / 'best', best.number))}")
     header = "".join(f"# {line}\n" for line in lines)
-    return search.write_trial_config(search.out_dir / "best.yaml", raw, header)
+    return search.write_trial_config(path, raw, header)
 
 
 def lineage_of(study, trial) -> list:
@@ -142,6 +144,7 @@ def plot(search: Search, study, path: Path) -> Path | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return None
     table = rows(search, study)
@@ -167,6 +170,7 @@ def plot(search: Search, study, path: Path) -> Path | None:
     if any(b is not None for b in best_line):
         ax.step([r["trial"] for r in table], best_line, where="post", c="k", lw=1,
                 label="best so far")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("trial")
     ax.set_ylabel(metric)
     ax.set_title(f"{search.study_name}: {metric} over trials ({search.spec.algorithm})")
@@ -183,22 +187,22 @@ def plot(search: Search, study, path: Path) -> Path | None:
 def _plot_lineage(ax, table: list[dict[str, Any]], metric: str) -> None:
     done = [r for r in table if r["state"] == "complete" and r["member"] is not None]
     by_trial = {r["trial"]: r for r in done}
-    members = sorted({r["member"] for r in done})
     cmap = __import__("matplotlib").colormaps["tab10"]
-    for m in members:
-        pts = sorted((r["end_step"], r[metric]) for r in done if r["member"] == m)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", c=cmap(m % 10), ms=4,
-                label=f"member {m}")
-    for r in done:
+    for m in sorted({r["member"] for r in done}):
+        pts = [r for r in done if r["member"] == m]
+        ax.scatter([r["end_step"] for r in pts], [r[metric] for r in pts], c=[cmap(m % 10)],
+                   s=18, label=f"member {m}", zorder=3)
+    for r in done:  # each interval: from the point whose weights it continued
         parent = by_trial.get(r["parent_trial"])
-        if r.get("exploited") and parent is not None:
-            ax.annotate("", xy=(r["end_step"], r[metric]),
-                        xytext=(parent["end_step"], parent[metric]),
-                        arrowprops={"arrowstyle": "->", "ls": "--",
-                                    "color": cmap(parent["member"] % 10)})
+        if parent is None:
+            continue
+        ax.annotate("", xy=(r["end_step"], r[metric]),
+                    xytext=(parent["end_step"], parent[metric]),
+                    arrowprops={"arrowstyle": "->", "color": cmap(r["member"] % 10),
+                                "ls": "--" if r.get("exploited") else "-"})
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
-    ax.set_title("PBT lineage (dashed: took over that member's checkpoint)")
+    ax.set_title("PBT lineage (dashed: took over another member's checkpoint)")
     ax.legend(fontsize=8)
 
 
