@@ -79,7 +79,7 @@ def test_csv_cells_are_typed_and_round_trip(capsys, tmp_path):
     np.testing.assert_allclose(x["mean"], train_x.mean(0), rtol=1e-12)
     np.testing.assert_allclose(x["std"], train_x.std(0), rtol=1e-12)
     y_stats = m["features"]["y.npy"]
-    assert y_stats["dtype"] == "float64" and y_stats["shape"] == []
+    assert y_stats["dtype"] == "float64" and y_stats["shape"] == [1]
     train_y = [load_npy(s["y.npy"]) for s in train.values()]
     assert y_stats["min"] == min(train_y) and y_stats["max"] == max(train_y)
     assert m["classes"] == {"field": "cls", "ids": [0, 1], "counts": [10, 10], "num_classes": 2}
@@ -315,7 +315,7 @@ def test_trainer_infers_input_classes_task_and_scaling(capsys, tmp_path):
     assert (spec.task, spec.input_key, spec.target_key) == (CLASSIFY, "x.npy", "cls")
     assert spec.input_shape == (30,) and spec.num_classes == 2
     assert spec.input_mean == tuple(stats["mean"]) and spec.input_std == tuple(stats["std"])
-    batch = next(iter(pipe))
+    batch = pipe.example_batch()
     x, y, _ = split_batch(batch, spec)
     expected = (batch["x.npy"].astype(np.float64) - stats["mean"]) / stats["std"]
     np.testing.assert_allclose(x, expected, rtol=1e-5, atol=1e-6)

@@ -1,9 +1,10 @@
 """`parquet`: a Parquet file, or a folder of them, one sample per row (see tabular.py for what a
 row becomes).
 
-Read with pyarrow, a batch of rows at a time (`ParquetFile.iter_batches`), so a table larger
-than memory shards in bounded memory: the scan keeps only what every table source keeps per row
-(its size, key, label, offsets), and the rows' member bytes go to the work file under OUT.
+Read with pyarrow, a batch of rows at a time (`ParquetFile.iter_batches`, ~16 MB of rows), so a
+table larger than memory shards in bounded memory (about one batch and one row group): the scan
+keeps only what every table source keeps per row (its size, key, label, offsets), and the rows'
+member bytes go to the work file under OUT.
 
 Columns keep their schema's types: integers, floats (and decimals, as floats), booleans,
 strings; list columns become arrays (`--field emb=emb.npy`, dtype of the list's values);
@@ -26,7 +27,8 @@ from shards.errors import UserError
 from shards.options import ShardOptions
 from shards.sources.tabular import TableSource
 
-BATCH_ROWS = 1024  # rows per record batch read: memory ~ one batch (and pyarrow's row group)
+BATCH_ROWS = 1024  # rows per record batch read, at most
+BATCH_BYTES = 16 << 20  # and about this many bytes of (uncompressed) data
 
 
 def open_parquet(path: Path) -> Any:
@@ -72,13 +74,23 @@ def _merge(a: str | None, b: str) -> str:
     return "float" if {a, b} <= {"int", "float"} else "other"
 
 
+def batch_rows(pf: Any) -> int:
+    """Rows per record batch: BATCH_ROWS, fewer for wide rows (images), so that a batch holds
+    about BATCH_BYTES whatever the row size (memory stays ~ one batch + one row group)."""
+    meta = pf.metadata
+    if not meta.num_rows:
+        return BATCH_ROWS
+    size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    return max(1, min(BATCH_ROWS, BATCH_BYTES * meta.num_rows // max(size, 1)))
+
+
 def _batches(pf: Any, path: Path, columns: list[str] | None = None,
              close: bool = False) -> Iterator[Any]:
     """The file's record batches (of `columns`); closes the file at the end when `close`."""
     import pyarrow as pa
 
     try:
-        yield from pf.iter_batches(batch_size=BATCH_ROWS, columns=columns)
+        yield from pf.iter_batches(batch_size=batch_rows(pf), columns=columns)
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"{path}: not readable ({str(e).splitlines()[0]})") from None
     finally:

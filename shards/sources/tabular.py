@@ -5,7 +5,7 @@ each of its non-missing cells parses as one (missing: an empty cell, NA, N/A, Na
 a number with a leading zero, like 007, is a code and stays text), else text; JSON values keep their own types; Parquet columns have their schema's. Each row then
 becomes these members:
 
-- `--field NAME=EXT`: column NAME as member EXT, typed (`price=y.npy`: a 0-d float64 array,
+- `--field NAME=EXT`: column NAME as member EXT, typed (`price=y.npy`: a float64 array of one,
   `label=cls`: the integer). An image EXT (`path=jpg`) takes the image file the cell names,
   relative to the table's folder, or a Parquet image column's bytes.
 - `--features COLS=EXT`: the columns as one float32 vector (COLS: names, globs and `numeric`, for
@@ -576,7 +576,7 @@ class TableSource(Source):
             if m.kind == "npy":
                 array_ = self._array(value, m, name, where)
                 if m.stats >= 0:
-                    numbers.append(float(array_))
+                    numbers.append(float(array_.item()))
                 members[m.ext] = npy_bytes(array_)
             else:
                 members[m.ext] = encode(m.ext, value, f"{where}: field {name!r}")
@@ -604,6 +604,7 @@ class TableSource(Source):
         if out.dtype.hasobject:
             raise UserError(f"{where}: field {name!r}: a ragged or mixed value cannot be an "
                             f".{m.ext} array (store it as json)")
+        out = np.atleast_1d(out)  # as npy_bytes stores it: a number is shape (1,)
         if m.dtype is None:
             m.dtype = out.dtype.name
             m.shape = out.shape
