@@ -12,7 +12,7 @@ import pytest
 from train_util import toy_config, write_config, write_toy_shards
 
 from shards.errors import UserError
-from train.backend import StepResult, gpu_for_rank
+from train.backend import StepResult, choose_gpu, gpu_for_rank
 from train.checkpoint import (
     find_resume_point,
     list_checkpoints,
@@ -246,8 +246,8 @@ def test_token_shards_give_a_language_model_spec(tmp_path):
     ([(0, None, 4)] * 4, False, [0, 1, 2, 3]),
     # two hosts, two GPUs each
     ([(0, None, 2), (0, None, 2), (1, None, 2), (1, None, 2)], False, [0, 1, 0, 1]),
-    # Slurm --gpus-per-task=1: each rank sees only its own GPU, as device 0
-    ([(0, "0", 1), (0, "1", 1), (0, "2", 1)], False, [0, 0, 0]),
+    # Slurm --gpus-per-task=1: each rank sees only its own GPU (its own UUID), as device 0
+    ([(0, ("GPU-a",), 1), (0, ("GPU-b",), 1), (0, ("GPU-c",), 1)], False, [0, 0, 0]),
     # explicit sharing: 3 ranks round-robin on 2 GPUs
     ([(0, None, 2)] * 3, True, [0, 1, 0]),
     # no GPU: the CPU
@@ -268,3 +268,15 @@ def test_more_ranks_than_gpus_is_one_line_on_every_rank():
         assert "\n" not in message
         assert "2 ranks on one host share 1 visible GPU(s) (CUDA_VISIBLE_DEVICES=0)" in message
         assert "train.share_gpus" in message
+
+
+def test_choose_gpu_gathers_except_in_elastic_runs():
+    """Elastic runs gather nothing before Horovod's sync (a joining worker would hang the
+    others): each rank assumes its host's ranks see what it sees."""
+    def gather(view):
+        return [view, (0, ("GPU-b",), 1)]
+
+    assert choose_gpu((0, ("GPU-a",), 1), 0, 0, 2, False, gather) == 0
+    assert choose_gpu((0, ("GPU-a", "GPU-b"), 2), 1, 1, 2, False, None) == 1
+    with pytest.raises(UserError, match="2 ranks on one host share 1 visible GPU"):
+        choose_gpu((0, ("GPU-a",), 1), 1, 1, 2, False, None)

@@ -8,6 +8,7 @@ plain Python numbers.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -141,22 +142,26 @@ class Backend(Protocol):
         """Drop what a step cut short by a failure left behind (partial gradients)."""
 
 
-def gpu_for_rank(rank: int, views: list[tuple[int, str | None, int]],
-                 share: bool) -> int | None:
+GpuView = tuple[int, Any, int]  # (host, the identity of the devices a rank sees, their count)
+
+
+def gpu_for_rank(rank: int, views: list[GpuView], share: bool) -> int | None:
     """Which of its visible GPUs rank `rank` trains on (None: it has none, train on the CPU).
 
-    `views[r]` is rank r's (host, CUDA_VISIBLE_DEVICES, GPUs it sees); Horovod's cross_rank
-    names the host. Ranks of one host that see the same devices split them in rank order:
-    horovodrun's default (every rank sees every GPU) gives local rank i GPU i, and a launcher
-    that binds GPUs per rank (Slurm --gpus-per-task, CUDA_VISIBLE_DEVICES set per rank) gives
-    each rank its own GPU 0. More ranks than GPUs is an error on every rank alike (two replicas
-    on one GPU halve its speed and can run it out of memory) unless `share` asks for it."""
-    groups: dict[tuple[int, str | None, int], list[int]] = {}
+    `views[r]` is rank r's (host, devices, GPUs it sees): Horovod's cross_rank names the host,
+    the devices are their UUIDs (torch) or CUDA_VISIBLE_DEVICES (TensorFlow). Ranks of one host
+    that see the same devices split them in rank order: horovodrun's default (every rank sees
+    every GPU) gives local rank i GPU i, and a launcher that binds GPUs per rank (Slurm
+    --gpus-per-task) gives each rank its own GPU 0. More ranks than GPUs is an error on every
+    rank alike (two replicas on one GPU halve its speed and can run it out of memory) unless
+    `share` asks for it."""
+    groups: dict[GpuView, list[int]] = {}
     for r, view in enumerate(views):
         groups.setdefault(view, []).append(r)
     for (_, visible, count), ranks in groups.items():
         if count and len(ranks) > count and not share:
-            shown = "all GPUs" if visible is None else f"CUDA_VISIBLE_DEVICES={visible}"
+            shown = (f"CUDA_VISIBLE_DEVICES={visible}" if isinstance(visible, str)
+                     else "the same devices")
             raise UserError(
                 f"{len(ranks)} ranks on one host share {count} visible GPU(s) ({shown}): start "
                 f"at most {count} rank(s) per host (horovodrun -H host:{count}), or set "
@@ -165,15 +170,15 @@ def gpu_for_rank(rank: int, views: list[tuple[int, str | None, int]],
     return groups[views[rank]].index(rank) % count if count else None
 
 
-def make_backend(cfg) -> Backend:
-    """Import the framework named by cfg.framework (and Horovod for it), hvd.init() included."""
-    if cfg.framework == "torch":
-        from train.torch_backend import TorchBackend
-
-        return TorchBackend(cfg)
-    from train.tf_backend import TFBackend
-
-    return TFBackend(cfg)
+def choose_gpu(view: GpuView, rank: int, local_rank: int, local_size: int, share: bool,
+               gather: Callable[[GpuView], list[GpuView]] | None) -> int | None:
+    """gpu_for_rank over every rank's view, gathered with `gather` (the framework's
+    allgather_object). Elastic runs pass None: a worker joining a running job must meet
+    Horovod's sync before any collective, so there each rank assumes the ranks of its host see
+    what it sees (horovodrun's default)."""
+    if gather is None:
+        return gpu_for_rank(local_rank, [view] * local_size, share)
+    return gpu_for_rank(rank, gather(view), share)
 
 
 def metric_sums(per_sample: dict[str, Any], valid: Any | None, to_float) -> dict[str, float]:

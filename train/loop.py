@@ -1,19 +1,22 @@
-"""The training loop both frameworks share: epochs, accumulation groups, validation, checkpoint
-policy, resume, signals, NaN stop, the end-of-run summary.
+"""The training loop both frameworks share. Read it top to bottom:
 
-    state <- newest checkpoint (or step 0)
-    while state.step < total_steps:
-        for k micro-batches of the epoch:            # data wait timed here
-            result = backend.train_step(micro, lr(step), signal requests)
-            stop on a non-finite loss (all ranks see the same averaged loss)
-            log; validate every N steps; checkpoint every N steps / on request
-        next epoch (pipeline.set_epoch)
-    validate, save the final checkpoint, print the summary
+    run()      prepare() -> start() -> train() -> wrap_up()
+    prepare()  pipelines for this rank, the data spec, the model (nothing collective yet)
+    start()    resume from the newest checkpoint (rank 0 reads, all ranks take its state),
+               plan() the steps left and the lr schedule, open the logs
+    train()    epoch() until the planned steps are done
+    epoch()    for every group of k micro-batches (data wait timed): step();
+               validate at the end of the epoch
+    step()     backend.train_step: forward + backward on each micro-batch, one gradient
+               allreduce, the optimizer step; then stop on a non-finite loss, log, validate,
+               checkpoint every N steps or on request, and the elastic commit
+    wrap_up()  the last validation and checkpoint, summary.json, a barrier
 
 `TrainState.step` (optimizer steps) is the only progress counter: the schedule, logging,
 validation and checkpoints are functions of it; the pipeline's own state (epoch, batches
 consumed) travels in every checkpoint so a resumed run sees exactly the batches it would have.
-Elastic runs (train/elastic.py) reuse this loop and commit that state every N steps.
+Elastic runs (train/elastic.py) wrap train() and wrap_up() in Horovod Elastic's retry loop and
+commit every N steps: a strategy the loop calls, not a subclass.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,7 @@ import numpy as np
 from shards.errors import UserError
 from shards.fsutil import atomic_write_text
 from train import faults
-from train.backend import Backend, make_backend
+from train.backend import Backend, Dist, StepResult
 from train.checkpoint import (
     CheckpointWriteError,
     checkpoint_path,
@@ -43,9 +46,12 @@ from train.checkpoint import (
     write_checkpoint,
 )
 from train.config import RunConfig
-from train.data import infer_spec, make_pipeline
+from train.data import DataSpec, infer_spec, make_pipeline
+from train.elastic import ElasticRun
+from train.frameworks import make_backend
 from train.metrics import RunLogger, SampleLog, Throughput
-from train.schedule import make_schedule
+from train.runstate import Recovery, SignalRequests, TrainState
+from train.schedule import LRSchedule, make_schedule
 from train.supervise import RESTART_ENV
 
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # what a shell reports for a job ended by SIGTERM
@@ -55,64 +61,6 @@ class TrainingDiverged(UserError):
     """The loss became NaN/inf: stop before the update is applied (exit 3)."""
 
     exit_code = 3
-
-
-@dataclass
-class TrainState:
-    """All progress of a run in one place (what an elastic state object commits)."""
-
-    step: int = 0  # optimizer steps completed
-    epoch: int = 0  # the train pipeline's epoch
-    last_checkpoint: Path | None = None
-    saved_step: int = -1
-    last_val_step: int = -1
-
-
-@dataclass
-class Recovery:
-    """What this run survived, reported at the end (summary.json "recovery")."""
-
-    restarts: int = 0  # relaunches by `ringfeed run` before this one
-    elastic_resets: int = 0  # world-size changes and failures handled by Horovod Elastic
-    rollbacks: int = 0  # resets that went back to the last commit
-    steps_redone: int = 0  # optimizer steps lost to those rollbacks
-    failed_checkpoints: int = 0  # saves that failed under checkpoint.on_error: warn
-
-    def describe(self) -> str:
-        text = (f"{self.restarts} restart(s), {self.elastic_resets} elastic reset(s), "
-                f"{self.rollbacks} rollback(s) ({self.steps_redone} step(s) redone)")
-        if self.failed_checkpoints:
-            text += f", {self.failed_checkpoints} checkpoint(s) NOT written"
-        return text
-
-
-class SignalRequests:
-    """SIGTERM (what schedulers send before killing a job): save, then stop. SIGUSR1: save and
-    carry on. The handlers only set flags; the loop agrees on them across ranks at the next
-    step, so a signal that reaches one rank stops all of them at the same step."""
-
-    def __init__(self, enabled: bool):
-        self.save = self.stop = False
-        self._previous: dict[int, Any] = {}
-        if enabled:
-            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)
-            self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_usr1)
-
-    def _on_term(self, signum, frame) -> None:
-        self.stop = True
-
-    def _on_usr1(self, signum, frame) -> None:
-        self.save = True
-
-    def take(self) -> tuple[float, float]:
-        """(save, stop) for this step; a save request is consumed by taking it."""
-        requests = (float(self.save), float(self.stop))
-        self.save = False
-        return requests
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def micro_batch_groups(loader: Iterable, k: int) -> Iterator[tuple[list[Any], float]]:
@@ -152,44 +100,190 @@ def evaluate(backend: Backend, pipe, loader) -> dict[str, float]:
 class Trainer:
     """One run: built from a validated config, `run()` returns the process exit code."""
 
+    cfg: RunConfig
+    backend: Backend
+    dist: Dist  # this rank and the world size (changes in elastic runs)
+    elastic: ElasticRun | None
+    state: TrainState
+    recovery: Recovery
+    # data: set by prepare(); again after an elastic world-size change
+    train_pipe: Any  # pipeline.ShardPipeline
+    val_pipe: Any | None
+    loader: Iterable | None  # the framework's loaders over the pipes, made when training starts
+    val_loader: Iterable | None
+    spec: DataSpec
+    steps_per_epoch: int
+    # the plan: set by plan() from the pipeline's position and the world size
+    total_steps: int
+    global_batch: int
+    schedule: LRSchedule
+    # reporting
+    logger: RunLogger | None
+    sample_log: SampleLog | None
+    pending_ids: list[tuple[int, int, list[int]]]  # sample ids of steps not yet gathered
+    totals: Throughput
+    recent_losses: deque[float]
+    last_val: dict[str, float]
+    failed_save_step: int  # (checkpoint.on_error: warn) not retried at the end
+    first_step: int  # the step this stretch of training started at (its first is not timed)
+    t_last: float  # when the previous step ended
+
     def __init__(self, cfg: RunConfig, backend: Backend | None = None):
         self.cfg = cfg
         self.backend = backend or make_backend(cfg)
         self.dist = self.backend.dist
+        self.elastic = ElasticRun(self) if cfg.elastic.enabled else None
         self.state = TrainState()
         self.recovery = Recovery(restarts=int(os.environ.get(RESTART_ENV, "0") or 0))
+        self.train_pipe = self.val_pipe = self.loader = self.val_loader = None
+        self.logger = self.sample_log = None
+        self.pending_ids = []
         self.totals = Throughput()
-        self.recent_losses: deque[float] = deque(maxlen=cfg.train.log_every)
-        self.logger: RunLogger | None = None
-        self.sample_log: SampleLog | None = None
-        self.pending_ids: list[tuple[int, int, list[int]]] = []  # sample ids not yet gathered
-        self.failed_save_step = -1  # (checkpoint.on_error: warn) not retried at the end
+        self.recent_losses = deque(maxlen=cfg.train.log_every)
+        self.last_val = {}
+        self.failed_save_step = -1
+        self.first_step = 0
+        self.t_last = time.perf_counter()
 
     def say(self, message: str) -> None:
         if self.dist.is_root:
             print(message, flush=True)
 
-    # -- setup --------------------------------------------------------------------------------
-    def setup(self) -> None:
-        """Pipelines, model, checkpoint, logs: everything before the first step."""
+    # -- the run ------------------------------------------------------------------------------
+    def run(self) -> int:
+        signals = SignalRequests(self.cfg.checkpoint.save_on_signal)
+        try:
+            self.prepare()
+            if self.elastic is not None:
+                stopped = self.elastic.run(signals)
+            else:
+                self.start()
+                stopped = self.train(signals)
+                self.wrap_up(stopped)
+        finally:
+            signals.restore()
+            self.close()
+        return EXIT_PREEMPTED if stopped else 0
+
+    def prepare(self) -> None:
+        """Pipelines, data spec, model: nothing collective (an elastic worker joining a running
+        job must meet Horovod's sync first)."""
         self.build_pipelines()
         self.spec = infer_spec(self.cfg, self.train_pipe)
         self.backend.build(self.spec)
+
+    def start(self, resume: bool = True, note: str = "") -> None:
+        """Collective: resume from a checkpoint (unless `resume` is False: an elastic reset
+        continues from its commit), plan the rest of the run, open the logs."""
+        if resume:
+            self.restore()
         self.plan()
-        self.say(self.header())
-        self.restore()
-        self.plan()  # another world size than the checkpoint's changes the steps left
+        self.say(self.header() + note)
         self.open_logs()
 
-    def header(self) -> str:
-        cfg, spec, k = self.cfg, self.spec, self.cfg.train.accumulate
-        return (
-            f"ringfeed train: {cfg.framework}, {self.dist.size} rank(s), model {cfg.model.name}, "
-            f"{spec.task} on {spec.input_key} {spec.input_shape}, global batch "
-            f"{self.global_batch} = {self.dist.size} x {cfg.data.batch_size} x {k} accumulated, "
-            f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps, "
-            f"{cfg.train.precision}, peak lr {self.schedule.peak:.3g}")
+    def train(self, signals: SignalRequests) -> bool:
+        """Epochs until the planned steps are done; True when a signal stopped the run."""
+        if self.loader is None:
+            self.loader = self.backend.loader(self.train_pipe)
+            self.val_loader = self.backend.loader(self.val_pipe) if self.val_pipe else None
+        self.first_step = self.state.step
+        self.t_last = time.perf_counter()
+        while self.state.step < self.total_steps:
+            if self.epoch(signals):
+                return True
+        return False
 
+    def epoch(self, signals: SignalRequests) -> bool:
+        """The rest of the pipeline's current epoch (or as much of it as the plan has left);
+        True when a signal stopped the run."""
+        state, pipe, k = self.state, self.train_pipe, self.cfg.train.accumulate
+        if pipe.batches_remaining == 0:  # (also when resumed at its end)
+            pipe.set_epoch(pipe.epoch + 1)
+        state.epoch = pipe.epoch
+        # read the next epoch ahead only if the run goes on into it
+        pipe.read_ahead = state.step + pipe.batches_remaining // k < self.total_steps
+        for micro, waited in micro_batch_groups(self.loader, k):
+            if self.step(micro, waited, signals):
+                return True
+            if state.step >= self.total_steps:
+                return False
+        if self.cfg.train.val_every is None:  # the epoch's batches are exhausted
+            self.validate()
+        self.t_last = time.perf_counter()
+        return False
+
+    def step(self, micro: list[Any], waited: float, signals: SignalRequests) -> bool:
+        """One optimizer step over k micro-batches and what follows it; True when a signal
+        asked to stop."""
+        cfg, state = self.cfg, self.state
+        faults.before_step(state.step + 1, self.dist.rank)
+        lr = self.schedule(state.step)
+        result = self.backend.train_step(micro, lr, signals.take())
+        if not result.finite:  # every rank sees the same averaged loss: all stop here
+            raise TrainingDiverged(
+                f"loss is {result.loss} at step {state.step + 1} (epoch "
+                f"{state.epoch}); stopped before applying that update; last "
+                f"checkpoint: {state.last_checkpoint or 'none'} (try a lower "
+                "optim.lr, optim.warmup_steps, train.grad_clip, or fp32/bf16)")
+        state.step += 1
+        self.log_step(result, micro, lr, waited)
+        if cfg.train.val_every and state.step % cfg.train.val_every == 0:
+            self.validate()
+        every = cfg.checkpoint.every_steps
+        if result.save_requested or result.stop_requested:
+            self.save("signal")
+        elif every and state.step % every == 0:
+            self.save("every_steps")
+        if self.elastic is not None:
+            self.elastic.after_step()
+        self.t_last = time.perf_counter()
+        return result.stop_requested
+
+    def log_step(self, result: StepResult, micro: list[Any], lr: float, waited: float) -> None:
+        state, now = self.state, time.perf_counter()
+        if state.step > self.first_step + 1:  # the first step traces/compiles: not timed
+            self.totals.add(self.global_batch, now - self.t_last, waited)
+        self.recent_losses.append(result.loss)
+        # grad norm / loss scale are read (a device sync) only when a log line is written
+        self.logger.train_step(state.step, state.epoch, result.loss, lr,
+                               now - self.t_last, waited, lambda: self._step_extras(result))
+        if self.sample_log is not None:
+            self.pending_ids.append((state.step, state.epoch, valid_sample_ids(micro)))
+            if state.step % self.cfg.train.log_every == 0:
+                self.flush_sample_log()
+
+    def _step_extras(self, result) -> dict[str, float]:
+        extras = {}
+        if result.grad_norm is not None:
+            extras["grad_norm"] = result.grad_norm
+        if result.loss_scale is not None:
+            extras["loss_scale"] = result.loss_scale
+            extras["skipped"] = float(not result.applied)
+        return extras
+
+    def validate(self) -> dict[str, float]:
+        if self.val_pipe is None:
+            return {}
+        metrics = evaluate(self.backend, self.val_pipe, self.val_loader)
+        self.state.last_val_step = self.state.step
+        self.last_val = metrics
+        self.logger.validation(self.state.step, self.state.epoch, metrics)
+        return metrics
+
+    def wrap_up(self, stopped: bool) -> None:
+        """Collective: the last validation and checkpoint, the summary, and a barrier."""
+        state = self.state
+        if not stopped:
+            if self.val_pipe is not None and state.last_val_step != state.step:
+                self.validate()
+            if state.saved_step != state.step and self.failed_save_step != state.step:
+                self.save("end")
+        self.finish("stopped by SIGTERM" if stopped else "finished")
+        # Nobody leaves before rank 0 has written everything: a launcher kills the rest
+        # of the job as soon as one rank exits.
+        self.backend.allreduce_sum({"done": 0.0})
+
+    # -- data and plan ------------------------------------------------------------------------
     def build_pipelines(self) -> None:
         """The train (and val) pipelines of this rank at the current world size."""
         cfg, dist = self.cfg, self.dist
@@ -218,34 +312,16 @@ class Trainer:
         self.global_batch = self.dist.size * cfg.data.batch_size * k
         self.schedule = make_schedule(cfg.optim, self.dist.size, k, self.total_steps)
 
-    def open_logs(self) -> None:
-        """Rank 0's metrics and sample logs, rewound to the current step."""
-        cfg, out = self.cfg, Path(self.cfg.output.dir)
-        if self.dist.is_root:
-            out.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(out / "config.yaml", cfg.to_yaml())
-        self.logger = RunLogger(out, self.dist.is_root, self.total_steps, self.global_batch,
-                                cfg.train.log_every, cfg.output.tensorboard,
-                                start_step=self.state.step)
-        self.pending_ids = []
-        if cfg.output.sample_log:
-            self.sample_log = SampleLog(out, self.dist.is_root, start_step=self.state.step)
+    def header(self) -> str:
+        cfg, spec, k = self.cfg, self.spec, self.cfg.train.accumulate
+        return (
+            f"ringfeed train: {cfg.framework}, {self.dist.size} rank(s), model {cfg.model.name}, "
+            f"{spec.task} on {spec.input_key} {spec.input_shape}, global batch "
+            f"{self.global_batch} = {self.dist.size} x {cfg.data.batch_size} x {k} accumulated, "
+            f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps, "
+            f"{cfg.train.precision}, peak lr {self.schedule.peak:.3g}")
 
-    def close_loaders(self) -> None:
-        """Stop loader worker processes (torch) and read-ahead threads now rather than at
-        interpreter exit."""
-        for loader in (getattr(self, "loader", None), getattr(self, "val_loader", None),
-                       getattr(self, "train_pipe", None)):  # the pipe's read-ahead threads
-            close = getattr(loader, "close", None)
-            if close is not None:
-                close()
-        self.loader = self.val_loader = None
-
-    def close_logs(self) -> None:
-        for log in (self.logger, self.sample_log):
-            if log is not None:
-                log.close()
-
+    # -- checkpoints --------------------------------------------------------------------------
     def restore(self) -> None:
         """Rank 0 checks that checkpoints can be written, finds and loads the checkpoint;
         everyone takes rank 0's state. Errors are decided on rank 0 and raised on every rank
@@ -297,126 +373,6 @@ class Trainer:
                 raise
             self.say(f"warning: {e}; training on WITHOUT checkpoints (checkpoint.on_error: warn)")
 
-    # -- the loop -----------------------------------------------------------------------------
-    def run(self) -> int:
-        self.setup()
-        signals = SignalRequests(self.cfg.checkpoint.save_on_signal)
-        try:
-            stopped = self.train_until_done(signals)
-            self.wrap_up(stopped)
-        finally:
-            signals.restore()
-            self.close_loaders()
-            self.close_logs()
-        return EXIT_PREEMPTED if stopped else 0
-
-    def train_until_done(self, signals: SignalRequests) -> bool:
-        """Steps until total_steps; True when stopped by a signal."""
-        state, k = self.state, self.cfg.train.accumulate
-        if self.loader is None:
-            self.loader = self.backend.loader(self.train_pipe)
-            self.val_loader = self.backend.loader(self.val_pipe) if self.val_pipe else None
-        self.first_step = state.step
-        self.t_last = time.perf_counter()
-        while state.step < self.total_steps:
-            if self.train_pipe.batches_remaining == 0:  # (also when resumed at its end)
-                self.train_pipe.set_epoch(self.train_pipe.epoch + 1)
-            state.epoch = self.train_pipe.epoch
-            # read the next epoch ahead only if the run goes on into it
-            self.train_pipe.read_ahead = (
-                state.step + self.train_pipe.batches_remaining // k < self.total_steps)
-            for micro, waited in micro_batch_groups(self.loader, k):
-                if self.step(micro, waited, signals):
-                    return True
-                if state.step >= self.total_steps:
-                    break
-            else:  # the epoch's batches are exhausted
-                if self.cfg.train.val_every is None:
-                    self.validate()
-                self.t_last = time.perf_counter()
-        return False
-
-    def step(self, micro: list[Any], waited: float, signals: SignalRequests) -> bool:
-        """One optimizer step and what follows it; True when a signal asked to stop."""
-        cfg, state, backend = self.cfg, self.state, self.backend
-        faults.before_step(state.step + 1, self.dist.rank)
-        lr = self.schedule(state.step)
-        result = backend.train_step(micro, lr, signals.take())
-        if not result.finite:
-            raise TrainingDiverged(
-                f"loss is {result.loss} at step {state.step + 1} (epoch "
-                f"{state.epoch}); stopped before applying that update; last "
-                f"checkpoint: {state.last_checkpoint or 'none'} (try a lower "
-                "optim.lr, optim.warmup_steps, train.grad_clip, or fp32/bf16)")
-        state.step += 1
-        now = time.perf_counter()
-        if state.step > self.first_step + 1:  # the first step traces/compiles: not timed
-            self.totals.add(self.global_batch, now - self.t_last, waited)
-        self.recent_losses.append(result.loss)
-        # grad norm / loss scale are read (a device sync) only when a log line is written
-        self.logger.train_step(state.step, state.epoch, result.loss, lr,
-                               now - self.t_last, waited, lambda: self._step_extras(result))
-        if self.sample_log is not None:
-            self.pending_ids.append((state.step, state.epoch, valid_sample_ids(micro)))
-            if state.step % cfg.train.log_every == 0:
-                self.flush_sample_log()
-        if cfg.train.val_every and state.step % cfg.train.val_every == 0:
-            self.validate()
-        every = cfg.checkpoint.every_steps
-        if (every and state.step % every == 0) or result.save_requested \
-                or result.stop_requested:
-            self.save("signal" if result.save_requested or result.stop_requested
-                      else "every_steps")
-        self.after_step()
-        self.t_last = time.perf_counter()
-        return result.stop_requested
-
-    def after_step(self) -> None:
-        """Hook: elastic runs commit their state here."""
-
-    def flush_sample_log(self) -> None:
-        """Collective: the sample ids of the steps since the last flush, from every rank, into
-        samples.jsonl (one allgather per log_every steps, and before every checkpoint, commit
-        and the end, so the file always covers the steps a checkpoint or commit holds). All
-        ranks have the same steps pending, so all of them gather or none."""
-        if self.sample_log is None or not self.pending_ids:
-            return
-        pending, self.pending_ids = self.pending_ids, []
-        gathered = self.backend.gather_object([ids for _, _, ids in pending])
-        for i, (step, epoch, _) in enumerate(pending):
-            self.sample_log.step(step, epoch, [rank_ids[i] for rank_ids in gathered])
-
-    def wrap_up(self, stopped: bool) -> None:
-        """Collective: the last validation and checkpoint, the summary, and a barrier."""
-        state = self.state
-        if not stopped:
-            if self.val_pipe is not None and state.last_val_step != state.step:
-                self.validate()
-            if state.saved_step != state.step and self.failed_save_step != state.step:
-                self.save("end")
-        self.finish("stopped by SIGTERM" if stopped else "finished")
-        # Nobody leaves before rank 0 has written everything: a launcher kills the rest
-        # of the job as soon as one rank exits.
-        self.backend.allreduce_sum({"done": 0.0})
-
-    def _step_extras(self, result) -> dict[str, float]:
-        extras = {}
-        if result.grad_norm is not None:
-            extras["grad_norm"] = result.grad_norm
-        if result.loss_scale is not None:
-            extras["loss_scale"] = result.loss_scale
-            extras["skipped"] = float(not result.applied)
-        return extras
-
-    def validate(self) -> dict[str, float]:
-        if self.val_pipe is None:
-            return {}
-        metrics = evaluate(self.backend, self.val_pipe, self.val_loader)
-        self.state.last_val_step = self.state.step
-        self.last_val = metrics
-        self.logger.validation(self.state.step, self.state.epoch, metrics)
-        return metrics
-
     def save(self, reason: str) -> None:
         """Collective (RNG states are gathered from every rank); rank 0 writes and every rank
         learns whether it worked, so a failed write stops all of them together (or, under
@@ -449,6 +405,33 @@ class Trainer:
         state.last_checkpoint = checkpoint_path(cfg.checkpoint_dir, state.step)
         state.saved_step = state.step
 
+    # -- logs and teardown -------------------------------------------------------------------
+    def open_logs(self) -> None:
+        """Rank 0's metrics and sample logs, rewound to the current step."""
+        cfg, out = self.cfg, Path(self.cfg.output.dir)
+        self.close_logs()
+        if self.dist.is_root:
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(out / "config.yaml", cfg.to_yaml())
+        self.logger = RunLogger(out, self.dist.is_root, self.total_steps, self.global_batch,
+                                cfg.train.log_every, cfg.output.tensorboard,
+                                start_step=self.state.step)
+        self.pending_ids = []
+        if cfg.output.sample_log:
+            self.sample_log = SampleLog(out, self.dist.is_root, start_step=self.state.step)
+
+    def flush_sample_log(self) -> None:
+        """Collective: the sample ids of the steps since the last flush, from every rank, into
+        samples.jsonl (one allgather per log_every steps, and before every checkpoint, commit
+        and the end, so the file always covers the steps a checkpoint or commit holds). All
+        ranks have the same steps pending, so all of them gather or none."""
+        if self.sample_log is None or not self.pending_ids:
+            return
+        pending, self.pending_ids = self.pending_ids, []
+        gathered = self.backend.gather_object([ids for _, _, ids in pending])
+        for i, (step, epoch, _) in enumerate(pending):
+            self.sample_log.step(step, epoch, [rank_ids[i] for rank_ids in gathered])
+
     def finish(self, status: str) -> None:
         """Collective: the run's data-wait share is averaged over all ranks."""
         totals, recent_losses = self.totals, self.recent_losses
@@ -459,7 +442,7 @@ class Trainer:
             "step": self.state.step, "epoch": self.state.epoch,
             "epochs_done": round(self.state.step / self.steps_per_epoch, 3),
             "final_loss": sum(recent_losses) / len(recent_losses) if recent_losses else None,
-            "val": getattr(self, "last_val", {}),
+            "val": self.last_val,
             "train_seconds": totals.step_s, "samples_per_s": totals.samples_per_s,
             "data_wait_share": waits["wait"] / waits["step"] if waits["step"] else 0.0,
             "checkpoint": str(self.state.last_checkpoint) if self.state.last_checkpoint else None,
@@ -467,6 +450,26 @@ class Trainer:
             "pipeline": self.train_pipe.stats(),
         }
         self.logger.summary(summary)
+
+
+    def close_loaders(self) -> None:
+        """Stop loader worker processes (torch) and read-ahead threads now rather than at
+        interpreter exit."""
+        for closable in (self.loader, self.val_loader, self.train_pipe):
+            close = getattr(closable, "close", None)  # (tf.data datasets have none)
+            if close is not None:
+                close()
+        self.loader = self.val_loader = None
+
+    def close_logs(self) -> None:
+        for log in (self.logger, self.sample_log):
+            if log is not None:
+                log.close()
+        self.logger = self.sample_log = None
+
+    def close(self) -> None:
+        self.close_loaders()
+        self.close_logs()
 
 
 def valid_sample_ids(micro_batches: list[dict[str, Any]]) -> list[int]:
@@ -479,8 +482,4 @@ def valid_sample_ids(micro_batches: list[dict[str, Any]]) -> list[int]:
 
 
 def train(cfg: RunConfig) -> int:
-    if cfg.elastic.enabled:
-        from train.elastic import ElasticTrainer
-
-        return ElasticTrainer(cfg).run()
     return Trainer(cfg).run()

@@ -28,7 +28,7 @@ import tensorflow as tf
 from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
 
-from train.backend import STATS_LOSS, Dist, StepResult, gpu_for_rank, metric_sums
+from train.backend import STATS_LOSS, Dist, StepResult, choose_gpu, metric_sums
 from train.data import REGRESS, DataSpec, split_batch
 from train.losses import regression_fns
 from train.models import build_model
@@ -73,10 +73,11 @@ class TFBackend:
         gpus = tf.config.list_physical_devices("GPU")
         for gpu in gpus:
             tf.config.experimental.set_memory_growth(gpu, True)
-        views = hvd.allgather_object(
-            (hvd.cross_rank(), os.environ.get("CUDA_VISIBLE_DEVICES"), len(gpus)),
-            name="ringfeed.gpus")
-        gpu = gpu_for_rank(self.dist.rank, views, cfg.train.share_gpus)
+        gather = None if cfg.elastic.enabled else (
+            lambda view: hvd.allgather_object(view, name="ringfeed.gpus"))
+        gpu = choose_gpu((hvd.cross_rank(), os.environ.get("CUDA_VISIBLE_DEVICES"), len(gpus)),
+                         self.dist.rank, self.dist.local_rank, hvd.local_size(),
+                         cfg.train.share_gpus, gather)
         if gpu is not None:
             tf.config.set_visible_devices(gpus[gpu], "GPU")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 
-from train.backend import Dist, StepResult, gpu_for_rank, metric_sums
+from train.backend import Dist, StepResult, choose_gpu, metric_sums
 from train.checkpoint import open_for_write
 from train.data import REGRESS, DataSpec, split_batch
 from train.losses import regression_fns
@@ -100,9 +99,11 @@ class TorchBackend:
         self.cfg = cfg
         self.dist = Dist(hvd.rank(), hvd.size(), hvd.local_rank())
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        views = hvd.allgather_object(
-            (hvd.cross_rank(), os.environ.get("CUDA_VISIBLE_DEVICES"), count), name="ringfeed.gpus")
-        gpu = gpu_for_rank(self.dist.rank, views, cfg.train.share_gpus)
+        devices = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(count))
+        gather = None if cfg.elastic.enabled else (
+            lambda view: hvd.allgather_object(view, name="ringfeed.gpus"))
+        gpu = choose_gpu((hvd.cross_rank(), devices, count), self.dist.rank,
+                         self.dist.local_rank, hvd.local_size(), cfg.train.share_gpus, gather)
         if gpu is None:
             self.device = torch.device("cpu")
         else:

@@ -28,7 +28,7 @@ class InMemoryTrainer(Trainer):
     profile: Path | None = None
     warmup = 0
 
-    def train_until_done(self, signals: SignalRequests) -> bool:
+    def train(self, signals: SignalRequests) -> bool:
         loader = self.backend.loader(self.train_pipe)
         iterator = iter(loader)
         batch = next(iterator)
@@ -44,7 +44,7 @@ class InMemoryTrainer(Trainer):
 
         self.loader, self.val_loader = Repeat(), None
         self.ends: list[float] = []
-        return super().train_until_done(signals)
+        return super().train(signals)
 
     def step(self, micro, waited, signals) -> bool:
         if len(self.ends) == self.warmup and self.profile is not None and self.dist.is_root:

@@ -1,0 +1,68 @@
+"""What a run carries besides the model: its progress (`TrainState`, the one progress counter),
+what it survived (`Recovery`), and the signal requests the loop agrees on across ranks. The
+loop (train/loop.py) and the elastic strategy (train/elastic.py) both use them."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class TrainState:
+    """All progress of a run in one place (what an elastic state object commits)."""
+
+    step: int = 0  # optimizer steps completed
+    epoch: int = 0  # the train pipeline's epoch
+    last_checkpoint: Path | None = None
+    saved_step: int = -1
+    last_val_step: int = -1
+
+
+@dataclass
+class Recovery:
+    """What this run survived, reported at the end (summary.json "recovery")."""
+
+    restarts: int = 0  # relaunches by `ringfeed run` before this one
+    elastic_resets: int = 0  # world-size changes and failures handled by Horovod Elastic
+    rollbacks: int = 0  # resets that went back to the last commit
+    steps_redone: int = 0  # optimizer steps lost to those rollbacks
+    failed_checkpoints: int = 0  # saves that failed under checkpoint.on_error: warn
+
+    def describe(self) -> str:
+        text = (f"{self.restarts} restart(s), {self.elastic_resets} elastic reset(s), "
+                f"{self.rollbacks} rollback(s) ({self.steps_redone} step(s) redone)")
+        if self.failed_checkpoints:
+            text += f", {self.failed_checkpoints} checkpoint(s) NOT written"
+        return text
+
+
+class SignalRequests:
+    """SIGTERM (what schedulers send before killing a job): save, then stop. SIGUSR1: save and
+    carry on. The handlers only set flags; the loop agrees on them across ranks at the next
+    step, so a signal that reaches one rank stops all of them at the same step."""
+
+    def __init__(self, enabled: bool):
+        self.save = self.stop = False
+        self._previous: dict[int, Any] = {}
+        if enabled:
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)
+            self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_usr1)
+
+    def _on_term(self, signum, frame) -> None:
+        self.stop = True
+
+    def _on_usr1(self, signum, frame) -> None:
+        self.save = True
+
+    def take(self) -> tuple[float, float]:
+        """(save, stop) for this step; a save request is consumed by taking it."""
+        requests = (float(self.save), float(self.stop))
+        self.save = False
+        return requests
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
