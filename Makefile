@@ -12,6 +12,9 @@ setup:            ## create .venv, install the pinned stack, build/cache Horovod
 test: setup       ## the whole suite (what CI runs)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+test-fast: setup  ## the unit tier (no subprocess, no server): what to run while editing
+	$(BIN)/python -m pytest -q -m "not integration and not system" $(PYTEST_ARGS)
+
 demo: setup       ## the main job: digits -> shards -> 2-rank Horovod training, torch then TF
 	$(BIN)/python examples/demo.py
 

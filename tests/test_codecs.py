@@ -486,6 +486,7 @@ def test_jpeg_channels_without_simplejpeg_agrees(monkeypatch):
     assert gpu_decode.jpeg_channels(cases["gray"][0]) == 1
 
 
+@pytest.mark.system
 def test_importing_the_modules_needs_no_torch():
     import subprocess
 
@@ -503,6 +504,7 @@ def test_no_warnings_on_the_fast_path():
         codecs.decode_image(data, (16, 16))
 
 
+@pytest.mark.integration
 def test_decode_bench_quick(tmp_path):
     """benchmarks/decode_bench.py --quick runs end to end (timings are not asserted)."""
     import importlib.util

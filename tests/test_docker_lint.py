@@ -34,6 +34,7 @@ def _tool(name: str) -> Path:
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=_rel)
+@pytest.mark.system
 def test_hadolint_clean(dockerfile: Path) -> None:
     result = subprocess.run([_tool("hadolint"), "--no-color", dockerfile], capture_output=True,
                             text=True, timeout=60)
@@ -41,6 +42,7 @@ def test_hadolint_clean(dockerfile: Path) -> None:
 
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=_rel)
+@pytest.mark.system
 def test_shellcheck_clean(script: Path) -> None:
     result = subprocess.run([_tool("shellcheck"), "--external-sources", _rel(script)],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -62,6 +64,7 @@ def _apptainer_sections() -> list[tuple[str, str]]:
     return sections
 
 
+@pytest.mark.system
 def test_apptainer_scriptlets_pass_shellcheck(tmp_path: Path) -> None:
     sections = _apptainer_sections()
     defaults = dict(line.strip().split("=", 1) for head, body in sections

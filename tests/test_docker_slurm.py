@@ -13,7 +13,10 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from helpers import REPO
+
+pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 
 REQUEUE_SH = REPO / "docker" / "slurm" / "requeue.sh"
 

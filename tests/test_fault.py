@@ -325,6 +325,8 @@ EXIT_WITH_OPEN_LOADER = """
 import os, signal, sys, time
 from pipeline import ShardPipeline
 from pipeline.torch import make_loader
+
+pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 pipe = ShardPipeline(sys.argv[1], batch_size=4, num_workers=2, rank=0, world_size=1)
 loader = make_loader(pipe)
 next(iter(loader))

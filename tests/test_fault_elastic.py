@@ -20,6 +20,8 @@ from fault_util import losses, read_jsonl, samples_by_epoch, wait_for, worker_pr
 from helpers import BIN, test_env
 from train_util import finish, start, toy_config, write_config, write_toy_shards
 
+pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
+
 N_TRAIN, BATCH = 480, 4
 COMMIT = 5
 # The victim dies as step 43 starts: steps 41-42 are redone from the commit at 40. Late enough

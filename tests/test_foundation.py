@@ -9,6 +9,8 @@ import subprocess
 import pytest
 from helpers import BIN, REPO, horovodrun, ringfeed, run, test_env
 
+pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
+
 SMOKE = REPO / "tests" / "scripts" / "hvd_smoke.py"
 
 

@@ -39,6 +39,7 @@ def patch(src: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.system
 def test_patches_apply_once_and_are_idempotent(horovod_src):
     from patch_horovod import EDITS
 
@@ -51,6 +52,7 @@ def test_patches_apply_once_and_are_idempotent(horovod_src):
     assert {rel: (horovod_src / rel).read_text() for rel in before} == after
 
 
+@pytest.mark.system
 def test_gcc13_includes_are_direct_and_headers_compile(horovod_src):
     """GCC 13's libstdc++ stopped including <string>/<stdexcept> from other headers; the two
     headers now include what they use. (This machine's GCC is older, so the failure itself does
@@ -68,6 +70,7 @@ def test_gcc13_includes_are_direct_and_headers_compile(horovod_src):
         assert res.returncode == 0, res.stderr[-2000:]
 
 
+@pytest.mark.system
 def test_other_sources_are_refused_with_one_line(tmp_path, horovod_src):
     other = tmp_path / "horovod-x"
     shutil.copytree(horovod_src, other)
@@ -178,6 +181,7 @@ def test_build_env_and_cli(tmp_path, monkeypatch, capsys):
     assert err == "setup: no CUDA toolkit found (x)\n"
 
 
+@pytest.mark.system
 def test_install_sh_gpu_build_refuses_a_cpu_torch():
     """HOROVOD_GPU_OPERATIONS=NCCL with this machine's CPU torch: one line naming the fix,
     before anything of the installed Horovod is touched."""
@@ -189,6 +193,7 @@ def test_install_sh_gpu_build_refuses_a_cpu_torch():
     assert len(lines) == 1 and "is not a CUDA build" in lines[0] and "TORCH_INDEX_URL" in lines[0]
 
 
+@pytest.mark.system
 def test_gpu_check_on_a_machine_without_gpu_says_so_in_one_line(tmp_path):
     env = {**os.environ, "REPORT_DIR": str(tmp_path)}
     env["PATH"] = ":".join(p for p in env["PATH"].split(":")

@@ -367,6 +367,7 @@ def test_fail_policy_through_torch_workers_is_one_clear_error(tmp_path):
     assert "s0001_00002" in str(err.value) and "Traceback" not in str(err.value)
 
 
+@pytest.mark.integration
 def test_missing_shard_is_an_error_after_retries(tmp_path):
     paths = write_shards(tmp_path, [6, 6])
     paths[1].unlink()
@@ -383,6 +384,7 @@ def test_shard_list_without_manifest_counts_samples(uneven):
     assert collect(from_list) == collect(make(uneven, rank=1, world_size=2))
 
 
+@pytest.mark.system
 def test_pipe_urls_refused_unless_allowed(uneven):
     urls = [f"pipe:cat {p}" for p in sorted(uneven.glob("*.tar"))]
     with pytest.raises(PipelineError, match="allow_pipe=True"):

@@ -15,6 +15,9 @@ from pipeline_util import collect, write_shards
 
 from pipeline import ShardPipeline
 
+# servers on 127.0.0.1 / loader worker processes (tests/conftest.py: tiers)
+pytestmark = pytest.mark.integration
+
 SIZES = [3, 14, 5, 9, 2, 11]
 
 
@@ -34,6 +37,7 @@ def tf_batches(dataset) -> list[dict]:
     return [{k: v.numpy() for k, v in batch.items()} for batch in dataset]
 
 
+@pytest.mark.system
 def test_import_pipeline_loads_neither_torch_nor_tf():
     code = ("import sys, pipeline; bad = [m for m in ('torch', 'tensorflow') if m in sys.modules];"
             " print(bad); sys.exit(1 if bad else 0)")
@@ -43,6 +47,7 @@ def test_import_pipeline_loads_neither_torch_nor_tf():
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.system
 def test_torch_and_tf_yield_the_same_samples_in_the_same_order(shard_dir, workers):
     import torch
 
@@ -69,6 +74,7 @@ def test_torch_and_tf_yield_the_same_samples_in_the_same_order(shard_dir, worker
     assert tf_pipe.state_dict() == reference.state_dict()
 
 
+@pytest.mark.system
 def test_tf_counts_batches_the_caller_pulled_and_resumes(shard_dir):
     from pipeline.tf import make_dataset
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
 from helpers import REPO
+
+pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 
 
 def test_pipeline_bench_quick(tmp_path):

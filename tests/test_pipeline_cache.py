@@ -14,6 +14,9 @@ from pipeline import PipelineDataError, ShardPipeline
 from pipeline.cache import ShardCache
 from pipeline.source import ShardRef
 
+# servers on 127.0.0.1 / loader worker processes (tests/conftest.py: tiers)
+pytestmark = pytest.mark.integration
+
 SIZES = [6, 9, 4, 7, 5]
 
 

@@ -232,6 +232,7 @@ def test_a_bad_sample_keeps_its_shard_out_of_the_cache_and_is_skipped_as_before(
         assert cached.stats()["skipped"] == plain.stats()["skipped"] == 1
 
 
+@pytest.mark.system
 def test_two_processes_share_one_decoded_cache(shard_dir, tmp_path):
     """Two ranks of one host fill and read the same cache directory at the same time."""
     script = tmp_path / "rank.py"

@@ -4,11 +4,14 @@ batches with one image field (the manifest's first image kind), every sample val
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from helpers import ringfeed
 from PIL import Image
 
 from pipeline import ShardPipeline
 from shards.manifest import Manifest
+
+pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 
 
 def test_mixed_png_and_jpeg_folder_streams_every_sample(tmp_path):

@@ -81,6 +81,7 @@ def test_imagefolder_tells_formats_by_content(capsys, tmp_path):
                       "a_j": "jpg", "a_bare": "png", "a_d": "jpg"}
 
 
+@pytest.mark.system
 def test_webdataset_and_tar_read_the_shards(capsys, tmp_path, images):
     import webdataset as wds
 

@@ -417,6 +417,7 @@ def test_build_index_of_corrupt_tars():
     assert index.keys == ["a"] and "ends inside a tar header" in reason
 
 
+@pytest.mark.system
 def test_sparse_members_are_not_indexable(tmp_path):
     import subprocess
 

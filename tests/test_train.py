@@ -29,6 +29,8 @@ from train_util import (
 
 from train.cli import main
 
+pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
+
 RINGFEED = BIN / "ringfeed"
 HOROVODRUN = BIN / "horovodrun"
 USER_CODE_ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
