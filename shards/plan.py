@@ -17,6 +17,7 @@ from shards.errors import UserError
 from shards.members import TAR_END, TAR_RECORD, tar_file_bytes
 from shards.options import ShardOptions
 from shards.sources import Source
+from shards.split import draw_val
 
 SPLIT_ORDER = ("train", "val", "test")
 PLAN_VERSION = 1
@@ -64,34 +65,10 @@ def assign_splits(source: Source, val_fraction: float, seed: int) -> dict[str, t
     if "val" in source.parts:
         raise UserError(f"{source.path} already has a val split; drop --val-fraction")
     train = source.parts["train"]
-    is_val = choose_val(len(train), train.labels, val_fraction, np.random.default_rng([seed, 0]))
-    if is_val.all() or not is_val.any():
-        raise UserError(f"--val-fraction {val_fraction} of {len(train)} samples leaves "
-                        f"{'no train' if is_val.all() else 'no val'} samples")
+    is_val = draw_val(len(train), train.labels, val_fraction, seed)
     splits["train"] = ("train", np.flatnonzero(~is_val))
     splits["val"] = ("train", np.flatnonzero(is_val))
     return splits
-
-
-def choose_val(n: int, labels: np.ndarray | None, fraction: float,
-               rng: np.random.Generator) -> np.ndarray:
-    """A mask of round(n * fraction) samples, stratified by class when labels are known."""
-    k = max(1, round(n * fraction))
-    if labels is None:
-        picked = rng.permutation(n)[:k]
-    else:
-        classes, counts = np.unique(labels, return_counts=True)
-        quota = counts * fraction
-        take = np.floor(quota).astype(np.int64)
-        # largest remainders first, so the per-class counts add up to k
-        extra = np.argsort(-(quota - take), kind="stable")[: max(0, k - int(take.sum()))]
-        take[extra] += 1
-        take = np.minimum(take, counts)
-        picked = np.concatenate([rng.permutation(np.flatnonzero(labels == c))[:t]
-                                 for c, t in zip(classes, take, strict=True)])
-    mask = np.zeros(n, dtype=bool)
-    mask[picked] = True
-    return mask
 
 
 def pack(sizes: np.ndarray, max_size: int | None, max_count: int | None) -> list[tuple[int, int]]:

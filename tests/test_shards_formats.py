@@ -389,7 +389,7 @@ def _stream(out, split: str) -> list[int]:
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "byte_tok:ByteTokenizer"])
 def test_text_val_fraction_draws_whole_documents(capsys, tmp_path, monkeypatch, tokenizer):
-    from shards.plan import choose_val
+    from shards.split import choose_val
 
     (tmp_path / "byte_tok.py").write_text(BYTE_TOKENIZER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -27,6 +27,7 @@ from shards.members import member_tar_bytes, npy_bytes
 from shards.options import ShardOptions
 from shards.parallel import parallel_map
 from shards.sources.base import WORK_DIR, Part, Source, WorkDir, int_sizes, source_splits
+from shards.split import draw_val
 from shards.tokenizers import Tokenizer, load_tokenizer
 
 MEMBER = "tokens.npy"
@@ -144,16 +145,10 @@ class Text(Source):
     @staticmethod
     def _val_documents(files: list[Path], opts: ShardOptions) -> np.ndarray:
         """A mask over the documents of `files`, in order: the ones drawn into val."""
-        from shards.plan import choose_val  # plan imports the sources package
-
         n = sum(_count_documents(f, opts.text_field) for f in files)
         seed = opts.shuffle_seed if opts.shuffle_seed is not None else 0
-        is_val = choose_val(n, None, opts.val_fraction, np.random.default_rng([seed, 0]))
-        if is_val.all() or not is_val.any():
-            raise UserError(f"--val-fraction {opts.val_fraction} of {n} document(s) in "
-                            f"{opts.src} leaves {'no train' if is_val.all() else 'no val'} "
-                            "documents (text is split by document)")
-        return is_val
+        return draw_val(n, None, opts.val_fraction, seed, unit="documents",
+                        why=f" in {opts.src} (text is split by document)")
 
     def _files(self, path: Path, pattern: str) -> list[Path]:
         if path.is_file():
