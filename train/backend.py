@@ -141,8 +141,45 @@ class Backend(Protocol):
     def after_rollback(self) -> None:
         """Drop what a step cut short by a failure left behind (partial gradients)."""
 
+    # Local SGD (train.sync_every) and communication -----------------------------------------
+    def sync_replicas(self) -> None:
+        """Collective: average the replicas now if local SGD steps were taken since the last
+        sync (no-op for sync_every: 1, or right after a sync). Call before validation, every
+        checkpoint and the end of training, so they see one model, not rank 0's own."""
+
+    def comm_stats(self) -> dict[str, float]:
+        """This rank's gradient/parameter allreduce payload so far: CommStats.as_dict()."""
+
 
 GpuView = tuple[int, Any, int]  # (host, the identity of the devices a rank sees, their count)
+
+
+class CommStats:
+    """What one rank hands to gradient and parameter allreduces (payload bytes, after fp16
+    compression; a ring allreduce puts 2(n-1)/n times that on each link) and the samples it
+    trained on, for summary.json's "allreduce bytes per sample". The per-step agreement vector
+    (12 bytes) is not counted."""
+
+    def __init__(self, sync_every: int):
+        self.sync_every = sync_every
+        self.bytes = 0
+        self.samples = 0
+        self.steps = 0
+        self.syncs = 0  # gradient allreduces (sync_every 1) or parameter averagings
+
+    def step(self, samples: int) -> None:
+        self.steps += 1
+        self.samples += samples
+
+    def sync(self, nbytes: int) -> None:
+        self.syncs += 1
+        self.bytes += nbytes
+
+    def as_dict(self) -> dict[str, float]:
+        return {"allreduce_bytes_per_sample": self.bytes / self.samples if self.samples else 0.0,
+                "allreduce_bytes": float(self.bytes), "samples": float(self.samples),
+                "steps": float(self.steps), "syncs": float(self.syncs),
+                "sync_every": float(self.sync_every)}
 
 
 def gpu_for_rank(rank: int, views: list[GpuView], share: bool) -> int | None:

@@ -33,6 +33,7 @@ from pydantic import (
 from shards.errors import UserError
 from shards.fsutil import parse_size
 from shards.manifest import Manifest, ManifestError
+from train.horovod_env import launch_problem
 
 BUILTIN_MODELS = ("mlp", "cnn", "gpt")
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -158,6 +159,15 @@ class TrainSection(_Section):
     # auto: regress (MSE loss; val mse/mae) when the target is a float, else classify (cross
     # entropy; val accuracy); an integer target can be regressed with `regress`
     task: Literal["auto", "classify", "regress"] = "auto"
+    # Local SGD: each rank takes this many optimizer steps on its own gradients (no gradient
+    # allreduce), then the parameters are averaged across ranks with one allreduce. 1: today's
+    # synchronous training, one gradient allreduce per step, unchanged.
+    sync_every: PositiveInt = 1
+    # With sync_every > 1: average the optimizer's per-parameter moments too (SGD momentum,
+    # Adam's two moments), so after every sync all ranks hold the same complete state (a
+    # checkpoint is the job's state; a resume is exact). Costs (1 + moments) x the parameter
+    # bytes per sync; false sends the parameters only and each rank keeps its own moments.
+    sync_optimizer_state: bool = True
 
     @field_validator("loss", "metrics")
     @classmethod
@@ -186,6 +196,34 @@ class ElasticSection(_Section):
     commit_every_steps: PositiveInt = 10
 
 
+class HorovodSection(_Section):
+    """Horovod's own knobs, set as its environment variables before hvd.init() on every rank
+    (train/horovod_env.py). A key left null keeps what the launcher or the environment gives
+    (horovodrun's --fusion-threshold-mb etc., or HOROVOD_* variables); a key set here wins
+    over them, so the config stays the record of how the run was made."""
+
+    fusion_threshold_mb: float | None = Field(None, ge=0)  # HOROVOD_FUSION_THRESHOLD; 0: off
+    cycle_time_ms: float | None = Field(None, ge=0)  # HOROVOD_CYCLE_TIME (Horovod: 1 ms)
+    # HOROVOD_HIERARCHICAL_ALLREDUCE: takes effect only with NCCL (GPU builds) on >1 host
+    hierarchical_allreduce: bool | None = None
+    autotune: bool | None = None  # HOROVOD_AUTOTUNE: Bayesian search of fusion/cycle time
+    autotune_log: str | None = None  # HOROVOD_AUTOTUNE_LOG: CSV of every tried setting
+    autotune_warmup_samples: NonNegativeInt | None = None  # (Horovod: 3)
+    autotune_steps_per_sample: PositiveInt | None = None  # (Horovod: 10)
+    timeline: str | None = None  # HOROVOD_TIMELINE: Chrome trace written by rank 0
+    # auto: whatever the launcher set up (horovodrun: Gloo; mpirun: MPI); gloo / mpi: insist
+    # on it (HOROVOD_CONTROLLER and HOROVOD_CPU_OPERATIONS), a launch that cannot give it is
+    # a config error.
+    controller: Literal["auto", "gloo", "mpi"] = "auto"
+
+    @field_validator("autotune_log", "timeline")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("expected a file path")
+        return v
+
+
 class OutputSection(_Section):
     dir: str = "runs/ringfeed"
     tensorboard: bool = True
@@ -202,6 +240,7 @@ class RunConfig(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     elastic: ElasticSection = Field(default_factory=ElasticSection)
+    horovod: HorovodSection = Field(default_factory=HorovodSection)
     output: OutputSection = Field(default_factory=OutputSection)
 
     @property
@@ -331,6 +370,10 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> None:
                 f"ranks ({ranks}) x train.accumulate ({t.accumulate}) = {per_step}"
             )
         d.batch_size = d.global_batch_size // per_step
+    _check_local_sgd(cfg, path)
+    problem = launch_problem(cfg.horovod, os.environ)
+    if problem:
+        raise UserError(f"{path}: {problem}")
     if d.decode_device == "cuda" and cfg.framework != "torch":
         raise UserError(f"{path}: data.decode_device: 'cuda' (nvJPEG through torchvision) "
                         f"needs framework torch, not {cfg.framework}; use 'cpu'")
@@ -351,6 +394,19 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> None:
             if not found:
                 raise UserError(f"{path}: {field}: module {module!r} not found "
                                 "(is it on PYTHONPATH?)")
+
+
+def _check_local_sgd(cfg: RunConfig, path: str | Path) -> None:
+    t = cfg.train
+    if t.sync_every == 1:
+        return
+    if cfg.elastic.enabled:
+        raise UserError(f"{path}: train.sync_every: local SGD (sync_every={t.sync_every}) does "
+                        "not run under elastic; use sync_every: 1 or elastic.enabled: false")
+    if t.fp16_allreduce:
+        raise UserError(f"{path}: train.fp16_allreduce: local SGD (sync_every={t.sync_every}) "
+                        "averages the parameters, which must not be rounded to fp16; "
+                        "set one of them off")
 
 
 def _check_paths(cfg: RunConfig, path: str | Path) -> None:

@@ -1,0 +1,110 @@
+"""The `horovod:` config section as Horovod's environment variables.
+
+Horovod reads its knobs (fusion threshold, cycle time, autotuning, timeline, controller) from
+the environment once, in hvd.init() (horovod/common/operations.cc); horovodrun's flags only set
+the same variables for the ranks it starts. So each backend calls `apply_horovod_env` right
+before hvd.init() on every rank. Precedence: a key set in the config wins over the launcher's
+flags and the inherited environment (the config is what output.dir records about the run, and
+it holds on every launcher); a key left null leaves them alone. Rank 0 prints one line for
+each variable the config replaced with another value.
+
+No Horovod import here: the config module checks the launch (`launch_problem`) before any
+framework is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from shards.errors import UserError
+
+MIB = 1024 * 1024
+# Set by horovodrun's Gloo launch (horovod/runner/gloo_run.py); absent under mpirun.
+GLOO_RENDEZVOUS = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
+MPI_LAUNCH = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+def _flag(value: bool) -> str:
+    return "1" if value else "0"
+
+
+def horovod_env(section: Any) -> dict[str, str]:
+    """{variable: value} for the keys the section sets (null keys: nothing)."""
+    env: dict[str, str] = {}
+    if section.fusion_threshold_mb is not None:
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(section.fusion_threshold_mb * MIB))
+    if section.cycle_time_ms is not None:
+        env["HOROVOD_CYCLE_TIME"] = f"{section.cycle_time_ms:g}"
+    if section.hierarchical_allreduce is not None:
+        env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = _flag(section.hierarchical_allreduce)
+    if section.autotune is not None:
+        env["HOROVOD_AUTOTUNE"] = _flag(section.autotune)
+    for key, var in (("autotune_log", "HOROVOD_AUTOTUNE_LOG"),
+                     ("timeline", "HOROVOD_TIMELINE")):
+        if getattr(section, key) is not None:
+            env[var] = str(Path(getattr(section, key)).absolute())  # ranks may cd elsewhere
+    for key, var in (("autotune_warmup_samples", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"),
+                     ("autotune_steps_per_sample", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE")):
+        if getattr(section, key) is not None:
+            env[var] = str(getattr(section, key))
+    if section.controller != "auto":
+        # horovodrun sets both to the same library; so does this
+        env["HOROVOD_CONTROLLER"] = env["HOROVOD_CPU_OPERATIONS"] = section.controller
+    return env
+
+
+def launch_problem(section: Any, environ: MutableMapping[str, str]) -> str | None:
+    """Why this launch cannot give what the section asks for (a config error), or None.
+
+    A controller the launcher did not set up would not fail cleanly: Gloo without horovodrun's
+    rendezvous server, or MPI in a process horovodrun started without mpirun, makes every rank
+    a world of its own."""
+    if section.autotune is not True:
+        for key in ("autotune_log", "autotune_warmup_samples", "autotune_steps_per_sample"):
+            if getattr(section, key) is not None:
+                return f"horovod.{key}: takes effect only with horovod.autotune: true"
+    gloo_launch = GLOO_RENDEZVOUS in environ
+    mpi_launch = any(var in environ for var in MPI_LAUNCH)
+    if section.controller == "mpi" and gloo_launch:
+        return ("horovod.controller: mpi, but horovodrun started this process with Gloo; "
+                "launch with `horovodrun --mpi ...` or `mpirun ...`, or set controller: auto")
+    if section.controller == "gloo" and mpi_launch and not gloo_launch:
+        return ("horovod.controller: gloo, but mpirun started this process (Gloo needs "
+                "horovodrun's rendezvous); launch with `horovodrun --gloo ...`, or set "
+                "controller: auto")
+    return None
+
+
+def apply_horovod_env(section: Any, environ: MutableMapping[str, str] | None = None,
+                      say: Callable[[str], None] = print) -> dict[str, str]:
+    """Set the section's variables (before hvd.init()); returns them. The timeline's and
+    autotune log's directories are created, a failure naming the field."""
+    environ = os.environ if environ is None else environ
+    env = horovod_env(section)
+    for key in ("timeline", "autotune_log"):
+        value = getattr(section, key)
+        if value is not None:
+            try:
+                Path(value).absolute().parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UserError(f"horovod.{key}: cannot create the directory of {value} "
+                                f"({e.strerror or e})") from None
+    root = environ.get("HOROVOD_RANK", environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0"
+    for var, value in env.items():
+        before = environ.get(var)
+        if root and before is not None and before != value and var != "HOROVOD_CPU_OPERATIONS":
+            say(f"ringfeed: horovod config sets {var}={value} (the launcher or environment "
+                f"had {before})")
+        environ[var] = value
+    return env
+
+
+def check_controller(section: Any, mpi_enabled: bool, gloo_enabled: bool) -> None:
+    """After hvd.init(): the controller asked for is the one Horovod runs."""
+    running = "mpi" if mpi_enabled else "gloo" if gloo_enabled else "none"
+    if section.controller != "auto" and running != section.controller:
+        raise UserError(f"horovod.controller: {section.controller} asked for, but Horovod "
+                        f"runs {running} (launch with horovodrun --{section.controller})")
