@@ -15,6 +15,7 @@ from pipeline.source import ShardRefs
 from shards import manifest_index as mi
 from shards.manifest import Manifest, ManifestError, ShardInfo, Split
 
+pytestmark = pytest.mark.integration  # real files, a server on 127.0.0.1, loader workers
 SIZES = [5, 0, 7, 3]
 
 

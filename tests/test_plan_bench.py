@@ -6,7 +6,10 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
 from helpers import REPO
+
+pytestmark = pytest.mark.system  # every point runs in a process of its own
 
 
 def test_plan_bench_quick(tmp_path):
