@@ -360,3 +360,13 @@ def test_each_error_prints_once(capsys, tmp_path):
     assert main(["train", str(cfg)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("ringfeed: error: "), (out, err)
+
+
+def test_duplicate_keys_name_both_rows(capsys, tmp_path):
+    src = write_rows(tmp_path / "t.csv", ["id", "a"], [["x", 1], ["y", 2], ["x", 3]])
+    code, _, err = cli(capsys, "shard", src, tmp_path / "out", "--format", "csv", "--key", "id")
+    assert_one_error_line(code, err, "t.csv:2 and ", "t.csv:4 both become sample key 'x'")
+    pq.write_table(pa.table({"id": ["x", "y", "x"], "a": [1, 2, 3]}), tmp_path / "t.parquet")
+    code, _, err = cli(capsys, "shard", tmp_path / "t.parquet", tmp_path / "out", "--format",
+                       "parquet", "--key", "id")
+    assert_one_error_line(code, err, "t.parquet: row 0 and ", "t.parquet: row 2 both become")

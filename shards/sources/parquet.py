@@ -140,7 +140,10 @@ class Parquet(TableSource):
                                 f"store it with --field {col.name}=jpg (or png, ..., or bin for "
                                 "opaque bytes)")
 
-    def rows(self, path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    def where(self, path: Path, number: int) -> str:
+        return f"{path}: row {number}"
+
+    def rows(self, path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -159,7 +162,7 @@ class Parquet(TableSource):
                      for n, c in zip(batch.schema.names, batch.columns, strict=True)],
                     names=batch.schema.names)
             for values in batch.to_pylist():
-                yield f"{path}: row {row}", values
+                yield row, values
                 row += 1
 
     def list_dtype(self, name: str) -> Any:

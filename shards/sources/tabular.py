@@ -304,10 +304,14 @@ class TableSource(Source):
         """Update self._columns with every column of one file (a pass over its values)."""
         raise NotImplementedError
 
-    def rows(self, path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(where, {column: typed value, None when missing}) per row, in file order; `where`
-        names the row in messages."""
+    def rows(self, path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(number, {column: typed value, None when missing}) per row, in file order; the number
+        names the row in messages (see where())."""
         raise NotImplementedError
+
+    def where(self, path: Path, number: int) -> str:
+        """A row in messages: `file:line`."""
+        return f"{path}:{number}"
 
     def rest(self, row: dict[str, Any]) -> dict[str, Any]:
         """The `json` member: the columns no other member names."""
@@ -338,12 +342,13 @@ class TableSource(Source):
         rest_seen = False
         for part, files in part_files.items():
             keys, sizes, labels = [], array("q"), array("q")
-            origins: list[str] = []
+            origins = (array("q"), array("q"))  # --key: each row's (file, number), for messages
             stats_path = self._scratch.path / f"{part}.stats"
             self._stat_files[part] = stats_path
             with open(stats_path, "wb") as stats_out:
-                for path in files:
-                    for where, row in self.rows(path):
+                for file, path in enumerate(files):
+                    for number, row in self.rows(path):
+                        where = self.where(path, number)
                         members, paths, sizes_of, numbers = self._encode(row, where, path)
                         self._store.add(part, members, paths)
                         rest_seen |= REST in members
@@ -356,13 +361,15 @@ class TableSource(Source):
                         if self._key_field is not None:
                             key = self._value(row, self._key_field, where, required=True)
                             keys.append(safe_key(str(key)))
-                            origins.append(where)
+                            origins[0].append(file)
+                            origins[1].append(number)
             if not sizes:
                 raise UserError(f"{opts.src}: no rows in {', '.join(map(str, files))}")
             if self._key_field is None:
                 keys = NumberedKeys(len(sizes))
             else:
-                check_unique(keys, lambda i, origins=origins: origins[i], f"split {part!r}")
+                check_unique(keys, lambda i, files=files, origins=origins: self.where(
+                    files[origins[0][i]], origins[1][i]), f"split {part!r}")
             self.parts[part] = Part(keys, int_sizes(np.frombuffer(sizes, np.int64)),
                                     np.frombuffer(labels, np.int64).copy() if labels else None)
         self._store.finish()
@@ -736,16 +743,16 @@ class Tabular(TableSource):
             for name, cell in zip(header, cells, strict=True):
                 self.column(name).see(cell_kind(cell), cell, where)
 
-    def rows(self, path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    def rows(self, path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if self.format == "jsonl":
             for _, line, row in self._lines(path):
-                yield f"{path}:{line}", row
+                yield line, row
             return
         header, records = self._csv(path)
         convert = [(lambda cell: cell) if name == self._key_field  # keys as written
                    else self._converter(self._columns[name]) for name in header]
         for line, cells in records:
-            yield f"{path}:{line}", {name: f(cell) for name, f, cell
+            yield line, {name: f(cell) for name, f, cell
                                      in zip(header, convert, cells, strict=True)}
 
     def _converter(self, col: Column):
