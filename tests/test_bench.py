@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 from helpers import REPO, ringfeed
@@ -47,3 +48,39 @@ def test_every_benchmark_runs_in_quick_mode(tmp_path):
     # The closing table is printed, and a quick run leaves the committed README alone.
     assert "met?" in r.stdout and "allreduce" in r.stdout
     assert readme.read_text() == readme_before
+
+
+GPU_FEED_CONTENDERS = {"in_memory", "webdataset", "ringfeed_off", "ringfeed_warm"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_gpu_feed_bench_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_feed_bench.py is run by `make gpu-check` on GPU machines only; its CPU
+    smoke mode keeps it from rotting here: every contender trains and gets a row, and the
+    markdown table that gpu-check pastes into benchmarks/README.md is in the JSON."""
+    from helpers import run, test_env
+
+    out = tmp_path / "gpu.json"
+    r = run([sys.executable, str(REPO / "benchmarks" / "gpu_feed_bench.py"), "--device", "cpu",
+             "--quick", "--out", str(out)], timeout=400, env=test_env())
+
+    assert r.returncode == 0 and not r.timed_out, r.output[-4000:]
+    result = json.loads(out.read_text())
+    assert result["device"]["type"] == "cpu" and result["machine"]["cpus"] >= 1
+    rows = {row["contender"]: row for row in result["rows"]}
+    assert set(rows) == GPU_FEED_CONTENDERS
+    for row in rows.values():
+        assert row["error"] is None, row
+        assert math.isfinite(row["samples_per_s"]) and row["samples_per_s"] > 0, row
+        assert row["ratio_to_in_memory"] > 0, row
+    # the warm row's epochs really came from the decoded cache the first epoch wrote
+    assert result["ringfeed_first_epoch_filling_cache"]["1"][0]["decoded_entries"] > 0
+    assert rows["ringfeed_warm"]["pipeline_stats"]["cached_samples"] > 0
+    assert rows["ringfeed_off"]["pipeline_stats"]["cached_samples"] == 0
+    assert "samples_per_s" in result["small_model"]["plain"]
+    ring = result["small_model"]["ringfeed"]  # needs Horovod: measured, or says why not
+    assert ring.get("samples_per_s", 0) > 0 or ring["error"].startswith("not measured"), ring
+    table = result["table_md"]
+    assert "| contender |" in table and all(row["label"] in table for row in rows.values())
+    assert table.strip() in r.stdout
