@@ -123,3 +123,74 @@ def test_channels_last_conv_model_two_ranks_equal_one_rank_with_double_batch(run
             assert all(rank[scenario]["channels_last"]), scenario
             assert rel_diff(rank[scenario], ref) <= RTOL, (rank["rank"], scenario)
     assert rel_diff(runs["two"][0]["cl_dp"], runs["two"][1]["cl_dp"]) == 0.0
+
+
+# -- local SGD (train.sync_every) ---------------------------------------------------------------
+SYNC_STEPS = [s for s in range(STEPS) if (s + 1) % 2 == 0]  # sync_every: 2 averages after these
+
+
+def test_local_sgd_sync_every_1_is_the_synchronous_path_bit_for_bit(runs):
+    for rank in runs["two"]:
+        assert rel_diff(rank["lsgd_h1"], rank["dp"]) == 0.0
+        assert rank["lsgd_h1"]["comm"] == rank["dp"]["comm"]
+
+
+def test_local_sgd_on_one_rank_is_plain_training_bit_for_bit(runs):
+    # (Averaging over one rank changes nothing; the local step is the same update.)
+    one = runs["one"]
+    assert rel_diff(one["lsgd_h4"], one["ref"]) == 0.0
+    assert rel_diff(one["lsgd_acc2_h3"], one["acc2"]) == 0.0
+
+
+@pytest.mark.parametrize("prefix", ["lsgd", "lsgd_adam"])
+def test_local_sgd_sync_averages_the_replicas(runs, prefix):
+    """2 ranks, 3 local steps, then the sync == the mean of two single processes each training
+    3 steps on one rank's rows (Adam: with accumulation and clipping)."""
+    one = runs["one"]
+    replicas = [one[f"{prefix}_replica{r}"] for r in (0, 1)]
+    assert rel_diff(replicas[0], replicas[1]) > 1e-2  # the replicas really drifted apart
+    mean = {"weights": [np.mean(pair, axis=0) for pair in
+                        zip(replicas[0]["weights"], replicas[1]["weights"], strict=True)]}
+    for rank in runs["two"]:
+        assert rel_diff(rank[f"{prefix}_window"], mean) <= RTOL
+
+
+@pytest.mark.parametrize("scenario, optimizer_too", [
+    ("lsgd_h2", True), ("lsgd_adam_h2", True), ("lsgd_h2_params", False), ("lsgd_cl_h2", True)])
+def test_local_sgd_ranks_identical_after_every_sync_only(runs, scenario, optimizer_too):
+    if scenario not in runs["two"][0]:
+        pytest.skip("channels_last is a torch memory format")
+    steps = [rank[scenario]["steps"] for rank in runs["two"]]
+    same = [a["weights_digest"] == b["weights_digest"] for a, b in zip(*steps, strict=True)]
+    assert same == [s in SYNC_STEPS for s in range(STEPS)]
+    same_state = [a["optimizer_digest"] == b["optimizer_digest"]
+                  for a, b in zip(*steps, strict=True)]
+    # sync_optimizer_state: false leaves each rank its own moments
+    assert same_state == [optimizer_too and s in SYNC_STEPS for s in range(STEPS)]
+
+
+def test_local_sgd_fp16_keeps_a_loss_scaler_per_rank(runs):
+    """An overflow on rank 1 in a local step skips the step on rank 1 only (its scaler halves,
+    rank 0's does not); the next sync makes the weights identical again."""
+    r0, r1 = (rank["lsgd_fp16_inject"]["steps"] for rank in runs["two"])
+    assert r0[INJECT_STEP]["applied"] and not r1[INJECT_STEP]["applied"]
+    assert not r1[INJECT_STEP]["weights_changed"]
+    assert r1[INJECT_STEP + 1]["loss_scale"] == r1[INJECT_STEP]["loss_scale"] / 2
+    assert r0[INJECT_STEP + 1]["loss_scale"] == r0[INJECT_STEP]["loss_scale"]
+    assert [a["weights_digest"] == b["weights_digest"] for a, b in zip(r0, r1, strict=True)] \
+        == [s in SYNC_STEPS for s in range(STEPS)]
+
+
+def test_allreduce_bytes_per_sample(runs):
+    """comm_stats(): gradient bytes per step (synchronous), parameter (+ moment) bytes per sync
+    (local SGD), over the samples this rank trained on (8 per step here)."""
+    two = runs["two"][0]
+    params = sum(len(w) for w in two["dp"]["weights"])
+    per_sample = {name: two[name]["comm"]["allreduce_bytes_per_sample"]
+                  for name in ("dp", "dp_fp16_allreduce", "lsgd_h2", "lsgd_h2_params",
+                               "lsgd_adam_h2")}
+    sync = params * 4 / 8
+    assert per_sample == {"dp": sync, "dp_fp16_allreduce": sync / 2,
+                          "lsgd_h2": sync,  # parameters + momentum, every 2nd step
+                          "lsgd_h2_params": sync / 2, "lsgd_adam_h2": sync * 1.5}
+    assert two["lsgd_h2"]["comm"]["syncs"] == STEPS / 2

@@ -30,6 +30,7 @@ FEATURES, CLASSES = 8, 3
 GLOBAL_BATCH = 16  # = 2 ranks x 2 micro-batches x 4
 STEPS = 6
 INJECT_STEP = 2  # the fp16 scenario puts an inf into rank 1's gradient at this step
+LOCAL_STEPS = 3  # local SGD's one-window scenarios: 3 local steps, then the averaging
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -270,14 +271,39 @@ def _dist(framework: str) -> tuple[int, int]:
     return dist.rank, dist.size
 
 
+def _digest(arrays: list[Any]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def optimizer_arrays(backend) -> list[np.ndarray]:
+    """The optimizer's state as arrays (torch: every tensor of every parameter's state; Keras:
+    every optimizer variable), in a fixed order."""
+    if backend.name == "torch":
+        state = backend.optimizer.state
+        return [v.detach().cpu().numpy() for p in backend.model.parameters()
+                for _, v in sorted(state.get(p, {}).items()) if hasattr(v, "detach")]
+    return [v.numpy() for v in backend.optimizer.variables]
+
+
 def run_scenario(framework: str, accumulate: int, steps: int = STEPS, inject: bool = False,
-                 image: bool = False, **train: Any) -> dict[str, Any]:
+                 image: bool = False, replica: int | None = None, trace: bool = False,
+                 **train: Any) -> dict[str, Any]:
     """`steps` optimizer steps on fixed global batches of GLOBAL_BATCH; rank r feeds rows
     [r*G/N, (r+1)*G/N) split into `accumulate` micro-batches. `image`: the built-in cnn on
-    toy_images instead of the mlp on toy_arrays."""
+    toy_images instead of the mlp on toy_arrays. `replica`: one process feeds the rows rank
+    `replica` of 2 would (the reference for local SGD's replicas). `trace`: each step records
+    digests of the weights and of the optimizer state."""
     from train.data import CLASSIFY, DataSpec
 
     rank, size = _dist(framework)
+    if replica is not None:
+        assert size == 1
+        rank, size = replica, 2
     per_rank = GLOBAL_BATCH // size
     micro = per_rank // accumulate
     if image:
@@ -300,6 +326,9 @@ def run_scenario(framework: str, accumulate: int, steps: int = STEPS, inject: bo
                                                                strict=True))
         results.append({"loss": r.loss, "applied": r.applied, "loss_scale": r.loss_scale,
                         "weights_changed": changed})
+        if trace:
+            results[-1].update(weights_digest=_digest(backend.weights()),
+                               optimizer_digest=_digest(optimizer_arrays(backend)))
     layouts = None
     if framework == "torch":  # which 4-D weights are stored NHWC (channels_last) after training
         import torch
@@ -307,6 +336,7 @@ def run_scenario(framework: str, accumulate: int, steps: int = STEPS, inject: bo
         layouts = [p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
                    for p in backend.model.parameters() if p.dim() == 4]
     return {"rank": rank, "size": size, "steps": results, "channels_last": layouts,
+            "comm": backend.comm_stats(),
             "initial": [w.astype(np.float64).ravel().tolist() for w in initial],
             "weights": [w.astype(np.float64).ravel().tolist() for w in backend.weights()]}
 
@@ -347,6 +377,15 @@ def steps_main(framework: str, out: Path) -> None:
         if framework == "torch":
             scenarios["conv_ref"] = run_scenario(framework, 1, image=True)
             scenarios["cl_ref"] = run_scenario(framework, 1, image=True, channels_last=True)
+        # local SGD on one rank is plain training; each replica alone, for 2-rank local SGD
+        scenarios["lsgd_h4"] = run_scenario(framework, 1, sync_every=4)
+        scenarios["lsgd_acc2_h3"] = run_scenario(framework, 2, sync_every=3)
+        for r in (0, 1):
+            scenarios[f"lsgd_replica{r}"] = run_scenario(framework, 1, steps=LOCAL_STEPS,
+                                                         replica=r, sync_every=LOCAL_STEPS)
+            scenarios[f"lsgd_adam_replica{r}"] = run_scenario(
+                framework, 2, steps=LOCAL_STEPS, replica=r, sync_every=LOCAL_STEPS,
+                optim="adam", grad_clip=0.5)
     else:
         scenarios["dp"] = run_scenario(framework, 1)  # 2 ranks x 8
         scenarios["dp_acc2"] = run_scenario(framework, 2)  # 2 ranks x 2 micro-batches of 4
@@ -358,6 +397,22 @@ def steps_main(framework: str, out: Path) -> None:
         if framework == "torch":
             scenarios["cl_dp"] = run_scenario(framework, 1, image=True, channels_last=True)
             scenarios["cl_dp_acc2"] = run_scenario(framework, 2, image=True, channels_last=True)
+            scenarios["lsgd_cl_h2"] = run_scenario(framework, 1, image=True, channels_last=True,
+                                                   sync_every=2, trace=True)
+        # local SGD (train.sync_every)
+        scenarios["lsgd_h1"] = run_scenario(framework, 1, sync_every=1)
+        scenarios["lsgd_h2"] = run_scenario(framework, 1, sync_every=2, trace=True)
+        scenarios["lsgd_h2_params"] = run_scenario(framework, 1, sync_every=2, trace=True,
+                                                   sync_optimizer_state=False)
+        scenarios["lsgd_adam_h2"] = run_scenario(framework, 1, sync_every=2, trace=True,
+                                                 optim="adam", grad_clip=0.5)
+        scenarios["lsgd_window"] = run_scenario(framework, 1, steps=LOCAL_STEPS,
+                                                sync_every=LOCAL_STEPS)
+        scenarios["lsgd_adam_window"] = run_scenario(framework, 2, steps=LOCAL_STEPS,
+                                                     sync_every=LOCAL_STEPS, optim="adam",
+                                                     grad_clip=0.5)
+        scenarios["lsgd_fp16_inject"] = run_scenario(framework, 1, inject=True, precision="fp16",
+                                                     model=model, sync_every=2, trace=True)
     if framework == "torch":
         import horovod.torch as hvd
     else:

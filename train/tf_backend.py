@@ -12,6 +12,11 @@ are identical on every rank, so an overflow on one rank skips the step on all of
 A step is one tf.function call: gradients, the grouped allreduce and the agreement allreduce
 (loss, save/stop requests) side by side, the update under a tf.cond on the averaged loss being
 finite (so a NaN/inf loss applies nothing), and one small vector back to Python.
+
+Local SGD (train.sync_every: H > 1): the same step without the gradient allreduce (each rank
+applies its own averaged micro-batch gradients; LossScaleOptimizer checks them per rank), and
+every H steps one more tf.function averages the model's trainable variables and, with
+sync_optimizer_state, the optimizer's per-variable slots in one grouped allreduce.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import tensorflow as tf
 from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
 
-from train.backend import STATS_LOSS, Dist, StepResult, choose_gpu, metric_sums
+from train.backend import STATS_LOSS, CommStats, Dist, StepResult, choose_gpu, metric_sums
 from train.data import REGRESS, DataSpec, split_batch
+from train.horovod_env import apply_horovod_env, check_controller
 from train.losses import regression_fns
 from train.models import build_model
 from train.userhooks import load_callable
@@ -67,7 +73,9 @@ class TFBackend:
     name = "tensorflow"
 
     def __init__(self, cfg):
+        apply_horovod_env(cfg.horovod)  # Horovod reads its knobs in init() only
         hvd.init()
+        check_controller(cfg.horovod, hvd.mpi_enabled(), hvd.gloo_enabled())
         self.cfg = cfg
         self.dist = Dist(hvd.rank(), hvd.size(), hvd.local_rank())
         gpus = tf.config.list_physical_devices("GPU")
@@ -93,15 +101,28 @@ class TFBackend:
                           if t.precision == "fp16" else self.inner_optimizer)
         self.optimizer.build(self.model.trainable_variables)
         self.compression = hvd.Compression.fp16 if t.fp16_allreduce else hvd.Compression.none
+        self.sync_every = t.sync_every
+        self.comm = CommStats(t.sync_every)
+        self._local_steps = 0  # optimizer steps taken; a sync follows every sync_every-th
+        self._unsynced = 0  # local steps since the replicas were last averaged
+        # what one step's gradient allreduce hands to Horovod (fp16 compression halves it)
+        self._grad_bytes = sum(int(np.prod(v.shape)) * (2 if t.fp16_allreduce
+                                                         else np.dtype(v.dtype).itemsize)
+                               for v in self.model.trainable_variables)
         loss_fn, metrics_fn = (regression_fns("tensorflow", spec) if spec.task == REGRESS
                                else (cross_entropy, accuracy))  # MSE for float targets
         self.loss_fn = load_callable(t.loss, "train.loss") if t.loss else loss_fn
         self.metrics_fn = load_callable(t.metrics, "train.metrics") if t.metrics else metrics_fn
         # Explicit variable lists: a Keras 3 model is not a trackable tree of its variables
         # for tf.train.Checkpoint, and model.variables also holds the dropout RNG states.
-        self.checkpoint = tf.train.Checkpoint(
-            model=[v.value for v in self.model.variables],
-            optimizer=[v.value for v in self.optimizer.variables])
+        self._payload = {"model": [v.value for v in self.model.variables],
+                         "optimizer": [v.value for v in self.optimizer.variables]}
+        extra = {}
+        if self.sync_every > 1:  # where the sync period stands, for an exact resume
+            self._steps_var = tf.Variable(0, dtype=tf.int64, trainable=False)
+            extra["local_sgd_steps"] = self._steps_var
+        self.checkpoint = tf.train.Checkpoint(**self._payload, **extra)
+        self._average = tf.function(self._average_fn)
         self._step = tf.function(self._step_fn)
         self._step_keys = [key for key in (spec.input_key, spec.target_key) if key]
         self._evaluate = tf.function(self._evaluate_fn)
@@ -146,8 +167,10 @@ class TFBackend:
             total = grads if total is None else [a + g for a, g in zip(total, grads, strict=True)]
             loss_sum += loss
         k = float(len(micro))
-        reduced = hvd.grouped_allreduce([g / k for g in total], op=hvd.Average,
-                                        compression=self.compression)
+        reduced = [g / k for g in total]
+        if self.sync_every == 1:  # (local SGD: this rank's own gradients)
+            reduced = hvd.grouped_allreduce(reduced, op=hvd.Average,
+                                            compression=self.compression)
         stats = hvd.allreduce(tf.concat([[loss_sum / k], settings[:2]], 0), op=hvd.Average,
                               name="ringfeed_step_stats")
         fp16 = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
@@ -176,11 +199,56 @@ class TFBackend:
         stats, (applied, norm, scale) = out[:3], out[3:]
         if not np.isfinite(stats[STATS_LOSS]):
             return StepResult.from_stats(stats, applied=False)
+        self._count_step(int(micro[0][keys[0]].shape[0]) * len(micro))
         fp16 = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         return StepResult.from_stats(
             stats, applied=applied > 0 or not fp16,
             grad_norm=norm / scale if self.cfg.train.grad_clip else None,
             loss_scale=scale if fp16 else None)
+
+    # -- local SGD and communication ----------------------------------------------------------
+    def _count_step(self, samples: int) -> None:
+        """Bookkeeping after an applied step: the gradient allreduce's bytes (synchronous), or
+        the local step count and, every sync_every-th step, the averaging."""
+        self._local_steps += 1
+        self.comm.step(samples)
+        if self.sync_every == 1:
+            self.comm.sync(self._grad_bytes)
+            return
+        self._unsynced += 1
+        if self._local_steps % self.sync_every == 0:
+            self.sync_replicas()
+
+    def _replica_variables(self) -> list[tf.Variable]:
+        """What a sync averages, in the same order on every rank: the trainable variables,
+        then (with sync_optimizer_state) the optimizer's slots made for them (Keras names a
+        slot `<variable path with _>_<slot>`: SGD's momentum, Adam's momentum and velocity),
+        not its iteration count, learning rate or fp16 loss scale."""
+        trainable = [v for v in self.model.trainable_variables]
+        slots = []
+        if self.cfg.train.sync_optimizer_state:
+            shapes = {v.path.replace("/", "_") + "_": tuple(v.shape) for v in trainable}
+            slots = [s for s in self.inner_optimizer.variables
+                     if any(s.name.startswith(prefix) and tuple(s.shape) == shape
+                            for prefix, shape in shapes.items())]
+        return [v.value for v in trainable + slots]
+
+    def _average_fn(self) -> None:
+        variables = self._replica_variables()
+        for variable, mean in zip(variables, hvd.grouped_allreduce(
+                [tf.convert_to_tensor(v) for v in variables], op=hvd.Average), strict=True):
+            variable.assign(mean)
+
+    def sync_replicas(self) -> None:
+        if self._unsynced == 0:
+            return
+        self._average()
+        self.comm.sync(sum(int(np.prod(v.shape)) * v.dtype.size
+                           for v in self._replica_variables()))
+        self._unsynced = 0
+
+    def comm_stats(self) -> dict[str, float]:
+        return self.comm.as_dict()
 
     def _evaluate_fn(self, x, y):
         out = self.model(x, training=False)
@@ -210,18 +278,28 @@ class TFBackend:
         return None
 
     def write_payload(self, directory: Path, rng_states: Any) -> None:
+        if self.sync_every > 1:
+            self._steps_var.assign(self._local_steps)
         try:
             self.checkpoint.write(str(Path(directory) / CHECKPOINT_PREFIX))
         except tf.errors.OpError as e:  # a full disk, a read-only directory: the I/O error
             raise OSError(e.message.strip().splitlines()[0]) from e
 
     def read_payload(self, directory: Path) -> None:
-        status = self.checkpoint.read(str(Path(directory) / CHECKPOINT_PREFIX))
-        status.assert_existing_objects_matched()
+        prefix = str(Path(directory) / CHECKPOINT_PREFIX)
+        tf.train.Checkpoint(**self._payload).read(prefix).assert_existing_objects_matched()
+        if self.sync_every > 1:  # (absent from a sync_every: 1 checkpoint: starts at 0)
+            self._steps_var.assign(0)
+            tf.train.Checkpoint(local_sgd_steps=self._steps_var).read(prefix).expect_partial()
 
     def sync_from_root(self, resumed: bool) -> None:
-        variables = self.model.variables + self.optimizer.variables
-        hvd.broadcast_variables([v.value for v in variables], root_rank=0)
+        values = [v.value for v in self.model.variables + self.optimizer.variables]
+        if self.sync_every > 1:
+            values.append(self._steps_var)
+        hvd.broadcast_variables(values, root_rank=0)
+        if self.sync_every > 1:
+            self._local_steps = int(self._steps_var.numpy())
+            self._unsynced = 0  # every rank holds rank 0's state now
 
     def weights(self) -> list[Any]:
         return [v.numpy().copy() for v in self.model.weights]

@@ -1,6 +1,11 @@
 """PyTorch + Horovod: DistributedOptimizer with backward_passes_per_step for accumulation,
 autocast (bf16/fp16) and GradScaler (fp16), checkpoints loadable with weights_only=True.
 
+Local SGD (train.sync_every: H > 1) uses the plain torch optimizer instead (no allreduce hooks
+on the gradients: a DistributedOptimizer's hooks fire on every k-th backward pass, so skipping
+them would need every handle cancelled) and averages the parameters, and with
+sync_optimizer_state the per-parameter moments, in one allreduce every H steps.
+
 The fp16 step follows Horovod's recipe so that the overflow check sees the *allreduced*
 gradients, which are identical on every rank: synchronize() -> unscale_() -> clip ->
 step() under skip_synchronize(). An inf on one rank becomes an inf on all ranks after the
@@ -9,6 +14,7 @@ average, so GradScaler skips the step on all of them together.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable
@@ -20,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 
-from train.backend import Dist, StepResult, choose_gpu, metric_sums
+from train.backend import CommStats, Dist, StepResult, choose_gpu, metric_sums
 from train.checkpoint import open_for_write
 from train.data import REGRESS, DataSpec, split_batch
+from train.horovod_env import apply_horovod_env, check_controller
 from train.losses import regression_fns
 from train.models import build_model
 from train.userhooks import load_callable
@@ -91,11 +98,32 @@ def broadcast_tensors(tensors: dict[str, torch.Tensor], root_rank: int = 0) -> N
             tensor.copy_(buffer)
 
 
+def average_tensors(tensors: list[torch.Tensor], name: str) -> int:
+    """Average `tensors` across ranks in place, one flat allreduce per dtype (one Horovod
+    negotiation; strided tensors such as channels_last weights are copied back in their own
+    layout). Returns the bytes handed to Horovod."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    total = 0
+    for dtype, group in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+        flat = torch.cat([t.reshape(-1) for t in group])
+        hvd.allreduce_(flat, op=hvd.Average, name=f"{name}.{str(dtype).removeprefix('torch.')}")
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        total += flat.numel() * flat.element_size()
+    return total
+
+
 class TorchBackend:
     name = "torch"
 
     def __init__(self, cfg):
+        apply_horovod_env(cfg.horovod)  # Horovod reads its knobs in init() only
         hvd.init()
+        check_controller(cfg.horovod, hvd.mpi_enabled(), hvd.gloo_enabled())
         self.cfg = cfg
         self.dist = Dist(hvd.rank(), hvd.size(), hvd.local_rank())
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -121,14 +149,24 @@ class TorchBackend:
         self.model.to(self.device)
         if t.channels_last:
             self.model.to(memory_format=torch.channels_last)
-        self.optimizer = hvd.DistributedOptimizer(
-            make_optimizer(cfg.optim, self.model.parameters()),
-            named_parameters=self.model.named_parameters(),
-            compression=DenseLayout(hvd.Compression.fp16 if t.fp16_allreduce
-                                    else hvd.Compression.none),
-            backward_passes_per_step=t.accumulate,
-            op=hvd.Average,
-        )
+        self.sync_every = t.sync_every
+        self.comm = CommStats(t.sync_every)
+        self._local_steps = 0  # optimizer steps taken; a sync follows every sync_every-th
+        self._unsynced = 0  # local steps since the replicas were last averaged
+        self._moments_everywhere = False  # agreed: every rank's optimizer has its moments
+        self.optimizer = make_optimizer(cfg.optim, self.model.parameters())
+        if self.sync_every == 1:
+            self.optimizer = hvd.DistributedOptimizer(
+                self.optimizer,
+                named_parameters=self.model.named_parameters(),
+                compression=DenseLayout(hvd.Compression.fp16 if t.fp16_allreduce
+                                        else hvd.Compression.none),
+                backward_passes_per_step=t.accumulate,
+                op=hvd.Average,
+            )
+        # what one step's gradient allreduce hands to Horovod (fp16 compression halves it)
+        self._grad_bytes = sum(p.numel() * (2 if t.fp16_allreduce else p.element_size())
+                               for p in self.model.parameters() if p.requires_grad)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
         loss_fn, metrics_fn = (regression_fns("torch", spec) if spec.task == REGRESS
                                else (cross_entropy, accuracy))  # MSE for float targets
@@ -160,41 +198,51 @@ class TorchBackend:
             valid = torch.as_tensor(valid).to(self.device).float()
         return self._inputs(x), y, valid
 
-    def _submit_stats(self, mean_loss: torch.Tensor, requests: tuple[float, float]):
-        """Start the step's agreement allreduce of [loss, save, stop] on the gradients' device
-        (filled from Python numbers: no host-to-device copy, no synchronisation). Submitted
-        just before the last backward pass, it is negotiated with the gradient allreduces that
-        pass starts (or done while it runs), instead of in a Horovod cycle of its own after
-        them."""
-        save, stop = requests
-        stats = torch.stack([mean_loss, mean_loss.new_full((), save),
-                             mean_loss.new_full((), stop)])
+    def _submit_stats(self, mean_loss: torch.Tensor, requests: tuple[float, float],
+                      extra: tuple[float, ...] = ()):
+        """Start the step's agreement allreduce of [loss, save, stop, *extra] on the gradients'
+        device (filled from Python numbers: no host-to-device copy, no synchronisation).
+        Submitted just before the last backward pass, it is negotiated with the gradient
+        allreduces that pass starts (or done while it runs), instead of in a Horovod cycle of
+        its own after them."""
+        stats = torch.stack([mean_loss, *(mean_loss.new_full((), v) for v in (*requests, *extra))])
         return hvd.allreduce_async_(stats, op=hvd.Average, name="ringfeed.step_stats")
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
                    requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        local = self.sync_every > 1
+        # Local SGD: the agreement vector also says whether this rank's optimizer holds its
+        # moments yet (an fp16 overflow skipping a rank's first steps leaves them uncreated),
+        # so every rank averages the same list of tensors.
+        extra = (float(self._has_moments()),) if local else ()
         k = len(micro_batches)
         loss_sum = stats = None
+        samples = 0
         for i, batch in enumerate(micro_batches):
             x, y, _ = split_batch(batch, self.spec)  # (the valid mask only matters to eval)
             x, y = self._inputs(x), torch.as_tensor(y).to(self.device, non_blocking=True)
+            samples += len(y)
             with self._autocast():
                 loss = self.loss_fn(self.model(x), y).float().mean()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             if i == k - 1:
-                stats = self._submit_stats(loss_sum / k, requests)
+                stats = self._submit_stats(loss_sum / k, requests, extra)
             # The k-th backward triggers Horovod's allreduce (backward_passes_per_step=k);
             # dividing by k makes the accumulated gradient the mean over k micro-batches.
+            # (Local SGD: plain accumulation in .grad, no allreduce.)
             self.scaler.scale(loss / k).backward()
-        self.optimizer.synchronize()
+        if not local:
+            self.optimizer.synchronize()
         # The one host synchronisation of a step: every rank decides on the same numbers.
         stats = hvd.synchronize(stats).tolist()
         if not math.isfinite(stats[0]):
             # Nothing is applied: the loop stops the run on every rank (exit 3).
             self.optimizer.zero_grad()
             return StepResult.from_stats(stats, applied=False)
+        if local:
+            self._moments_everywhere = stats[-1] == 1.0
         self.scaler.unscale_(self.optimizer)
         grad_norm = None
         if self.cfg.train.grad_clip:  # a tensor, read on log steps only
@@ -204,7 +252,9 @@ class TorchBackend:
         if self.scaler.is_enabled():
             # (GradScaler.step reads its overflow flag on the host right after this anyway)
             scale = self.scaler.get_scale()
-        with self.optimizer.skip_synchronize():
+        # Local SGD: each rank's GradScaler decides on its own gradients (a rank may skip a
+        # step the others apply); the sync below averages the replicas again.
+        with contextlib.nullcontext() if local else self.optimizer.skip_synchronize():
             self.scaler.step(self.optimizer)
         self.scaler.update()
         if scale is not None:
@@ -214,8 +264,50 @@ class TorchBackend:
             applied = (current >= scale).squeeze() if isinstance(current, torch.Tensor) \
                 else self.scaler.get_scale() >= scale
         self.optimizer.zero_grad()
+        self._count_step(samples)
         return StepResult.from_stats(stats, applied=True if applied is None else applied,
                                      grad_norm=grad_norm, loss_scale=scale)
+
+    # -- local SGD and communication ----------------------------------------------------------
+    def _count_step(self, samples: int) -> None:
+        """Bookkeeping after an applied step: the gradient allreduce's bytes (synchronous), or
+        the local step count and, every sync_every-th step, the averaging."""
+        self._local_steps += 1
+        self.comm.step(samples)
+        if self.sync_every == 1:
+            self.comm.sync(self._grad_bytes)
+            return
+        self._unsynced += 1
+        if self._local_steps % self.sync_every == 0:
+            self.sync_replicas()
+
+    def _has_moments(self) -> bool:
+        state = self.optimizer.state
+        return all(len(state.get(p, ())) > 0 for p in self.model.parameters())
+
+    def _replica_tensors(self) -> list[torch.Tensor]:
+        """What a sync averages, in the same order on every rank: the parameters, then (with
+        sync_optimizer_state, once every rank's optimizer has them) each parameter's
+        optimizer tensors of its shape - SGD's momentum buffer, Adam's exp_avg and
+        exp_avg_sq - but not Adam's step count, the same on every rank."""
+        params = list(self.model.parameters())
+        tensors = [p.data for p in params]
+        if self.cfg.train.sync_optimizer_state and self._moments_everywhere:
+            for p in params:
+                tensors += [v for v in self.optimizer.state[p].values()
+                            if isinstance(v, torch.Tensor) and v.shape == p.shape
+                            and v.is_floating_point()]
+        return tensors
+
+    @torch.no_grad()
+    def sync_replicas(self) -> None:
+        if self._unsynced == 0:
+            return
+        self.comm.sync(average_tensors(self._replica_tensors(), "ringfeed.local_sgd"))
+        self._unsynced = 0
+
+    def comm_stats(self) -> dict[str, float]:
+        return self.comm.as_dict()
 
     @torch.no_grad()
     def eval_batch(self, batch: dict[str, Any]) -> dict[str, float]:
@@ -248,11 +340,12 @@ class TorchBackend:
         return gathered if self.dist.is_root else None
 
     def write_payload(self, directory: Path, rng_states: Any) -> None:
+        payload = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                   "scaler": self.scaler.state_dict(), "rng": rng_states}
+        if self.sync_every > 1:  # where the sync period stands, for an exact resume
+            payload["local_sgd_steps"] = self._local_steps
         with open_for_write(Path(directory) / STATE_FILE) as f:
-            torch.save({"model": self.model.state_dict(),
-                        "optimizer": self.optimizer.state_dict(),
-                        "scaler": self.scaler.state_dict(),
-                        "rng": rng_states}, f)
+            torch.save(payload, f)
 
     def read_payload(self, directory: Path) -> None:
         # weights_only: tensors and plain containers only, no arbitrary pickle.
@@ -261,6 +354,7 @@ class TorchBackend:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         self._loaded_rng = state["rng"]
+        self._local_steps = int(state.get("local_sgd_steps", 0))
 
     def sync_from_root(self, resumed: bool) -> None:
         broadcast_tensors(self.model.state_dict())
@@ -270,12 +364,14 @@ class TorchBackend:
             # which applies weight decay and advances Adam's step count once.)
             return
         root = self.dist.is_root
-        opt_state, scaler_state, rng = self.broadcast_object(
-            (self.optimizer.state_dict(), self.scaler.state_dict(), self._loaded_rng)
-            if root else None)
+        opt_state, scaler_state, rng, self._local_steps = self.broadcast_object(
+            (self.optimizer.state_dict(), self.scaler.state_dict(), self._loaded_rng,
+             self._local_steps) if root else None)
         if not root:
             self.optimizer.load_state_dict(opt_state)
             self.scaler.load_state_dict(scaler_state)
+        self._unsynced = 0  # every rank holds rank 0's state now
+        self._moments_everywhere = self._has_moments()
         if rng and len(rng) == self.dist.size:  # same world size: each rank its own stream
             torch.set_rng_state(rng[self.dist.rank]["torch"])
             if "cuda" in rng[self.dist.rank] and self.device.type == "cuda":
