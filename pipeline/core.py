@@ -166,6 +166,9 @@ class ShardPipeline:
         self._ahead: tuple[tuple, StreamReader] | None = None
         # a trainer turns this off for its last epoch: nothing reads past the end of the run
         self.read_ahead = bool(read_ahead)
+        # whether this process's threads read the passes; False while a torch DataLoader's
+        # worker processes do (a read-ahead here would decode an epoch nobody takes)
+        self.reads_here = True
 
     # -- sizes --------------------------------------------------------------------------
     @property
@@ -261,7 +264,7 @@ class ShardPipeline:
                                     "start a new iteration")
             return False
         self._stats.consumed(samples)
-        if last_of_pass and self.read_ahead:
+        if last_of_pass and self.read_ahead and self.reads_here:
             self._read_ahead()
         return True
 

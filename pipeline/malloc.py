@@ -30,9 +30,14 @@ def tune() -> bool:
         return _tuned
     _tuned = True
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # glibc's soname first: find_library runs ldconfig (a subprocess) to find it
+        libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
-        return False
+    except (OSError, AttributeError):
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c"))
+            mallopt = libc.mallopt
+        except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to tune
+            return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

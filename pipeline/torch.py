@@ -153,6 +153,7 @@ class TorchLoader:
         workers = pipe.num_workers
         dataset: IterableDataset = _PassDataset(pipe)
         if workers > 0:  # worker processes learn each pass from shared memory
+            pipe.reads_here = False  # and read the next epoch when it is asked for
             self._state = _PassState()
             dataset = _StreamDataset(pipe.spec, Planner(pipe.layout, pipe.seed, pipe.shuffle),
                                      pipe.rank, self._state)

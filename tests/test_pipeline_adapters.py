@@ -107,6 +107,24 @@ def test_torch_persistent_workers_follow_epochs(shard_dir):
     assert pipe.stats()["samples_per_s"] > 0 and pipe.stats()["data_wait_s"] > 0
 
 
+def test_worker_processes_read_ahead_and_the_trainer_process_does_not(shard_dir):
+    """With DataLoader workers the next epoch is theirs to read: threads in the training
+    process reading it too would decode an epoch nobody takes."""
+    import threading
+
+    from pipeline.torch import make_loader
+
+    pipe = make(shard_dir, num_workers=2, read_ahead=True)
+    loader = make_loader(pipe)
+    first = collect(loader)
+    assert pipe._ahead is None
+    assert not [t for t in threading.enumerate() if t.name.startswith("ringfeed-stream")]
+    fresh = make(shard_dir, num_workers=2)
+    fresh.set_epoch(1)
+    assert collect(loader) == collect(fresh) and first
+    loader.close()
+
+
 def test_torch_loader_stopped_mid_epoch_continues_where_it_stopped(shard_dir):
     from pipeline.torch import make_loader
 
