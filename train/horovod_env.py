@@ -1,9 +1,12 @@
 """The `horovod:` config section as Horovod's environment variables.
 
 Horovod reads its knobs (fusion threshold, cycle time, autotuning, timeline, controller) from
-the environment once, in hvd.init() (horovod/common/operations.cc); horovodrun's flags only set
-the same variables for the ranks it starts. So each backend calls `apply_horovod_env` right
-before hvd.init() on every rank. Precedence: a key set in the config wins over the launcher's
+the environment once, in hvd.init() (horovod/common/operations.cc) - the autotuner's warm-up and
+steps per sample even earlier, when its library is loaded (ParameterManager's constructor runs
+for a static object); horovodrun's flags only set the same variables for the ranks it starts.
+So `ringfeed train` applies the section before anything imports Horovod, and each backend again
+right before hvd.init() on every rank (the same values: for code that builds a backend itself,
+where only the knobs read in init() are sure to count). Precedence: a key set in the config wins over the launcher's
 flags and the inherited environment (the config is what output.dir records about the run, and
 it holds on every launcher); a key left null leaves them alone. Rank 0 prints one line for
 each variable the config replaced with another value.
