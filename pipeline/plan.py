@@ -39,6 +39,7 @@ from typing import Protocol
 import numpy as np
 
 BALANCE_POLICIES = ("drop", "pad")
+IntOrArray = int | np.ndarray  # what the stream helpers take and give
 
 
 @dataclass(frozen=True)
@@ -114,22 +115,22 @@ def batches_for(n: int, world_size: int, batch_size: int, balance: str) -> int:
 
 # The three helpers below take an int or an int array `w` (Carried applies them to every
 # old stream at once); an int in gives an int out.
-def worker_batches(total: int, streams: int, w):
+def worker_batches(total: int, streams: int, w: IntOrArray) -> IntOrArray:
     """Batches of the rank's `total` dealt to worker `w`."""
     return total // streams + (w < total % streams) * 1
 
 
-def first_worker_batch(total: int, streams: int, w):
+def first_worker_batch(total: int, streams: int, w: IntOrArray) -> IntOrArray:
     """Index, among the rank's batches in slot order, of worker `w`'s first batch."""
     return _as_int(w * (total // streams) + np.minimum(w, total % streams))
 
 
-def consumed_by_worker(t: int, streams: int, w):
+def consumed_by_worker(t: int, streams: int, w: IntOrArray) -> IntOrArray:
     """Batches of worker `w` among the rank's first `t` batches (batch t' comes from t' % W)."""
     return _as_int(np.maximum(0, (t - w + streams - 1) // streams))
 
 
-def _as_int(x):
+def _as_int(x: IntOrArray) -> IntOrArray:
     return int(x) if np.ndim(x) == 0 else x
 
 
@@ -238,7 +239,7 @@ class SegmentPlan:
     seed: int
     epoch: int
 
-    def rank_ranges(self, ranks):
+    def rank_ranges(self, ranks: IntOrArray) -> tuple[IntOrArray, IntOrArray]:
         """(first position in L_k, own sample count) of rank(s) `ranks` (an int or array)."""
         c, n = self.config, len(self.remaining)
         if c.balance == "drop":
@@ -297,30 +298,30 @@ class Carried:
         self.parent, self.plan = parent, plan
         c = plan.config
         b, streams, buffer = c.batch_size, c.streams, c.shuffle_buffer
+        # one range per old (rank, worker), and a last one: the tail of L_k that segment k
+        # never assigned (drop), kept whole (rank -1, no slots)
         ranks = np.repeat(np.arange(c.world_size, dtype=np.int64), streams)
         ws = np.tile(np.arange(streams, dtype=np.int64), c.world_size)
         first = first_worker_batch(plan.batches, streams, ws)
         slots = worker_batches(plan.batches, streams, ws) * b
         rank_start, own = plan.rank_ranges(ranks)
-        start = rank_start + first * b
-        valid = np.clip(own - first * b, 0, slots)
-        emitted = np.minimum(consumed_by_worker(batches_consumed, streams, ws) * b, slots)
-        shuffled = (buffer > 0) & (slots > 1)
-        entered = np.where(emitted > 0, np.minimum(slots, emitted + buffer * shuffled), 0)
-        self._sims: dict[int, np.ndarray] = {}  # stream -> its emitted slot indices
-        consumed = emitted.copy()
-        for i in np.flatnonzero(entered > valid).tolist():  # may have emitted pad repeats
-            consumed[i] = int(np.count_nonzero(self._emitted(i, ranks, ws, slots, emitted)
-                                               < valid[i]))
         tail = plan.batches * b * c.world_size if c.balance == "drop" else len(parent)
-        # one more range: the tail of L_k that segment k never assigned (drop), kept whole
+        valid = np.append(np.clip(own - first * b, 0, slots), len(parent) - tail)
         self.ranks, self.ws = np.append(ranks, -1), np.append(ws, -1)
-        self.slots, self.emitted = np.append(slots, 0), np.append(emitted, 0)
-        self.start = np.append(start, tail)
-        self.entered = np.append(np.minimum(valid, entered), 0)
-        self.holes = self.entered - np.append(consumed, 0)
-        kept = np.append(valid - consumed, len(parent) - tail)
-        self.kept_starts = _prefix_sums(kept)
+        self.slots = np.append(slots, 0)
+        self.start = np.append(rank_start + first * b, tail)
+        self.emitted = np.minimum(consumed_by_worker(batches_consumed, streams, self.ws) * b,
+                                  self.slots)
+        shuffled = (buffer > 0) & (self.slots > 1)
+        entered = np.where(self.emitted > 0,
+                           np.minimum(self.slots, self.emitted + buffer * shuffled), 0)
+        self._sims: dict[int, np.ndarray] = {}  # stream -> its emitted slot indices
+        consumed = self.emitted.copy()
+        for i in np.flatnonzero(entered > valid).tolist():  # may have emitted pad repeats
+            consumed[i] = int(np.count_nonzero(self._emitted(i) < valid[i]))
+        self.entered = np.minimum(valid, entered)
+        self.holes = self.entered - consumed
+        self.kept_starts = _prefix_sums(valid - consumed)
 
     def __len__(self) -> int:
         return int(self.kept_starts[-1])
@@ -344,20 +345,19 @@ class Carried:
 
     def _hole_positions(self, i: int) -> np.ndarray:
         """Positions in L_k of stream i's slots that entered its buffer and are still there."""
-        emitted = self._emitted(i, self.ranks, self.ws, self.slots, self.emitted)
+        emitted = self._emitted(i)
         resident = np.ones(int(self.entered[i]), dtype=bool)
         resident[emitted[emitted < len(resident)]] = False
         holes = np.flatnonzero(resident)
         assert len(holes) == self.holes[i], "plan arithmetic disagrees with the replay"
         return self.start[i] + holes
 
-    def _emitted(self, i: int, ranks: np.ndarray, ws: np.ndarray, slots: np.ndarray,
-                 emitted: np.ndarray) -> np.ndarray:
+    def _emitted(self, i: int) -> np.ndarray:
         """Slot indices stream i emitted, from a replay of its buffer (remembered)."""
         if i not in self._sims:
-            rank, w = int(ranks[i]), int(ws[i])
-            self._sims[i] = shuffle_order(int(slots[i]), self.plan.config.shuffle_buffer,
-                                          self.plan.stream_rng(rank, w), int(emitted[i]))
+            rank, w = int(self.ranks[i]), int(self.ws[i])
+            self._sims[i] = shuffle_order(int(self.slots[i]), self.plan.config.shuffle_buffer,
+                                          self.plan.stream_rng(rank, w), int(self.emitted[i]))
         return self._sims[i]
 
 
