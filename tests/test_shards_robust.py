@@ -31,6 +31,7 @@ def shard_args(src: Path, out: Path, *extra: str) -> list[str]:
             "--val-fraction", "0.2", "--shuffle-seed", "7", *extra]
 
 
+@pytest.mark.system  # starts processes
 def test_two_workers_write_the_same_bytes_as_one(capsys, tmp_path, images):
     one, two = tmp_path / "one", tmp_path / "two"
     assert cli(capsys, *shard_args(images, one, "--workers", "1"))[0] == 0
@@ -66,6 +67,7 @@ PARQUET_ARGS = ["--format", "parquet", "--field", "blob=bin", "--field", "emb=em
                 "--field", "label=cls"]
 
 
+@pytest.mark.system  # starts processes
 def test_parquet_two_workers_write_the_same_bytes_as_one(capsys, tmp_path):
     src = parquet_table(tmp_path / "t.parquet", 300, row_group_size=37)
     one, two = tmp_path / "one", tmp_path / "two"
@@ -82,6 +84,7 @@ def _start(args: list[str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
+@pytest.mark.system  # starts processes
 @pytest.mark.parametrize("kind", ["imagefolder", "parquet"])
 def test_resume_after_kill_9_is_byte_identical(capsys, tmp_path, kind):
     # many small shards, so the kill lands mid-run: 240 samples, 2 per shard
@@ -166,6 +169,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
+@pytest.mark.system  # starts processes
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_disk_full_is_one_line_keeps_finished_shards_and_resumes(capsys, tmp_path, images,
                                                                  small_disk, workers):
@@ -297,7 +301,7 @@ def _bad_inputs(tmp: Path, images: Path) -> dict[str, tuple[list[str], str]]:
                                "gone.png: unreadable"),
         "text val of one document": (["shard", str(_write_file(tmp / "one.txt", "a doc")), out,
                                       "--format", "text", "--val-fraction", "0.5"],
-                                     "of 1 document(s) in"),
+                                     "of 1 documents leaves no train documents"),
         "key collision": (["shard", str(twins), out, "--format", "imagefolder"],
                           "a/img000.jpg and a/img000.png both become sample key 'a_img000'"),
         "OUT not empty": (["shard", str(images), str(full), "--format", "imagefolder"],
@@ -326,6 +330,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, images):
         assert not (tmp_path / "out").exists(), name
 
 
+@pytest.mark.system  # starts processes
 def test_sharding_does_not_import_torch(tmp_path, images):
     # importing webdataset imports torch: ~2 s of CPU per process, for a job that needs none
     code = ("import sys; from train.cli import main; "
@@ -337,6 +342,7 @@ def test_sharding_does_not_import_torch(tmp_path, images):
     assert result.stdout.splitlines()[-1] == "0 []"
 
 
+@pytest.mark.system  # starts processes
 def test_bad_input_through_the_console_script(tmp_path):
     result = ringfeed("shard", str(tmp_path / "missing"), str(tmp_path / "out"), "--format",
                       "imagefolder", timeout=60)
@@ -390,6 +396,7 @@ def test_wds_index_of_webdataset_shardwriter_output(capsys, tmp_path):
     assert len(list(wds.WebDataset(urls, shardshuffle=False))) == 32
 
 
+@pytest.mark.system  # starts processes
 def test_benchmark_quick_mode(tmp_path):
     # as users run it: a script whose contenders each run in a fresh (spawned) interpreter
     result = run([sys.executable, REPO / "benchmarks" / "shard_bench.py", "--quick", "--mb", "2",
