@@ -34,6 +34,8 @@ from train_util import finish, start, toy_config, write_config, write_toy_shards
 
 from train.checkpoint import META, find_resume_point, list_checkpoints, verify
 
+pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
+
 FAULT = "RINGFEED_FAULT"
 RINGFEED = BIN / "ringfeed"
 HVD2 = [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo"]
@@ -326,7 +328,6 @@ import os, signal, sys, time
 from pipeline import ShardPipeline
 from pipeline.torch import make_loader
 
-pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 pipe = ShardPipeline(sys.argv[1], batch_size=4, num_workers=2, rank=0, world_size=1)
 loader = make_loader(pipe)
 next(iter(loader))
