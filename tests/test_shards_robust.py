@@ -32,6 +32,7 @@ def shard_args(src: Path, out: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.system  # starts processes
+@pytest.mark.system
 def test_two_workers_write_the_same_bytes_as_one(capsys, tmp_path, images):
     one, two = tmp_path / "one", tmp_path / "two"
     assert cli(capsys, *shard_args(images, one, "--workers", "1"))[0] == 0
@@ -68,6 +69,7 @@ PARQUET_ARGS = ["--format", "parquet", "--field", "blob=bin", "--field", "emb=em
 
 
 @pytest.mark.system  # starts processes
+@pytest.mark.system
 def test_parquet_two_workers_write_the_same_bytes_as_one(capsys, tmp_path):
     src = parquet_table(tmp_path / "t.parquet", 300, row_group_size=37)
     one, two = tmp_path / "one", tmp_path / "two"
@@ -86,6 +88,7 @@ def _start(args: list[str]) -> subprocess.Popen:
 
 @pytest.mark.system  # starts processes
 @pytest.mark.parametrize("kind", ["imagefolder", "parquet"])
+@pytest.mark.system
 def test_resume_after_kill_9_is_byte_identical(capsys, tmp_path, kind):
     # many small shards, so the kill lands mid-run: 240 samples, 2 per shard
     if kind == "imagefolder":
@@ -171,6 +174,7 @@ def small_disk(tmp_path):
 
 @pytest.mark.system  # starts processes
 @pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.system
 def test_disk_full_is_one_line_keeps_finished_shards_and_resumes(capsys, tmp_path, images,
                                                                  small_disk, workers):
     reference, out = tmp_path / "reference", small_disk / "out"
@@ -318,6 +322,7 @@ def _bad_inputs(tmp: Path, images: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
+@pytest.mark.system
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, images):
     cases = _bad_inputs(tmp_path, images)
     for name, (args, expected) in cases.items():
@@ -331,6 +336,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, images):
 
 
 @pytest.mark.system  # starts processes
+@pytest.mark.system
 def test_sharding_does_not_import_torch(tmp_path, images):
     # importing webdataset imports torch: ~2 s of CPU per process, for a job that needs none
     code = ("import sys; from train.cli import main; "
@@ -343,6 +349,7 @@ def test_sharding_does_not_import_torch(tmp_path, images):
 
 
 @pytest.mark.system  # starts processes
+@pytest.mark.system
 def test_bad_input_through_the_console_script(tmp_path):
     result = ringfeed("shard", str(tmp_path / "missing"), str(tmp_path / "out"), "--format",
                       "imagefolder", timeout=60)
@@ -397,6 +404,7 @@ def test_wds_index_of_webdataset_shardwriter_output(capsys, tmp_path):
 
 
 @pytest.mark.system  # starts processes
+@pytest.mark.system
 def test_benchmark_quick_mode(tmp_path):
     # as users run it: a script whose contenders each run in a fresh (spawned) interpreter
     result = run([sys.executable, REPO / "benchmarks" / "shard_bench.py", "--quick", "--mb", "2",
