@@ -40,7 +40,7 @@ from pipeline.source import (
 )
 from pipeline.state import PipelineState
 from pipeline.stats import PipelineStats
-from pipeline.stream import ON_ERROR_POLICIES, StreamSpec, WorkerStream
+from pipeline.stream import ON_ERROR_POLICIES, Booked, StreamSpec, WorkerStream
 from shards.fsutil import parse_size
 from shards.manifest import Manifest
 
@@ -221,11 +221,18 @@ class ShardPipeline:
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return self.iterate(count=True)
+        batches = self.iterate(count=True)
+        try:
+            for booked in batches:
+                yield booked.batch
+        finally:  # stop the reader threads now, not when the generator is collected
+            batches.close()
 
-    def iterate(self, count: bool = True) -> Iterator[dict[str, Any]]:
-        """Batches in the order torch's DataLoader with `num_workers` workers yields them.
-        `count`: mark a batch consumed when it is handed out (else the caller marks it)."""
+    def iterate(self, count: bool = True) -> Iterator[Booked]:
+        """Batches in the order torch's DataLoader with `num_workers` workers yields them, each
+        beside its bookkeeping (`Booked`; its counters already booked here). `count`: mark a
+        batch consumed when it is handed out, else the caller passes `booked.tag` to
+        `mark_consumed` when the batch reaches the training loop."""
         plan, t0, key = self.begin()
         reader = self._reader(plan, t0, key)
         source = reader.batches() if reader is not None else iter(
@@ -234,25 +241,23 @@ class ShardPipeline:
             while True:
                 started = time.perf_counter()
                 try:
-                    batch = next(source)
+                    booked = next(source)
                 except StopIteration:
                     return
-                yield self.received(batch, time.perf_counter() - started, count)
+                yield self.received(booked, time.perf_counter() - started, count)
         finally:
             source.close()
             if reader is not None:
                 reader.close()
 
-    def received(self, batch: dict[str, Any], waited_s: float, count: bool = True
-                 ) -> dict[str, Any]:
+    def received(self, booked: Booked, waited_s: float, count: bool = True) -> Booked:
         """Book a batch arriving from a worker stream: its counters, the consumer's wait, and
-        (`count`) its consumption. Returns the batch without its bookkeeping fields."""
+        (`count`) its consumption. Every read path ends here or in `mark_consumed`."""
         self._stats.waited(waited_s)
-        self._stats.add(batch.pop("__stats__"))
+        self._stats.add(booked.stats)
         if count:
-            tag = batch.pop("__batch__")
-            self.mark_consumed(tag.tolist(), len(batch["__index__"]), strict=True)
-        return batch
+            self.mark_consumed(booked.tag, len(booked.batch["__index__"]), strict=True)
+        return booked
 
     def mark_consumed(self, tag: Sequence[int], samples: int, strict: bool = False) -> bool:
         """A batch tagged [epoch, segment, t] reached the training loop. Returns False (or
@@ -425,7 +430,7 @@ class StreamReader:
         self._streams = [BackgroundIterator(iter(s), depth, f"ringfeed-stream-{i}")
                          for i, s in enumerate(streams)]
 
-    def batches(self) -> Iterator[dict[str, Any]]:
+    def batches(self) -> Iterator[Booked]:
         streams = len(self._streams)
         for t in range(self.t0, self.total):
             w = t % streams

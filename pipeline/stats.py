@@ -1,8 +1,8 @@
 """Throughput and health counters, for the trainer's bottleneck report.
 
 Worker streams (threads or DataLoader worker processes) count what they read into a
-`StreamCounters` and ship the increments with every batch (`__stats__`), so the consumer's
-`PipelineStats` is complete whatever process did the reading.
+`StreamCounters` and ship the increments beside every batch (`Booked.stats`, stream.py), so
+the consumer's `PipelineStats` is complete whatever process did the reading.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ class PipelineStats:
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
-            elapsed = (self._last - self._started) if self._started is not None else 0.0
+            # (a wait starts the clock before any batch is consumed: nothing elapsed until one is)
+            elapsed = (self._last - self._started) if self._last is not None else 0.0
             c = self.counts
             lookups = c["cache_hits"] + c["cache_misses"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -61,14 +61,25 @@ class StreamSpec:
     decoded: DecodedStore | None = None  # None: no decoded-sample cache
 
 
+class Booked(NamedTuple):
+    """A batch beside the pipeline's bookkeeping for it, which the consumer's
+    `ShardPipeline.received` / `mark_consumed` take off: never keys in the user's batch. A
+    NamedTuple of plain values, so torch's DataLoader converts, pins and ships it from worker
+    processes as it is (and tf.data takes the tag as a second element)."""
+
+    batch: dict[str, Any]
+    tag: tuple[int, int, int]  # (epoch, segment, rank batch index t): what mark_consumed takes
+    stats: dict[str, Any]  # counter increments since the stream's previous batch
+
+
 class WorkerStream:
-    """Iterating yields the worker's batches from local batch `skip` on; each batch carries
-    `__batch__` = [epoch, segment, rank batch index] and `__stats__` (counter increments)."""
+    """Iterating yields the worker's batches from local batch `skip` on, each as a `Booked`:
+    the batch beside its tag (epoch, segment, rank batch index) and counter increments."""
 
     def __init__(self, spec: StreamSpec, plan: WorkerPlan, skip: int, epoch: int, segment: int,
                  streams: int, w: int) -> None:
         self.spec, self.plan, self.skip = spec, plan, skip
-        self.tag = (epoch, segment)
+        self.epoch, self.segment = int(epoch), int(segment)  # the first two of every tag
         self.streams, self.w = streams, w
         self.counters = StreamCounters()
         self._warned: set[str] = set()  # shards already warned about
@@ -85,7 +96,7 @@ class WorkerStream:
         return cls(spec, plan.worker(rank, w), consumed_by_worker(t0, streams, w), plan.epoch,
                    plan.index, streams, w)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Booked]:
         malloc.tune()  # (in whichever process runs the stream: threads' or loader workers')
         plan, b = self.plan, self.plan.batch_size
         needed = plan.order[self.skip * b:]
@@ -101,12 +112,12 @@ class WorkerStream:
             for first in range(0, len(needed), b):
                 chunk = needed[first:first + b]
                 sources = shards.open_through(int(shards.run_of[chunk].max()))
-                batch = None
+                booked = None
                 if not items and not pending:
-                    batch = (self._gathered(chunk, shards, sources, local_batch)
-                             or self._columns(chunk, shards, sources, local_batch))
-                if batch is not None:
-                    yield batch
+                    booked = (self._gathered(chunk, shards, sources, local_batch)
+                              or self._columns(chunk, shards, sources, local_batch))
+                if booked is not None:
+                    yield booked
                     local_batch += 1
                 else:
                     for slot in chunk.tolist():
@@ -183,7 +194,7 @@ class WorkerStream:
             log.warning("skipping bad data (on_error='skip'; repeats a good sample in its "
                         "place, __valid__=False): %s", bad.describe())
 
-    def _batch(self, items: list[tuple[Any, int, bool, str]], local_batch: int) -> dict[str, Any]:
+    def _batch(self, items: list[tuple[Any, int, bool, str]], local_batch: int) -> Booked:
         batch = self.spec.decoder.finish_batch(collate([s for s, _, _, _ in items]))
         return self._booked(batch, [k for _, _, _, k in items],
                             np.array([i for _, i, _, _ in items], dtype=np.int64),
@@ -191,7 +202,7 @@ class WorkerStream:
 
     # -- a whole batch from the decoded cache -------------------------------------------
     def _gathered(self, chunk: np.ndarray, shards: _OpenShards, sources: dict[int, Any],
-                  local_batch: int) -> dict[str, Any] | None:
+                  local_batch: int) -> Booked | None:
         """The batch of `chunk` gathered from decoded-cache entries, or None when one of its
         shards has none (or a transform must see every sample)."""
         if len(chunk) < self.plan.batch_size or self.spec.decoder.transform is not None:
@@ -219,7 +230,7 @@ class WorkerStream:
 
     # -- a whole batch of indexed reads, field by field ------------------------------------
     def _columns(self, chunk: np.ndarray, shards: _OpenShards, sources: dict[int, Any],
-                 local_batch: int) -> dict[str, Any] | None:
+                 local_batch: int) -> Booked | None:
         """The batch of `chunk` read from indexed shards and decoded one field at a time, with
         no per-sample dict past the read; None (the caller goes sample by sample, which
         handles bad data) when a sample is unreadable, undecodable or has other fields, or a
@@ -259,14 +270,12 @@ class WorkerStream:
         return self._booked(batch, keys, self.plan.ids[chunk], valid, local_batch)
 
     def _booked(self, batch: dict[str, Any], keys: list[str], index: np.ndarray,
-                valid: np.ndarray, local_batch: int) -> dict[str, Any]:
+                valid: np.ndarray, local_batch: int) -> Booked:
         batch["__key__"] = keys
         batch["__index__"] = np.asarray(index, dtype=np.int64)
         batch["__valid__"] = np.asarray(valid, dtype=bool)
-        batch["__batch__"] = np.array([*self.tag, local_batch * self.streams + self.w],
-                                      dtype=np.int64)
-        batch["__stats__"] = self.counters.take()
-        return batch
+        return Booked(batch, (self.epoch, self.segment, local_batch * self.streams + self.w),
+                      self.counters.take())
 
 
 class _OpenShards:

@@ -9,8 +9,10 @@ tf.string. Every pass over the dataset continues the current epoch (the next one
 complete), like `iter(pipe)`.
 
 Consumption is counted when a batch leaves the dataset's last stage (a map after the prefetch),
-so `pipe.state_dict()` counts batches the caller pulled. Anything that buffers further ahead
-(Keras `fit` adds its own prefetch) makes the count run ahead by that buffer.
+so `pipe.state_dict()` counts batches the caller pulled: the batch's tag travels beside it as
+the generator's second element (its own TensorSpec) up to that map, which counts and drops it.
+Anything that buffers further ahead (Keras `fit` adds its own prefetch) makes the count run
+ahead by that buffer.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import tensorflow as tf
 from pipeline.core import ShardPipeline
 from pipeline.errors import PipelineError
 
-_TAG = "__batch__"
+_TAG_SPEC = tf.TensorSpec((3,), tf.int64)  # a batch's (epoch, segment, t): see Booked
 
 
 def _spec(name: str, value: Any, batch_size: int) -> tf.TensorSpec:
@@ -42,9 +44,7 @@ def _spec(name: str, value: Any, batch_size: int) -> tf.TensorSpec:
 
 def signature(pipe: ShardPipeline) -> dict[str, tf.TensorSpec]:
     example = pipe.example_batch()
-    spec = {name: _spec(name, value, pipe.batch_size) for name, value in example.items()}
-    spec[_TAG] = tf.TensorSpec((3,), tf.int64)
-    return spec
+    return {name: _spec(name, value, pipe.batch_size) for name, value in example.items()}
 
 
 def _to_tf(batch: dict[str, Any], spec: dict[str, tf.TensorSpec]) -> dict[str, Any]:
@@ -72,19 +72,19 @@ def make_dataset(pipe: ShardPipeline, prefetch: int | None = None) -> tf.data.Da
                             "tf.data needs decode_device='cpu'")
     spec = signature(pipe)
 
-    def generate() -> Iterator[dict[str, Any]]:
-        for batch in pipe.iterate(count=False):
-            yield _to_tf(batch, spec)
+    def generate() -> Iterator[tuple[dict[str, Any], tuple[int, int, int]]]:
+        for booked in pipe.iterate(count=False):
+            yield _to_tf(booked.batch, spec), booked.tag
 
-    def count(batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-        done = tf.py_function(_mark, [batch[_TAG], tf.shape(batch["__index__"])[0]], tf.bool)
+    def count(batch: dict[str, tf.Tensor], tag: tf.Tensor) -> dict[str, tf.Tensor]:
+        done = tf.py_function(_mark, [tag, tf.shape(batch["__index__"])[0]], tf.bool)
         with tf.control_dependencies([done]):
-            return {k: tf.identity(v) for k, v in batch.items() if k != _TAG}
+            return {k: tf.identity(v) for k, v in batch.items()}
 
     def _mark(tag: tf.Tensor, samples: tf.Tensor) -> bool:
         return pipe.mark_consumed(tag.numpy().tolist(), int(samples.numpy()))
 
-    dataset = tf.data.Dataset.from_generator(generate, output_signature=spec)
+    dataset = tf.data.Dataset.from_generator(generate, output_signature=(spec, _TAG_SPEC))
     dataset = dataset.prefetch(tf.data.AUTOTUNE if prefetch is None else prefetch)
     # tf.data would otherwise add a prefetch after the counting map (inject_prefetch) and so
     # count batches nobody has pulled yet.

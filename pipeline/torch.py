@@ -30,7 +30,7 @@ import signal
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -38,10 +38,18 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.core import ShardPipeline
 from pipeline.errors import PipelineDataError
 from pipeline.plan import Planner, Segment
-from pipeline.stream import StreamSpec, WorkerStream
+from pipeline.stream import Booked, StreamSpec, WorkerStream
 
 _STATE_BYTES = 1 << 16
-_SMALL_FIELDS = {"__index__": torch.int64, "__valid__": torch.bool, "__batch__": torch.int64}
+# per-sample arrays small enough to travel from worker processes as lists (see _StreamDataset)
+_SMALL_FIELDS = {"__index__": torch.int64, "__valid__": torch.bool}
+
+
+class _WorkerError(NamedTuple):
+    """A data error in a loader worker process, sent in place of its next batch and raised in
+    the training process as the same one-line PipelineDataError."""
+
+    message: str
 
 
 class _PassState:
@@ -68,7 +76,7 @@ class _StreamDataset(IterableDataset):
     def __init__(self, spec: StreamSpec, planner: Planner, rank: int, state: _PassState) -> None:
         self.spec, self.planner, self.rank, self.state = spec, planner, rank, state
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Booked | _WorkerError]:
         info = get_worker_info()
         state = self.state.read()
         segments = [Segment.from_dict(d, {}) for d in state["segments"]]
@@ -77,14 +85,14 @@ class _StreamDataset(IterableDataset):
         w = (info.id + t0) % plan.config.streams
         stream = WorkerStream.resuming(self.spec, plan, self.rank, w, t0)
         try:
-            for batch in stream:
+            for booked in stream:
                 # small arrays travel as lists: a tensor each would cost a shared-memory
-                # segment per batch
+                # segment per batch (the tag and counters are plain values already)
                 for name in _SMALL_FIELDS:
-                    batch[name] = batch[name].tolist()
-                yield batch
+                    booked.batch[name] = booked.batch[name].tolist()
+                yield booked
         except PipelineDataError as e:  # a clean one-line error, not a worker traceback
-            yield {"__error__": str(e)}
+            yield _WorkerError(str(e))
 
 
 class _PassDataset(IterableDataset):
@@ -94,7 +102,7 @@ class _PassDataset(IterableDataset):
     def __init__(self, pipe: ShardPipeline) -> None:
         self.pipe = pipe
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Booked]:
         return self.pipe.iterate(count=False)
 
 
@@ -213,10 +221,9 @@ class TorchLoader:
     def _batches(self) -> Iterator[dict[str, Any]]:
         pipe = self.pipe
         if pipe.num_workers == 0:
-            for batch in self.loader:  # tensors now (pinned with CUDA)
-                tag = batch.pop("__batch__")
-                pipe.mark_consumed(tag.tolist(), len(batch["__index__"]), strict=True)
-                yield batch
+            for booked in self.loader:  # tensors now (pinned with CUDA); counters booked
+                pipe.mark_consumed(booked.tag, len(booked.batch["__index__"]), strict=True)
+                yield booked.batch
             return
         plan, t0, _ = pipe.begin()
         self._state.write({"epoch": plan.epoch, "segments": pipe.progress.segment_dicts(),
@@ -226,15 +233,16 @@ class TorchLoader:
         while True:
             started = time.perf_counter()
             try:
-                batch = next(batches)
+                booked = next(batches)
             except StopIteration:
                 return
-            if "__error__" in batch:
-                raise PipelineDataError(batch["__error__"])
+            if isinstance(booked, _WorkerError):
+                raise PipelineDataError(booked.message)
+            batch = booked.batch
             for name, dtype in _SMALL_FIELDS.items():
                 if isinstance(batch[name], list):
                     batch[name] = torch.tensor(batch[name], dtype=dtype)
-            yield pipe.received(batch, time.perf_counter() - started)
+            yield pipe.received(booked, time.perf_counter() - started).batch
 
 
 def make_loader(pipe: ShardPipeline, **loader_kwargs: Any) -> TorchLoader:

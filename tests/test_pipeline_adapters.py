@@ -138,3 +138,88 @@ def test_torch_loader_stopped_mid_epoch_continues_where_it_stopped(shard_dir):
             break
     assert head + collect(loader) == expected
     assert pipe.batches_remaining == 0
+
+
+BOOKKEEPING = ("__batch__", "__stats__", "__error__")
+
+
+def _every_path(shard_dir, path: str):
+    """(pipe, its batches as the caller receives them) for one read path."""
+    if path == "consumer thread":
+        pipe = make(shard_dir, num_workers=0, prefetch=0)
+        return pipe, list(pipe)
+    if path == "reader threads":
+        pipe = make(shard_dir, num_workers=2, prefetch=2)
+        return pipe, list(pipe)
+    if path.startswith("torch"):
+        from pipeline.torch import make_loader
+
+        pipe = make(shard_dir, num_workers=2 if path == "torch workers" else 0)
+        loader = make_loader(pipe)
+        try:
+            return pipe, list(loader)
+        finally:
+            loader.close()
+    from pipeline.tf import make_dataset
+
+    pipe = make(shard_dir, num_workers=2)
+    return pipe, tf_batches(make_dataset(pipe))
+
+
+@pytest.mark.parametrize("path", [
+    "consumer thread", "reader threads", "torch thread", "torch workers",
+    pytest.param("tf.data", marks=pytest.mark.system)])
+def test_bookkeeping_travels_beside_batches_and_is_counted_once(shard_dir, path):
+    """The tag and counter increments travel beside a batch (stream.Booked), not as keys in
+    it, and every path counts a batch consumed exactly once (in ShardPipeline)."""
+    pipe, batches = _every_path(shard_dir, path)
+    assert len(batches) == pipe.batches_per_epoch
+    for batch in batches:
+        assert not set(BOOKKEEPING) & set(batch), sorted(batch)
+        assert {"__key__", "__index__", "__valid__"} <= set(batch)
+    stats = pipe.stats()
+    assert stats["batches"] == len(batches)
+    assert stats["samples"] == len(batches) * pipe.batch_size
+    assert pipe.state_dict()["segments"][0]["batches_consumed"] == len(batches)
+    # the counters crossed over once too: every sample read was read for a batch handed out
+    assert stats["samples_read"] + stats["cached_samples"] == stats["samples"]
+    assert collect(batches) == collect(make(shard_dir, num_workers=pipe.num_workers))
+
+
+def test_uncounted_iteration_yields_batches_beside_their_tags(shard_dir):
+    """What the adapters read: Booked(batch, tag, stats), counted only when the caller says."""
+    from pipeline.stream import Booked
+
+    pipe = make(shard_dir, num_workers=2)
+    booked = list(pipe.iterate(count=False))
+    assert all(isinstance(b, Booked) and not set(BOOKKEEPING) & set(b.batch) for b in booked)
+    assert [b.tag for b in booked] == [(0, 0, t) for t in range(pipe.batches_per_epoch)]
+    assert pipe.stats()["batches"] == 0 and pipe.stats()["samples_read"] > 0
+    for b in booked:
+        assert pipe.mark_consumed(b.tag, len(b.batch["__index__"]), strict=True)
+    assert pipe.stats()["batches"] == len(booked) and pipe.batches_remaining == 0
+
+
+def test_booked_survives_dataloader_conversion_and_pinning(monkeypatch):
+    """What DataLoader does to each item (default_convert, then pin_memory with CUDA) keeps a
+    Booked a Booked and a worker error a worker error (Tensor.pin_memory stubbed: no GPU)."""
+    import torch
+    from torch.utils.data._utils.collate import default_convert
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from pipeline.stream import Booked
+    from pipeline.torch import _WorkerError
+
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda self, *a, **k: pinned.append(self) or self)
+    stats = {"counts": {"samples_read": 2}, "skipped_by_shard": {"s.tar": 1}}
+    booked = Booked({"png": np.zeros((2, 4, 4, 3), np.uint8), "__key__": ["a", "b"],
+                     "__index__": [4, 5]}, (1, 0, 3), stats)
+    out = pin_memory(default_convert(booked))
+    assert isinstance(out, Booked) and isinstance(out.batch["png"], torch.Tensor)
+    assert [p.shape for p in pinned] == [(2, 4, 4, 3)]
+    assert list(out.tag) == [1, 0, 3] and out.stats == stats
+    assert out.batch["__key__"] == ["a", "b"] and out.batch["__index__"] == [4, 5]
+    error = pin_memory(default_convert(_WorkerError("x.tar: sample 3")))
+    assert isinstance(error, _WorkerError) and error.message == "x.tar: sample 3"
