@@ -23,7 +23,7 @@ WORKERS = REPO / "benchmarks" / "workers"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from shards.fsutil import atomic_open, atomic_write_text  # noqa: E402
+from ringfeed.fsutil import atomic_open, atomic_write_text  # noqa: E402
 
 
 def _load_test_helpers():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.fsutil import sha256_file
+from ringfeed.fsutil import sha256_file
 from shards.manifest import Manifest, ShardInfo, Split
 
 CACHE = Path(tempfile.gettempdir()) / "ringfeed-bench"

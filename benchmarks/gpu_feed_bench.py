@@ -51,7 +51,7 @@ from common import REPO, RESULTS, WORKERS, machine, run  # noqa: E402
 from datasets import CACHE, cached_dir, image_shards  # noqa: E402
 from pipeline_bench import write_jpeg_folder  # noqa: E402
 
-from shards.fsutil import atomic_write_text  # noqa: E402
+from ringfeed.fsutil import atomic_write_text  # noqa: E402
 
 NAME = "gpu_feed"
 MEAN = (0.485, 0.456, 0.406)  # ImageNet's, applied on the device by every contender

@@ -49,7 +49,7 @@ def write_bench_shards(directory: Path, samples: int, shards: int, image: int,
     import webdataset as wds
     from PIL import Image
 
-    from shards.fsutil import sha256_file
+    from ringfeed.fsutil import sha256_file
     from shards.manifest import Manifest, ShardInfo, Split
 
     directory.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,7 @@ from common import (  # noqa: E402
     table_cells,
 )
 
-from shards.fsutil import atomic_write_text  # noqa: E402
+from ringfeed.fsutil import atomic_write_text  # noqa: E402
 
 
 @dataclass(frozen=True)

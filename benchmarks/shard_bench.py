@@ -94,7 +94,7 @@ def run_ringfeed(src: Path, out: Path, workers: int, max_size: str) -> tuple[flo
 def run_shardwriter(src: Path, out: Path, max_size: str) -> tuple[float, float]:
     from webdataset import ShardWriter  # imports torch, outside the timing
 
-    from shards.fsutil import parse_size
+    from ringfeed.fsutil import parse_size
 
     out.mkdir(parents=True)
     start, cpu = time.perf_counter(), _cpu_seconds()

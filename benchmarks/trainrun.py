@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from common import check, horovodrun
 
-from shards.fsutil import atomic_write_text
+from ringfeed.fsutil import atomic_write_text
 
 
 def trainer_available() -> bool:

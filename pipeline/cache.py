@@ -29,7 +29,7 @@ import fsspec
 from pipeline.background import BackgroundIterator
 from pipeline.errors import PipelineDataError
 from pipeline.source import ShardRef, local_path
-from shards.fsutil import HashingIO, atomic_open
+from ringfeed.fsutil import HashingIO, atomic_open
 
 LOCK_SUFFIX = ".lock"
 PART_SUFFIX = ".tmp"  # atomic_open's temp files: .<name>.<random>.tmp

@@ -41,7 +41,7 @@ from pipeline.source import (
 from pipeline.state import PipelineState
 from pipeline.stats import PipelineStats
 from pipeline.stream import ON_ERROR_POLICIES, Booked, StreamSpec, WorkerStream
-from shards.fsutil import parse_size
+from ringfeed.fsutil import parse_size
 from shards.manifest import Manifest
 
 DECODE_DEVICES = ("cpu", "cuda")

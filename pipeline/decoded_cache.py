@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.cache import LOCK_SUFFIX, evict_lru, remove_stale_temporaries
-from shards.fsutil import publish
+from ringfeed.fsutil import publish
 
 MAGIC = b"RFDEC001"
 SUFFIX = ".rfd"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 
 
 class PipelineError(UserError):

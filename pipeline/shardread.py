@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.cache import ShardHandle
 from pipeline.source import ShardRef, is_local_url, local_path
-from shards.fsutil import atomic_write_bytes
+from ringfeed.fsutil import atomic_write_bytes
 
 if TYPE_CHECKING:
     from pipeline.tarindex import TarIndex

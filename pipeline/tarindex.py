@@ -290,7 +290,7 @@ class TarIndex:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically (temp file beside `path`, fsync, rename)."""
-        from shards.fsutil import atomic_write_bytes
+        from ringfeed.fsutil import atomic_write_bytes
 
         atomic_write_bytes(path, self.to_bytes())
 

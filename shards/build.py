@@ -21,8 +21,8 @@ from importlib import metadata
 from pathlib import Path
 
 from pipeline.tarindex import build_index
-from shards.errors import UserError
-from shards.fsutil import atomic_write_bytes, sha256_file
+from ringfeed.errors import UserError
+from ringfeed.fsutil import atomic_write_bytes, sha256_file
 from shards.journal import JOURNAL, Journal
 from shards.manifest import Manifest, ShardInfo, Split
 from shards.options import ShardOptions

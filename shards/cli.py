@@ -6,7 +6,7 @@ import argparse
 import math
 from pathlib import Path
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from shards.options import DEFAULT_MAX_SIZE, FORMATS, TABLE_FORMATS, ShardOptions
 
 
@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def options_from_args(args: argparse.Namespace) -> ShardOptions:
     """Validate the command line; every problem is one UserError line."""
-    from shards.fsutil import parse_size
+    from ringfeed.fsutil import parse_size
 
     if args.format not in FORMATS:
         raise UserError(f"unknown --format {args.format!r} (choose from: {', '.join(FORMATS)})")

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from shards.fsutil import atomic_write_text
+from ringfeed.fsutil import atomic_write_text
 from shards.manifest import ShardInfo
 
 JOURNAL = ".ringfeed-journal.jsonl"

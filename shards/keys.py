@@ -13,7 +13,7 @@ import hashlib
 import re
 from collections.abc import Callable, Sequence
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 
 MAX_KEY_CHARS = 64
 MAX_EXT_CHARS = 32

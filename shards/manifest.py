@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shards.fsutil import atomic_write_bytes
+from ringfeed.fsutil import atomic_write_bytes
 
 FORMAT = "ringfeed-shards"
 VERSION = 1

@@ -43,7 +43,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from shards.fsutil import atomic_open
+from ringfeed.fsutil import atomic_open
 from shards.manifest import Manifest, ManifestError, ShardInfo, Split
 
 INDEX_NAME = "manifest.bin"

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 
 IMAGE_EXTS = frozenset("jpg jpeg png gif bmp webp tif tiff ppm pgm pbm".split())
 INT_EXTS = frozenset("cls cls2 class count index inx id".split())

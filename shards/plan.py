@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from shards.members import TAR_END, TAR_RECORD, tar_file_bytes
 from shards.options import ShardOptions
 from shards.sources import Source

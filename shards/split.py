@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 
 
 def draw_val(n: int, labels: np.ndarray | None, fraction: float, seed: int,

@@ -12,7 +12,7 @@ from typing import IO, Any
 
 import fsspec
 
-from shards.fsutil import HashingIO
+from ringfeed.fsutil import HashingIO
 
 
 class TarReadError(Exception):

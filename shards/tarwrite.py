@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import IO
 
 from pipeline.tarindex import TarIndex, TarIndexBuilder
-from shards.errors import UserError
-from shards.fsutil import HashingIO, publish, temp_open
+from ringfeed.errors import UserError
+from ringfeed.fsutil import HashingIO, publish, temp_open
 from shards.manifest import INDEX_SUFFIX, ShardInfo
 from shards.plan import PlannedShard
 from shards.sources import Source

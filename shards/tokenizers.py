@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 
 BYTES = "bytes"
 _EOS_ATTRS = ("eos_id", "eos_token_id", "eot_token")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.tarindex import TarIndex, build_index
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from shards.manifest import Manifest, ManifestError, ShardInfo
 from shards.parallel import parallel_map
 from shards.tarread import TarReadError, open_shard, scan_tar, shard_url

@@ -26,9 +26,9 @@ from pathlib import Path
 import braceexpand
 
 from pipeline.tarindex import build_index
+from ringfeed.errors import UserError
+from ringfeed.fsutil import atomic_write_bytes
 from shards.build import ShardRun, created_by
-from shards.errors import UserError
-from shards.fsutil import atomic_write_bytes
 from shards.manifest import INDEX_SUFFIX, Manifest, ShardInfo, Split
 from shards.members import kind_of
 from shards.options import ShardOptions

@@ -181,7 +181,7 @@ def corrupt_one_sample(shards: Path, shard_name: str, sample_index: int) -> str:
     (and its manifest entry updated, so only decoding can notice). Returns that sample's key."""
     import webdataset as wds
 
-    from shards.fsutil import sha256_file
+    from ringfeed.fsutil import sha256_file
     from shards.manifest import Manifest
 
     path = shards / shard_name

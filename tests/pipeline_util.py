@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shards.fsutil import sha256_file  # noqa: E402
+from ringfeed.fsutil import sha256_file  # noqa: E402
 from shards.manifest import Manifest, ShardInfo, Split  # noqa: E402
 
 

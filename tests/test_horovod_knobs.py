@@ -13,7 +13,7 @@ import pytest
 from helpers import BIN, horovodrun, run
 from train_util import toy_config, write_config, write_toy_shards
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from train.cli import main
 from train.config import HorovodSection
 from train.horovod_env import apply_horovod_env, check_controller, horovod_env, launch_problem

@@ -14,7 +14,7 @@ import pytest
 from pipeline_util import png_bytes, write_shards
 
 from pipeline import PipelineError, ShardPipeline
-from shards.fsutil import sha256_file
+from ringfeed.fsutil import sha256_file
 from shards.manifest import Manifest
 
 SIZES = [10, 23, 7, 14]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from train_util import toy_config, write_config, write_toy_shards
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from train.backend import StepResult, choose_gpu, gpu_for_rank
 from train.checkpoint import (
     find_resume_point,

@@ -58,7 +58,7 @@ def write_toy_shards(out: Path, n_train: int = 480, n_val: int = 96,
     """x.npy / y.npy shards with a manifest, written with webdataset's TarWriter."""
     import webdataset as wds
 
-    from shards.fsutil import sha256_file
+    from ringfeed.fsutil import sha256_file
     from shards.manifest import Manifest, ShardInfo, Split
 
     out.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from train.data import DataSpec
 
 # Per-step agreement vector, allreduced with op=Average on every step. Any rank's request

@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 

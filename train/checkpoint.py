@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from shards.errors import UserError
-from shards.fsutil import fsync_path, sha256_file
+from ringfeed.errors import UserError
+from ringfeed.fsutil import fsync_path, sha256_file
 from train import faults
 
 PREFIX = "ckpt-"

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 
 COMMAND_MODULES = [
     "train.info",        # ringfeed info

@@ -30,8 +30,8 @@ from pydantic import (
     field_validator,
 )
 
-from shards.errors import UserError
-from shards.fsutil import parse_size
+from ringfeed.errors import UserError
+from ringfeed.fsutil import parse_size
 from shards.manifest import Manifest, ManifestError
 from train.horovod_env import launch_problem
 

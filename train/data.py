@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from train.userhooks import load_callable
 
 CLASSIFY, LM, REGRESS = "classify", "lm", "regress"

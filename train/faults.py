@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 
 ENV = "RINGFEED_FAULT"
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 
 MIB = 1024 * 1024
 # Set by horovodrun's Gloo launch (horovod/runner/gloo_run.py); absent under mpirun.

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from shards.errors import UserError
-from shards.fsutil import atomic_write_text
+from ringfeed.errors import UserError
+from ringfeed.fsutil import atomic_write_text
 from train import faults
 from train.backend import Backend, Dist, StepResult
 from train.checkpoint import (

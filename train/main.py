@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 
 
 def register(subparsers) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from shards.fsutil import atomic_write_text
+from ringfeed.fsutil import atomic_write_text
 
 # Data-wait share of step time above which we call the input pipeline the bottleneck.
 BOTTLENECK_SHARE = 0.20

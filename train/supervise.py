@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-# The trainer's one error line: every `ringfeed: error:` is an exit 2-4 (shards.errors.UserError)
+# The trainer's one error line: every `ringfeed: error:` is an exit 2-4 (ringfeed.errors.UserError)
 NO_RESTART_MARKER = "ringfeed: error:"
 NO_RESTART_EXIT_CODES = {2, 3, 4}  # bad config/data, NaN loss, checkpoint unwritable
 RESTART_ENV = "RINGFEED_RESTART_COUNT"
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        from shards.errors import UserError
+        from ringfeed.errors import UserError
 
         raise UserError("ringfeed run: no command given (usage: ringfeed run -- horovodrun ... ringfeed train CFG)")
     return Supervisor(cmd, args.max_restarts, args.backoff, args.backoff_max).run()

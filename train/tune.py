@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from train.tune_spec import Search, load_search
 
 INTERRUPTED = (None, "interrupted")  # FAIL trials whose `failure` is one of these get retried

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from train.tune import (
     TrialFailed,
     TuneInterrupted,

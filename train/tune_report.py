@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from shards.fsutil import atomic_write_text
+from ringfeed.fsutil import atomic_write_text
 from train.tune_spec import Search
 
 PBT_COLUMNS = ("member", "generation", "start_step", "end_step", "parent_member",

@@ -43,8 +43,8 @@ from pydantic import (
     field_validator,
 )
 
-from shards.errors import UserError
-from shards.fsutil import atomic_write_text
+from ringfeed.errors import UserError
+from ringfeed.fsutil import atomic_write_text
 
 # Keys the tuner owns: every trial gets its own run dir, checkpoints inside it, and its resume.
 MANAGED_KEYS = ("output.dir", "checkpoint.dir", "checkpoint.resume")

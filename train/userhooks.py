@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 
 
 def load_callable(path: str, field: str) -> Callable[..., Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from shards.options import FORMATS, ShardOptions
 from shards.sources.base import Part, Source, require_exists
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from shards.keys import NumberedKeys, check_ext, safe_key
 from shards.members import encode, kind_of, member_tar_bytes
 from shards.options import ShardOptions

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from shards.options import ShardOptions
 
 # Source-provided split names (file or folder stems) -> the split name used in shard names.

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from shards.keys import check_unique, safe_key
 from shards.members import IMAGE_EXTS, member_tar_bytes
 from shards.options import ShardOptions

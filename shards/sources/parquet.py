@@ -24,7 +24,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from shards.options import ShardOptions
 from shards.sources.tabular import TableSource
 

@@ -40,7 +40,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from shards.keys import NumberedKeys, check_ext, check_unique, safe_key
 from shards.members import encode, json_bytes, kind_of, member_tar_bytes, npy_bytes
 from shards.options import ShardOptions

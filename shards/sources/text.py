@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from shards.keys import NumberedKeys
 from shards.members import member_tar_bytes, npy_bytes
 from shards.options import ShardOptions

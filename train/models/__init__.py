@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shards.errors import UserError
+from ringfeed.errors import UserError
 from train.config import BUILTIN_MODELS
 from train.data import DataSpec
 from train.userhooks import call_with_optional, load_callable
