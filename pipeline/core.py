@@ -40,7 +40,7 @@ from pipeline.source import (
 )
 from pipeline.state import PipelineState
 from pipeline.stats import PipelineStats
-from pipeline.stream import ON_ERROR_POLICIES, Booked, StreamSpec, WorkerStream
+from pipeline.stream import ON_ERROR_POLICIES, Booked, StreamContext, WorkerStream
 from ringfeed.fsutil import parse_size
 from shards.manifest import Manifest
 
@@ -159,7 +159,7 @@ class ShardPipeline:
         kinds.update(fields or {})
         decoder = Decoder(kinds, as_pair(image_size), normalize, decode, transform,
                           decode_images=decode_device == "cpu", threads=int(decode_threads))
-        self.spec = StreamSpec(refs, self.layout, decoder, self.cache, on_error, self.prefetch,
+        self.spec = StreamContext(refs, self.layout, decoder, self.cache, on_error, self.prefetch,
                                self.indexes, self._decoded_store(decoded_cache, limit, decoder))
         self._stats = PipelineStats()
         # threads already reading the pass expected next

@@ -48,7 +48,7 @@ FILL_ROWS = 256  # samples decoded and written per step while filling a decoded-
 
 
 @dataclass
-class StreamSpec:
+class StreamContext:
     """Everything a worker stream needs; picklable, so DataLoader workers can get it."""
 
     refs: Sequence[ShardRef]  # a list, or source.ShardRefs (made on access from the index)
@@ -76,7 +76,7 @@ class WorkerStream:
     """Iterating yields the worker's batches from local batch `skip` on, each as a `Booked`:
     the batch beside its tag (epoch, segment, rank batch index) and counter increments."""
 
-    def __init__(self, spec: StreamSpec, plan: WorkerPlan, skip: int, epoch: int, segment: int,
+    def __init__(self, spec: StreamContext, plan: WorkerPlan, skip: int, epoch: int, segment: int,
                  streams: int, w: int) -> None:
         self.spec, self.plan, self.skip = spec, plan, skip
         self.epoch, self.segment = int(epoch), int(segment)  # the first two of every tag
@@ -89,7 +89,7 @@ class WorkerStream:
         self._reference: set[str] | None = None
 
     @classmethod
-    def resuming(cls, spec: StreamSpec, plan: SegmentPlan, rank: int, w: int, t0: int
+    def resuming(cls, spec: StreamContext, plan: SegmentPlan, rank: int, w: int, t0: int
                  ) -> WorkerStream:
         """Worker stream `w` of `rank`, after the rank's first `t0` batches of the segment."""
         streams = plan.config.streams
@@ -284,7 +284,7 @@ class _OpenShards:
     Slots are grouped in *runs*: maximal stretches of needed slots in one shard, in read order
     (a shard may appear in more than one run after a resume reordered the epoch)."""
 
-    def __init__(self, spec: StreamSpec, needed: np.ndarray, shard_of: np.ndarray,
+    def __init__(self, spec: StreamContext, needed: np.ndarray, shard_of: np.ndarray,
                  pos_of: np.ndarray, counters: StreamCounters) -> None:
         self.spec, self.counters, self.pos_of = spec, counters, pos_of
         self.runs = _runs(needed, shard_of, pos_of)

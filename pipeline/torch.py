@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.core import ShardPipeline
 from pipeline.errors import PipelineDataError
 from pipeline.plan import Planner, Segment
-from pipeline.stream import Booked, StreamSpec, WorkerStream
+from pipeline.stream import Booked, StreamContext, WorkerStream
 
 _STATE_BYTES = 1 << 16
 # per-sample arrays small enough to travel from worker processes as lists (see _StreamDataset)
@@ -73,7 +73,7 @@ class _PassState:
 class _StreamDataset(IterableDataset):
     """What each DataLoader worker process runs: its worker stream of the pass in `state`."""
 
-    def __init__(self, spec: StreamSpec, planner: Planner, rank: int, state: _PassState) -> None:
+    def __init__(self, spec: StreamContext, planner: Planner, rank: int, state: _PassState) -> None:
         self.spec, self.planner, self.rank, self.state = spec, planner, rank, state
 
     def __iter__(self) -> Iterator[Booked | _WorkerError]:

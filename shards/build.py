@@ -26,8 +26,8 @@ from ringfeed.fsutil import atomic_write_bytes, sha256_file
 from shards.journal import JOURNAL, Journal
 from shards.manifest import Manifest, ShardInfo, Split
 from shards.options import ShardOptions
+from shards.packing import PlannedShard, fingerprint, plan_shards
 from shards.parallel import fork_pool, parallel_map, pool_task
-from shards.plan import PlannedShard, fingerprint, plan_shards
 from shards.progress import Progress
 from shards.sources import Source, open_source
 from shards.sources.text import WORK_DIR

@@ -1,5 +1,5 @@
 """Drawing the val split: which samples (or text documents) of `train` go to `val`, seeded and
-stratified by class. Used by the sharding plan (shards/plan.py) and by text sources, which draw
+stratified by class. Used by the packing of samples into shards (shards/packing.py) and by text sources, which draw
 whole documents (shards/sources/text.py)."""
 
 from __future__ import annotations

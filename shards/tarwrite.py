@@ -27,7 +27,7 @@ from pipeline.tarindex import TarIndex, TarIndexBuilder
 from ringfeed.errors import UserError
 from ringfeed.fsutil import HashingIO, publish, temp_open
 from shards.manifest import INDEX_SUFFIX, ShardInfo
-from shards.plan import PlannedShard
+from shards.packing import PlannedShard
 from shards.sources import Source
 
 TAR_MTIME = 946684800  # 2000-01-01T00:00:00Z (1970 makes GNU tar warn on extraction)

@@ -32,8 +32,8 @@ from shards.build import ShardRun, created_by
 from shards.manifest import INDEX_SUFFIX, Manifest, ShardInfo, Split
 from shards.members import kind_of
 from shards.options import ShardOptions
+from shards.packing import SPLIT_ORDER
 from shards.parallel import parallel_map
-from shards.plan import SPLIT_ORDER
 from shards.sources.base import SPLIT_NAMES, class_record
 from shards.tarread import TarReadError, TarScan, read_ints, scan_tar
 

@@ -197,7 +197,7 @@ def test_disk_full_is_one_line_keeps_finished_shards_and_resumes(capsys, tmp_pat
 def _plan_id(args: list[str]) -> str:
     """The plan fingerprint `ringfeed ARGS` writes first into its journal."""
     from shards.cli import options_from_args
-    from shards.plan import fingerprint, plan_shards
+    from shards.packing import fingerprint, plan_shards
     from shards.sources import open_source
     from train.cli import build_parser
 

@@ -19,7 +19,7 @@ After every reset each worker rebuilds its pipelines for its new rank and world 
 the committed pipeline state, so the rest of the epoch is dealt over the new ranks, every
 remaining sample exactly once (pipeline/README.md). The batch/lr rule: the per-rank batch stays
 `data.batch_size`, so the global batch follows the world size, and so does the peak lr when
-`optim.scale_lr_with_world_size` (Horovod's linear scaling rule); the steps left are re-planned
+`optim.scale_lr_with_world_size` (Horovod's linear scaling rule); the steps left are recounted
 from the pipeline's position. Checkpoints are still written to disk every
 `checkpoint.every_steps` for restarts of the whole job.
 

@@ -3,8 +3,8 @@
     run()      prepare() -> start() -> train() -> wrap_up()
     prepare()  pipelines for this rank, the data spec, the model (nothing collective yet)
     start()    resume from the newest checkpoint (rank 0 reads, all ranks take its state),
-               plan() the steps left and the lr schedule, open the logs
-    train()    epoch() until the planned steps are done
+               count_steps(): the steps left and the lr schedule, open the logs
+    train()    epoch() until the counted steps are done
     epoch()    for every group of k micro-batches (data wait timed): step();
                validate at the end of the epoch
     step()     backend.train_step: forward + backward on each micro-batch, one gradient
@@ -113,7 +113,7 @@ class Trainer:
     val_loader: Iterable | None
     spec: DataSpec
     steps_per_epoch: int
-    # the plan: set by plan() from the pipeline's position and the world size
+    # set by count_steps() from the pipeline's position and the world size
     total_steps: int
     global_batch: int
     schedule: LRSchedule
@@ -174,15 +174,15 @@ class Trainer:
 
     def start(self, resume: bool = True, note: str = "") -> None:
         """Collective: resume from a checkpoint (unless `resume` is False: an elastic reset
-        continues from its commit), plan the rest of the run, open the logs."""
+        continues from its commit), count the steps left, open the logs."""
         if resume:
             self.restore()
-        self.plan()
+        self.count_steps()
         self.say(self.header() + note)
         self.open_logs()
 
     def train(self, signals: SignalRequests) -> bool:
-        """Epochs until the planned steps are done; True when a signal stopped the run."""
+        """Epochs until the counted steps are done; True when a signal stopped the run."""
         if self.loader is None:
             self.loader = self.backend.loader(self.train_pipe)
             self.val_loader = self.backend.loader(self.val_pipe) if self.val_pipe else None
@@ -194,7 +194,7 @@ class Trainer:
         return False
 
     def epoch(self, signals: SignalRequests) -> bool:
-        """The rest of the pipeline's current epoch (or as much of it as the plan has left);
+        """The rest of the pipeline's current epoch (or as much of it as the steps left need);
         True when a signal stopped the run."""
         state, pipe, k = self.state, self.train_pipe, self.cfg.train.accumulate
         if pipe.batches_remaining == 0:  # (also when resumed at its end)
@@ -283,7 +283,7 @@ class Trainer:
         # of the job as soon as one rank exits.
         self.backend.allreduce_sum({"done": 0.0})
 
-    # -- data and plan ------------------------------------------------------------------------
+    # -- data and steps -----------------------------------------------------------------------
     def build_pipelines(self) -> None:
         """The train (and val) pipelines of this rank at the current world size."""
         cfg, dist = self.cfg, self.dist
@@ -299,7 +299,7 @@ class Trainer:
                 f"{cfg.data.batch_size} per rank per epoch on {dist.size} ranks is fewer than "
                 f"train.accumulate={k} (lower data.batch_size or train.accumulate)")
 
-    def plan(self) -> None:
+    def count_steps(self) -> None:
         """Steps to run and the lr schedule, from the pipeline's position and the world size:
         the steps done, what is left of this epoch, and the epochs after it."""
         cfg, k = self.cfg, self.cfg.train.accumulate
