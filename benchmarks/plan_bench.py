@@ -87,7 +87,7 @@ def synthetic_manifest(directory: Path, shards: int, samples: int, seed: int = 0
     """manifest.json and manifest.bin for `shards` shards (names train-0000000.tar, fake
     sizes and hashes), written directly: no tar files, no ShardInfo objects. Returns counts."""
     from shards.manifest import Manifest
-    from shards.manifest_index import (
+    from shards.manifest_format import (
         HAS_SHA256,
         INDEX_NAME,
         SplitArrays,

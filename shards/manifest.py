@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from ringfeed.fsutil import atomic_write_bytes
+from shards.manifest_format import INDEX_NAME, write_manifest_index
 
 FORMAT = "ringfeed-shards"
 VERSION = 1
@@ -102,10 +103,8 @@ class Manifest:
 
     def save(self, directory: str | Path) -> Path:
         """Write `directory/manifest.json` atomically (temp file + rename), then its compact
-        binary index `manifest.bin` (shards/manifest_index.py: what the pipeline maps instead
+        binary index `manifest.bin` (shards/manifest_format.py; shards/manifest_index.py maps it instead
         of parsing the JSON)."""
-        from shards.manifest_index import INDEX_NAME, write_manifest_index
-
         path = Path(directory) / "manifest.json"
         text = self.to_json().encode()
         atomic_write_bytes(path, text)
