@@ -1,6 +1,7 @@
 """Allreduce: Horovod (Gloo) bus bandwidth vs tensor size on 2 ranks, against
 torch.distributed's gloo allreduce, with fp16 compression, with tensor fusion on and off for
-many small tensors, and the loopback ceilings (memory copy, TCP over 127.0.0.1).
+many small tensors, Horovod's cycle time and fusion threshold (the `horovod:` config knobs) on
+the smallest and largest tensor, and the loopback ceilings (memory copy, TCP over 127.0.0.1).
 
     .venv/bin/python benchmarks/allreduce_bench.py            # 4 KB .. 256 MB
     .venv/bin/python benchmarks/allreduce_bench.py --quick    # 4 KB .. 4 MB, seconds
@@ -40,6 +41,20 @@ NAME = "allreduce"
 KB, MB = 1024, 1024 * 1024
 FULL_SIZES = [4 * KB * 4**i for i in range(9)]  # 4 KB .. 256 MB
 QUICK_SIZES = [4 * KB, 256 * KB, 4 * MB]
+# One fresh Horovod job each (a missing key: its default, cycle 1 ms / fusion 128 MB); the
+# first is the reference the others are held against. Quick mode runs the first two.
+KNOBS = [{}, {"cycle_time_ms": 0.1}, {"cycle_time_ms": 5}, {"fusion_threshold_mb": 0}]
+KNOB_VARIABLES = {"cycle_time_ms": ("HOROVOD_CYCLE_TIME", lambda v: f"{v:g}"),
+                  "fusion_threshold_mb": ("HOROVOD_FUSION_THRESHOLD", lambda v: str(int(v * MB)))}
+
+
+def knob_label(setting: dict) -> str:
+    parts = []
+    if "cycle_time_ms" in setting:
+        parts.append(f"cycle {setting['cycle_time_ms']:g} ms")
+    if "fusion_threshold_mb" in setting:
+        parts.append(f"fusion {setting['fusion_threshold_mb']:g} MB")
+    return ", ".join(parts) or "defaults"
 
 
 def memcpy_bandwidth(nbytes: int, repeat: int) -> float:
@@ -113,10 +128,32 @@ def build_rows(hvd: dict, gloo: dict, ceiling: dict, sizes: list[int]) -> list[R
     rows.append(Row(NAME, f"hvd fused vs gloo, {label}", small["fused_s"] * 1e3, "ms",
                     "torch gloo", gloo["small"]["unfused_s"] * 1e3,
                     ratio=gloo["small"]["unfused_s"] / small["fused_s"]))
+    rows += knob_rows(hvd.get("knobs", []), gloo, small)
     rows.append(Row(NAME, f"busbw {human(big)} / TCP loopback", h32["busbw"] / 1e9, "GB/s",
                     "127.0.0.1 TCP", ceiling["tcp_loopback"] / 1e9))
     rows.append(Row(NAME, "TCP loopback / memcpy", ceiling["tcp_loopback"] / 1e9, "GB/s",
                     "numpy memcpy", ceiling["memcpy"] / 1e9))
+    return rows
+
+
+def knob_rows(knobs: list[dict], gloo: dict, small: dict) -> list[Row]:
+    """Per cycle time / fusion setting: busbw at the smallest and largest size against torch
+    gloo (the note: against Horovod's defaults measured in the same phase), and the many-small
+    round against the defaults."""
+    if not knobs:
+        return []
+    default = knobs[0]  # KNOBS[0]: {}
+    rows = []
+    for setting in knobs[1:]:
+        name = knob_label(setting)
+        for r, d in zip(setting["fp32"], default["fp32"], strict=True):
+            g = at(gloo["fp32"], r["bytes"])
+            rows.append(Row(NAME, f"busbw {human(r['bytes'])}, hvd {name}", r["busbw"] / 1e9,
+                            "GB/s", "torch gloo", g["busbw"] / 1e9,
+                            note=f"{r['busbw'] / d['busbw']:.2f}x hvd defaults"))
+        rows.append(Row(NAME, f"{small['count']}x{human(small['bytes'])} round, hvd {name}",
+                        setting["small_s"] * 1e3, "ms", "hvd defaults",
+                        default["small_s"] * 1e3, ratio=default["small_s"] / setting["small_s"]))
     return rows
 
 
@@ -151,6 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
     budget = 2e7 if args.quick else 1e9
     worker_args = ["--sizes", ",".join(map(str, sizes)), "--budget-bytes", str(budget),
                    "--small-rounds", "5" if args.quick else "30"]
+    knob_args = ["--sizes", f"{sizes[0]},{sizes[-1]}", "--budget-bytes", str(budget),
+                 "--small-rounds", "5" if args.quick else "30", "--knob-run"]
 
     with tempfile.TemporaryDirectory(prefix="ringfeed-allreduce-") as tmp:
         out_h, out_g = Path(tmp) / "hvd.json", Path(tmp) / "gloo.json"
@@ -159,6 +198,15 @@ def main(argv: list[str] | None = None) -> dict:
         check(torchrun(args.ranks, WORKERS / "allreduce_gloo.py", [*worker_args, "--out",
                        str(out_g)], timeout), "torchrun allreduce_gloo.py")
         hvd, gloo = read_json(out_h), read_json(out_g)
+        hvd["knobs"] = []
+        for i, setting in enumerate(KNOBS[:2] if args.quick else KNOBS):
+            env = {var: fmt(setting[key]) for key, (var, fmt) in KNOB_VARIABLES.items()
+                   if key in setting}
+            out_k = Path(tmp) / f"knob{i}.json"
+            check(hvd_launch(args.ranks, WORKERS / "allreduce_hvd.py",
+                             [*knob_args, "--out", str(out_k)], timeout, **env),
+                  f"horovodrun allreduce_hvd.py --knob-run ({knob_label(setting)})")
+            hvd["knobs"].append({**setting, **read_json(out_k)})
     big = sizes[-1]
     ceiling = {"memcpy": memcpy_bandwidth(big, 3 if args.quick else 5),
                "tcp_loopback": tcp_loopback_bandwidth(max(big, 64 * MB))}

@@ -62,6 +62,7 @@ BENCHES = [
     Bench("stall", "stall_bench.py", "7. data stall"),
     Bench("decode", "decode_bench.py", "fast data path: decode"),
     Bench("plan", "plan_bench.py", "issue 17: plans at scale"),
+    Bench("local_sgd", "local_sgd_bench.py", "issue 16: local SGD on a slow link"),
 ]
 NAMES = [b.name for b in BENCHES]
 README = HERE / "README.md"

@@ -11,17 +11,18 @@ import sys
 import pytest
 from helpers import REPO, ringfeed
 
-BENCHMARKS = {"shards", "pipeline", "trainer", "allreduce", "scaling", "stall", "decode", "plan"}
+BENCHMARKS = {"shards", "pipeline", "trainer", "allreduce", "scaling", "stall", "decode", "plan",
+              "local_sgd"}
 NOT_MEASURED_IN_QUICK = ("pending:", "full mode only")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(500)  # (local_sgd's quick mode: ~1 min of it)
 def test_every_benchmark_runs_in_quick_mode(tmp_path):
     readme = REPO / "benchmarks" / "README.md"
     readme_before = readme.read_text()
 
-    r = ringfeed("bench", "--quick", "--results", str(tmp_path), timeout=400)
+    r = ringfeed("bench", "--quick", "--results", str(tmp_path), timeout=480)
 
     assert r.returncode == 0, r.output[-4000:]
     summary = json.loads((tmp_path / "summary_quick.json").read_text())
@@ -84,3 +85,30 @@ def test_gpu_feed_bench_runs_on_cpu(tmp_path):
     table = result["table_md"]
     assert "| contender |" in table and all(row["label"] in table for row in rows.values())
     assert table.strip() in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_local_sgd_bench_quick(tmp_path):
+    """benchmarks/local_sgd_bench.py --quick alone: the demo on two network-namespace hosts
+    over a tc-shaped link with H=1 and H=4 (rows "pending" where namespaces cannot be made)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("local_sgd_bench",
+                                                  REPO / "benchmarks" / "local_sgd_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--quick", "--results", str(tmp_path)])
+    if bench.missing_prerequisite():
+        assert all(r["note"].startswith("pending:") for r in result["rows"])
+        return
+    data = result["data"]
+    assert set(data["step_ms"]) == {"H=1", "H=4"}
+    for summary in data["summaries"].values():
+        assert summary["status"] == "finished" and summary["step"] == data["steps"]
+        assert summary["world_size"] == 2
+    ratios = result["ratios"]
+    assert all(math.isfinite(v) and v > 0 for v in ratios.values()) and len(ratios) == 3
+    assert ratios["allreduce bytes/sample, H=4 vs H=1"] == pytest.approx(0.75)  # Adam: 3P / 4
+    assert (tmp_path / "local_sgd_quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+

@@ -1,6 +1,9 @@
 """Horovod allreduce under `horovodrun -np N --gloo`: fp32 and fp16-compressed bus bandwidth
 per tensor size, and many small tensors with tensor fusion on (default threshold) and off
-(HOROVOD_FUSION_THRESHOLD=0, applied by re-initialising Horovod). Rank 0 writes --out."""
+(HOROVOD_FUSION_THRESHOLD=0, applied by re-initialising Horovod). --knob-run: only the fp32
+sweep and the many-small round, under whatever HOROVOD_CYCLE_TIME / HOROVOD_FUSION_THRESHOLD
+the launch sets (one fresh job per setting: re-initialising Horovod after a run with another
+cycle time crashed it here). Rank 0 writes --out."""
 
 from __future__ import annotations
 
@@ -36,13 +39,20 @@ def main() -> None:
             return lambda: hvd.allreduce(t, name="sweep", compression=compression)
         return make
 
+    fp32 = sweep(args.sizes, args.budget_bytes, n, reducer(hvd.Compression.none), hvd.barrier)
+    if args.knob_run:
+        result = {"ranks": n, "fp32": fp32, "small_s": many_small(
+            args.small_count, args.small_bytes, args.small_rounds)}
+        if hvd.rank() == 0:
+            write(args.out, result)
+        hvd.shutdown()
+        return
     result = {
         "ranks": n,
-        "fp32": sweep(args.sizes, args.budget_bytes, n, reducer(hvd.Compression.none),
-                      hvd.barrier),
+        "fp32": fp32,
         "fp16": sweep(args.sizes, args.budget_bytes, n, reducer(hvd.Compression.fp16),
                       hvd.barrier),
-        "fusion_threshold": os.environ.get("HOROVOD_FUSION_THRESHOLD", "default (64 MB)"),
+        "fusion_threshold": os.environ.get("HOROVOD_FUSION_THRESHOLD", "default (128 MB)"),
         "small": {"count": args.small_count, "bytes": args.small_bytes},
     }
     result["small"]["fused_s"] = many_small(args.small_count, args.small_bytes, args.small_rounds)

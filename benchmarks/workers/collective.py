@@ -19,6 +19,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--small-count", type=int, default=64, help="tensors in the many-small test")
     ap.add_argument("--small-bytes", type=int, default=16384)
     ap.add_argument("--small-rounds", type=int, default=20)
+    ap.add_argument("--knob-run", action="store_true",
+                    help="Horovod only: the fp32 sweep and the many-small round, nothing else")
     ap.add_argument("--out", type=Path, required=True)
     return ap.parse_args(argv)
 
