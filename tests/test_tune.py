@@ -109,6 +109,7 @@ def states(study) -> dict[int, str]:
      "pbt: needs train.max_steps"),
     ({"initial": [{"optim.lr": 5.0}]}, "initial[0].optim.lr: 5.0 is outside the space"),
 ])
+@pytest.mark.integration
 def test_bad_search_file_is_one_line_naming_the_field(tmp_path, shards, capsys, fields,
                                                       expected):
     search = search_file(tmp_path, base_config(tmp_path, shards), **fields)
@@ -137,6 +138,7 @@ def test_space_syntax_and_keys_into_the_config():
 
 
 @pytest.mark.parametrize("name", ["digits_tpe.yaml", "digits_pbt.yaml"])
+@pytest.mark.integration
 def test_example_search_files_are_valid(tmp_path, shards, monkeypatch, name):
     # they name the demo's paths relative to the repository root
     (tmp_path / "demo-out").mkdir()
@@ -150,7 +152,7 @@ def test_example_search_files_are_valid(tmp_path, shards, monkeypatch, name):
 
 
 # -- TPE over 2-rank trials ---------------------------------------------------------------
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(900)
 def test_tpe_study_finds_a_clearly_better_lr_than_its_worst(tmp_path, shards):
     # loguniform(1e-5, 1): the smallest rates barely move SGD in 60 steps, the larger ones
@@ -190,7 +192,7 @@ def test_tpe_study_finds_a_clearly_better_lr_than_its_worst(tmp_path, shards):
     assert len(load(search).get_trials()) == 6
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(600)
 def test_median_pruner_stops_a_bad_trial_from_its_streamed_metric(tmp_path, shards):
     # trial 0 (a good lr) sets the median at every validation; trial 1 (lr 1e-5) is at
@@ -212,7 +214,7 @@ def test_median_pruner_stops_a_bad_trial_from_its_streamed_metric(tmp_path, shar
 
 
 # -- durability ------------------------------------------------------------------------------
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(900)
 def test_killed_study_continues_where_it_stopped(tmp_path, shards):
     import optuna
@@ -264,7 +266,7 @@ def test_killed_study_continues_where_it_stopped(tmp_path, shards):
     assert rows[3].startswith("2,interrupted,"), rows
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(600)
 def test_crashing_trial_is_recorded_and_the_study_goes_on(tmp_path, shards):
     # a user loss that fails in trial 1 only (RINGFEED_TUNE_TRIAL is set for every trial)
@@ -290,7 +292,7 @@ def test_crashing_trial_is_recorded_and_the_study_goes_on(tmp_path, shards):
 
 
 # -- PBT -----------------------------------------------------------------------------------
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(900)
 def test_pbt_exploit_copies_a_checkpoint_and_the_member_resumes_from_it(tmp_path, shards):
     base = base_config(tmp_path, shards, max_steps=20, val_every=10)
