@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
                      label=name)
     axes[0].set_xlabel("samples")
     axes[0].set_ylabel("train loss (window mean)")
+    axes[0].set_yscale("log")
     axes[0].legend(fontsize=8)
     names = list(step_ms)
     axes[1].bar(range(len(names)), [step_ms[n] for n in names])
