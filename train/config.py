@@ -32,7 +32,8 @@ from pydantic import (
 
 from ringfeed.errors import UserError
 from ringfeed.fsutil import parse_size
-from shards.manifest import Manifest, ManifestError
+from shards.manifest import ManifestError
+from shards.manifest_index import ManifestIndex, load_index
 from train.horovod_env import launch_problem
 
 BUILTIN_MODELS = ("mlp", "cnn", "gpt")
@@ -423,16 +424,17 @@ def _check_paths(cfg: RunConfig, path: str | Path) -> None:
         if not Path(source).exists():
             raise UserError(f"{path}: {field}: {source} does not exist (run `ringfeed shard` "
                             "first, or fix the path)")
-        try:
-            manifest = Manifest.load(source)
-            manifest.split(split)
+        try:  # manifest.bin, memory-mapped: no per-rank parse of a 10^6-shard JSON
+            index = manifest_index(source)
+            index.split(split)
         except ManifestError as e:
             raise UserError(f"{path}: {field}: {e}") from None
+        fields = index.header["manifest"].get("fields") or {}
         for key_field in ("input_key", "target_key"):
             key = getattr(cfg.data, key_field)
-            if key and manifest.fields and key not in manifest.fields:
+            if key and fields and key not in fields:
                 raise UserError(f"{path}: data.{key_field}: {key!r} is not a field of {source} "
-                                f"(fields: {', '.join(manifest.fields)})")
+                                f"(fields: {', '.join(fields)})")
     ckpt_dir = cfg.checkpoint_dir
     # (Elastic runs check this when they start training: a worker joining a running job finds
     # the job's own checkpoints here.)
@@ -452,6 +454,12 @@ def _no_default_val_split(cfg: RunConfig) -> bool:
         return False
     manifest_file = Path(d.train) / "manifest.json"
     try:
-        return manifest_file.is_file() and d.val_split not in Manifest.load(manifest_file).splits
+        return manifest_file.is_file() and d.val_split not in manifest_index(d.train).split_names
     except ManifestError:
         return False  # reported below, with the field named
+
+
+def manifest_index(source: str) -> ManifestIndex:
+    """The local manifest's binary index (beside it, else built once in memory)."""
+    path = Path(source)
+    return load_index(path / "manifest.json" if path.is_dir() else path, None)

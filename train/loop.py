@@ -264,6 +264,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         if self.val_pipe is None:
             return {}
+        self.backend.sync_replicas()  # local SGD: score the averaged model, not each replica
         metrics = evaluate(self.backend, self.val_pipe, self.val_loader)
         self.state.last_val_step = self.state.step
         self.last_val = metrics
@@ -379,6 +380,7 @@ class Trainer:
         checkpoint.on_error: warn, none of them)."""
         cfg, state = self.cfg, self.state
         self.flush_sample_log()
+        self.backend.sync_replicas()  # local SGD: a checkpoint holds the averaged model
         rng = self.backend.rng_states()
         error = None
         if self.dist.is_root:
@@ -448,6 +450,7 @@ class Trainer:
             "checkpoint": str(self.state.last_checkpoint) if self.state.last_checkpoint else None,
             "recovery": asdict(self.recovery), "recovery_text": self.recovery.describe(),
             "pipeline": self.train_pipe.stats(),
+            "communication": self.backend.comm_stats(),  # allreduce bytes per sample, ...
         }
         self.logger.summary(summary)
 
