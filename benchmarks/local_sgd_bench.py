@@ -9,8 +9,8 @@ by one veth pair whose ends are rate-limited with `tc qdisc ... tbf`.
 Every run trains the same number of steps on the same samples (global batch 64), so the
 losses compare at a fixed number of samples. Step time: rank 0's metrics.jsonl time stamps
 after the first logging window. Allreduce bytes per sample: the trainer's summary.json
-("comm", where the loop records the backend's comm_stats()), else computed from the model's
-parameter count, the optimizer's moments and H. The link: both veth ends shaped to --rate
+("communication": the backend's comm_stats()), else computed from the model's parameter count,
+the optimizer's moments and H. The link: both veth ends shaped to --rate
 (tbf, full duplex); horovodrun runs in host A and starts the rank on host B through an `ssh`
 stand-in that runs the command in B's namespace (no sshd needed). Needs root and `ip`/`tc`;
 elsewhere the rows say "pending". Writes benchmarks/results/local_sgd[_quick].json and .png.
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append(Row(NAME, f"val {metric} after {steps * GLOBAL_BATCH} samples, "
                                 f"{name} vs H=1", r.summary["val"][metric], "", "H=1",
                                 base.summary["val"][metric]))
-        comm = r.summary.get("comm") or {}
+        comm = r.summary.get("communication") or {}
         rows.append(Row(NAME, f"allreduce bytes/sample, {name} vs H=1",
                         comm.get("allreduce_bytes_per_sample",
                                  bytes_per_sample(params, optimizer, h, with_state)), "B",

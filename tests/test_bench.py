@@ -110,5 +110,6 @@ def test_local_sgd_bench_quick(tmp_path):
     ratios = result["ratios"]
     assert all(math.isfinite(v) and v > 0 for v in ratios.values()) and len(ratios) == 3
     assert ratios["allreduce bytes/sample, H=4 vs H=1"] == pytest.approx(0.75)  # Adam: 3P / 4
+    assert all(r["note"] == "summary.json" for r in result["rows"] if "bytes" in r["metric"])
     assert (tmp_path / "local_sgd_quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -121,3 +121,8 @@ def test_sync_every_4_trains_the_demo_to_its_accuracy_goal(tmp_path, digits, fra
     done = summary(out)
     assert done["status"] == "finished" and done["world_size"] == 2, done
     assert done["val"]["accuracy"] >= DEMO_GOAL, done["val"]
+    comm = done["communication"]  # the backend's count, recorded by the loop
+    assert comm["sync_every"] == 4 and comm["samples"] == 32 * done["step"]
+    # a sync every 4 steps, plus at most one before each validation (10 epochs) and checkpoint
+    assert done["step"] // 4 <= comm["syncs"] <= done["step"] // 4 + 20
+    assert comm["allreduce_bytes_per_sample"] > 0
