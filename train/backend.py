@@ -151,6 +151,31 @@ class Backend(Protocol):
         """This rank's gradient/parameter allreduce payload so far: CommStats.as_dict()."""
 
 
+class StepCounting:
+    """What both backends do after an applied step (mixed into them): count the gradient
+    allreduce's bytes (synchronous), or the local step and, every sync_every-th one, the
+    replicas' averaging (local SGD)."""
+
+    sync_every: int
+    comm: CommStats
+    _local_steps: int  # optimizer steps taken; a sync follows every sync_every-th
+    _unsynced: int  # local steps since the last sync
+    _grad_bytes: int  # one gradient allreduce's payload
+
+    def sync_replicas(self) -> None:
+        raise NotImplementedError
+
+    def _count_step(self, samples: int) -> None:
+        self._local_steps += 1
+        self.comm.step(samples)
+        if self.sync_every == 1:
+            self.comm.sync(self._grad_bytes)
+            return
+        self._unsynced += 1
+        if self._local_steps % self.sync_every == 0:
+            self.sync_replicas()
+
+
 GpuView = tuple[int, Any, int]  # (host, the identity of the devices a rank sees, their count)
 
 

@@ -33,7 +33,15 @@ import tensorflow as tf
 from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
 
-from train.backend import STATS_LOSS, CommStats, Dist, StepResult, choose_gpu, metric_sums
+from train.backend import (
+    STATS_LOSS,
+    CommStats,
+    Dist,
+    StepCounting,
+    StepResult,
+    choose_gpu,
+    metric_sums,
+)
 from train.data import REGRESS, DataSpec, split_batch
 from train.horovod_env import apply_horovod_env, check_controller
 from train.losses import regression_fns
@@ -69,7 +77,7 @@ def make_optimizer(optim, grad_clip: float | None) -> keras.optimizers.Optimizer
     return cls(beta_1=beta_1, beta_2=beta_2, epsilon=1e-8, **common)
 
 
-class TFBackend:
+class TFBackend(StepCounting):
     name = "tensorflow"
 
     def __init__(self, cfg):
@@ -207,17 +215,6 @@ class TFBackend:
             loss_scale=scale if fp16 else None)
 
     # -- local SGD and communication ----------------------------------------------------------
-    def _count_step(self, samples: int) -> None:
-        """Bookkeeping after an applied step: the gradient allreduce's bytes (synchronous), or
-        the local step count and, every sync_every-th step, the averaging."""
-        self._local_steps += 1
-        self.comm.step(samples)
-        if self.sync_every == 1:
-            self.comm.sync(self._grad_bytes)
-            return
-        self._unsynced += 1
-        if self._local_steps % self.sync_every == 0:
-            self.sync_replicas()
 
     def _replica_variables(self) -> list[tf.Variable]:
         """What a sync averages, in the same order on every rank: the trainable variables,

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 
-from train.backend import CommStats, Dist, StepResult, choose_gpu, metric_sums
+from train.backend import CommStats, Dist, StepCounting, StepResult, choose_gpu, metric_sums
 from train.checkpoint import open_for_write
 from train.data import REGRESS, DataSpec, split_batch
 from train.horovod_env import apply_horovod_env, check_controller
@@ -117,7 +117,7 @@ def average_tensors(tensors: list[torch.Tensor], name: str) -> int:
     return total
 
 
-class TorchBackend:
+class TorchBackend(StepCounting):
     name = "torch"
 
     def __init__(self, cfg):
@@ -269,17 +269,6 @@ class TorchBackend:
                                      grad_norm=grad_norm, loss_scale=scale)
 
     # -- local SGD and communication ----------------------------------------------------------
-    def _count_step(self, samples: int) -> None:
-        """Bookkeeping after an applied step: the gradient allreduce's bytes (synchronous), or
-        the local step count and, every sync_every-th step, the averaging."""
-        self._local_steps += 1
-        self.comm.step(samples)
-        if self.sync_every == 1:
-            self.comm.sync(self._grad_bytes)
-            return
-        self._unsynced += 1
-        if self._local_steps % self.sync_every == 0:
-            self.sync_replicas()
 
     def _has_moments(self) -> bool:
         state = self.optimizer.state
