@@ -29,7 +29,11 @@ for _ in $(seq 600); do sleep 0.05; [ -n "${EXIT_WITH:-}" ] && exit "$EXIT_WITH"
 """
 SCANCEL = """#!/bin/bash
 echo "scancel $*" >> "$WORK/calls"
-[ "$1" = --signal=TERM ] && kill -TERM "$(cat "$WORK/step.pid")"
+if [ "$1" = --signal=TERM ]; then
+  pid=$(cat "$WORK/step.pid"); kill -TERM "$pid"
+  # The hardest timing for the script: the step has ended before scancel returns.
+  [ "$SAVE_EXITS" = 1 ] && while kill -0 "$pid" 2>/dev/null; do sleep 0.01; done
+fi
 exit 0
 """
 SCONTROL = """#!/bin/bash

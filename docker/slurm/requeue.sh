@@ -45,9 +45,11 @@ ringfeed_run_requeueable() {
   ringfeed_launcher_pid=$launcher
   while :; do
     if [ "$ringfeed_requeue_requested" = 0 ]; then
-      # Returns when the launcher ends, or early when the trapped SIGUSR1 arrives.
+      # Returns when the launcher ends, or early (status 138) when the trapped SIGUSR1
+      # arrives: then the next passes give the launcher its grace period and collect its own
+      # status (bash keeps it for a second wait), even if it ended in the meantime.
       if wait "$launcher"; then rc=0; else rc=$?; fi
-      kill -0 "$launcher" 2>/dev/null || break
+      [ "$ringfeed_requeue_requested" = 1 ] || break
     elif kill -0 "$launcher" 2>/dev/null && [ "$waited" -lt "${RINGFEED_SAVE_GRACE_S:-60}" ]; then
       sleep 1
       waited=$((waited + 1))
