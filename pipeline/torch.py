@@ -237,6 +237,9 @@ class TorchLoader:
             except StopIteration:
                 return
             if isinstance(booked, _WorkerError):
+                # Stop the workers now: left to the garbage collector, torch's shutdown of an
+                # iterator whose pass failed waited out its join timeouts (20 s for two).
+                self.close()
                 raise PipelineDataError(booked.message)
             batch = booked.batch
             for name, dtype in _SMALL_FIELDS.items():

@@ -362,9 +362,17 @@ def test_fail_policy_through_torch_workers_is_one_clear_error(tmp_path):
     paths = write_shards(tmp_path, [10, 12, 10], images=True)
     damage(paths[1], "image")
     pipe = make(tmp_path, on_error="fail", num_workers=2)
+    loader = make_loader(pipe)
+    batches = iter(loader)
+    next(batches)
+    workers = list(loader.loader._iterator._workers)
     with pytest.raises(PipelineDataError) as err:
-        collect(make_loader(pipe))
+        collect(batches)
     assert "s0001_00002" in str(err.value) and "Traceback" not in str(err.value)
+    # the failed pass stopped its workers before raising (not later, when the garbage
+    # collector finds the iterator: torch's shutdown then waited out its join timeouts)
+    assert loader.loader._iterator is None
+    assert not any(w.is_alive() for w in workers)
 
 
 @pytest.mark.integration
