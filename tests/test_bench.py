@@ -11,6 +11,7 @@ import sys
 import pytest
 from helpers import REPO, ringfeed
 
+# Every benchmark runs here, once; the quick run is each one's smoke test.
 BENCHMARKS = {"shards", "pipeline", "trainer", "allreduce", "scaling", "stall", "decode", "plan",
               "local_sgd"}
 NOT_MEASURED_IN_QUICK = ("pending:", "full mode only")
@@ -56,9 +57,46 @@ def test_every_benchmark_runs_in_quick_mode(tmp_path):
             assert run["status"] == "finished" and run["step"] == data["steps"]
             assert run["world_size"] == 2
         assert (tmp_path / "local_sgd_quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    check_shards(tmp_path)
+    check_pipeline(tmp_path)
+    check_decode(tmp_path)
+    check_plan(tmp_path)
     # The closing table is printed, and a quick run leaves the committed README alone.
     assert "met?" in r.stdout and "allreduce" in r.stdout
     assert readme.read_text() == readme_before
+
+
+# What each benchmark's quick run must show beyond finite ratios (each runs once, above).
+def check_shards(results):
+    shard = json.loads((results / "shard_bench_quick.json").read_text())
+    assert set(shard["mb_per_s"]) == {"ShardWriter (1 proc)", "ringfeed K=1", "ringfeed K=2"}
+    assert all(v > 0 for v in shard["mb_per_s"].values()) and shard["files"] > 0
+    assert shard["k1_k2_identical_shards"] is True
+
+
+def check_pipeline(results):
+    pipeline = json.loads((results / "pipeline_bench_quick.json").read_text())
+    assert len(pipeline["ratios"]) == len(pipeline["rows"]) == 16
+    assert len({r["metric"] for r in pipeline["rows"] if r["goal"]}) == 7
+    assert all(run["cache_hit_rate"] == 0.5 for run in pipeline["data"]["cold_warm"]["runs"])
+
+
+def check_decode(results):
+    table = json.loads((results / "decode_bench_quick.json").read_text())["data"]["speed"]["table"]
+    assert set(table) == {"JPEG 32px", "JPEG 64px", "PNG 32px", "PNG 64px"}
+    for entry in table.values():  # ringfeed's decode is PIL's, pixel for pixel
+        assert entry["ringfeed"]["max_diff"] == 0 and entry["PIL"]["max_diff"] == 0
+
+
+def check_plan(results):
+    plan = json.loads((results / "plan_bench_quick.json").read_text())
+    points = plan["data"]["points"]  # every point in a process of its own
+    assert not [p for p in points if "error" in p]
+    assert plan["data"]["identical_to_old"] is True  # the old and new planners agree
+    assert sum("same" in p for p in points) == 8  # 2 sizes x 2 world sizes x fresh/resume
+    assert {p["kind"] for p in points} == {"fresh", "resume", "load"}
+    assert len(plan["ratios"]) == 6
+    assert {r["note"] for r in plan["rows"] if r["ratio"] is None} == {"full mode only"}
 
 
 GPU_FEED_CONTENDERS = {"in_memory", "webdataset", "ringfeed_off", "ringfeed_warm"}

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, REPO, ringfeed, run, test_env
+from helpers import BIN, ringfeed, run, test_env
 from shards_util import cli, make_images, manifest, tree_bytes
 
 from shards.journal import JOURNAL, Journal
@@ -401,19 +401,3 @@ def test_wds_index_of_webdataset_shardwriter_output(capsys, tmp_path):
     assert cli(capsys, "verify", elsewhere)[0] == 0
     urls = [str(elsewhere / n) for n in names]
     assert len(list(wds.WebDataset(urls, shardshuffle=False))) == 32
-
-
-@pytest.mark.system  # starts processes
-@pytest.mark.system
-def test_benchmark_quick_mode(tmp_path):
-    # as users run it: a script whose contenders each run in a fresh (spawned) interpreter
-    result = run([sys.executable, REPO / "benchmarks" / "shard_bench.py", "--quick", "--mb", "2",
-                  "--results", tmp_path / "results", "--data-dir", tmp_path / "data"],
-                 timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    results = json.loads((tmp_path / "results" / "shard_bench_quick.json").read_text())
-    assert set(results["mb_per_s"]) == {"ShardWriter (1 proc)", "ringfeed K=1", "ringfeed K=2"}
-    assert all(v > 0 for v in results["mb_per_s"].values())
-    assert results["k1_k2_identical_shards"] is True
-    assert (tmp_path / "results" / "shard_bench_quick.png").stat().st_size > 0
-    assert results["files"] > 0
