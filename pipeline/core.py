@@ -159,7 +159,7 @@ class ShardPipeline:
         kinds.update(fields or {})
         decoder = Decoder(kinds, as_pair(image_size), normalize, decode, transform,
                           decode_images=decode_device == "cpu", threads=int(decode_threads))
-        self.spec = StreamContext(refs, self.layout, decoder, self.cache, on_error, self.prefetch,
+        self.context = StreamContext(refs, self.layout, decoder, self.cache, on_error, self.prefetch,
                                self.indexes, self._decoded_store(decoded_cache, limit, decoder))
         self._stats = PipelineStats()
         # threads already reading the pass expected next
@@ -192,7 +192,7 @@ class ShardPipeline:
     @property
     def decoded_cache(self) -> bool:
         """Whether decoded samples are cached (decoded_cache=True/path, or "auto" chose it)."""
-        return self.spec.decoded is not None
+        return self.context.decoded is not None
 
     def __len__(self) -> int:
         return self.batches_per_epoch
@@ -236,7 +236,7 @@ class ShardPipeline:
         plan, t0, key = self.begin()
         reader = self._reader(plan, t0, key)
         source = reader.batches() if reader is not None else iter(
-            WorkerStream.resuming(self.spec, plan, self.rank, 0, t0))
+            WorkerStream.resuming(self.context, plan, self.rank, 0, t0))
         try:
             while True:
                 started = time.perf_counter()
@@ -286,7 +286,7 @@ class ShardPipeline:
                     if isinstance(raw, BadSample):
                         break
                     try:
-                        return self.spec.decoder(raw)
+                        return self.context.decoder(raw)
                     except Exception:
                         continue
             finally:
@@ -327,7 +327,7 @@ class ShardPipeline:
         return self._start_reader(plan, t0)
 
     def _start_reader(self, plan: SegmentPlan, t0: int) -> StreamReader:
-        streams = [WorkerStream.resuming(self.spec, plan, self.rank, w, t0)
+        streams = [WorkerStream.resuming(self.context, plan, self.rank, w, t0)
                    for w in range(plan.config.streams)]
         return StreamReader(streams, t0, plan.batches, max(1, self.prefetch))
 

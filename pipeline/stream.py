@@ -76,9 +76,9 @@ class WorkerStream:
     """Iterating yields the worker's batches from local batch `skip` on, each as a `Booked`:
     the batch beside its tag (epoch, segment, rank batch index) and counter increments."""
 
-    def __init__(self, spec: StreamContext, plan: WorkerPlan, skip: int, epoch: int, segment: int,
+    def __init__(self, context: StreamContext, plan: WorkerPlan, skip: int, epoch: int, segment: int,
                  streams: int, w: int) -> None:
-        self.spec, self.plan, self.skip = spec, plan, skip
+        self.context, self.plan, self.skip = context, plan, skip
         self.epoch, self.segment = int(epoch), int(segment)  # the first two of every tag
         self.streams, self.w = streams, w
         self.counters = StreamCounters()
@@ -89,11 +89,11 @@ class WorkerStream:
         self._reference: set[str] | None = None
 
     @classmethod
-    def resuming(cls, spec: StreamContext, plan: SegmentPlan, rank: int, w: int, t0: int
+    def resuming(cls, context: StreamContext, plan: SegmentPlan, rank: int, w: int, t0: int
                  ) -> WorkerStream:
         """Worker stream `w` of `rank`, after the rank's first `t0` batches of the segment."""
         streams = plan.config.streams
-        return cls(spec, plan.worker(rank, w), consumed_by_worker(t0, streams, w), plan.epoch,
+        return cls(context, plan.worker(rank, w), consumed_by_worker(t0, streams, w), plan.epoch,
                    plan.index, streams, w)
 
     def __iter__(self) -> Iterator[Booked]:
@@ -102,8 +102,8 @@ class WorkerStream:
         needed = plan.order[self.skip * b:]
         if not len(needed):
             return
-        shard_of, pos_of = self.spec.layout.locate(plan.ids)
-        shards = _OpenShards(self.spec, needed, shard_of, pos_of, self.counters)
+        shard_of, pos_of = self.context.layout.locate(plan.ids)
+        shards = _OpenShards(self.context, needed, shard_of, pos_of, self.counters)
         items: list[tuple[Any, int, bool, str]] = []  # (sample, id, valid, key) not yet batched
         pending: list[int] = []  # items waiting for the stream's first good sample
         self._last_good, self._reference = None, None
@@ -160,7 +160,7 @@ class WorkerStream:
 
     def _sample(self, source: ShardSamples | CachedShard, position: int
                 ) -> tuple[dict[str, Any] | None, str, BadSample | None]:
-        decoder = self.spec.decoder
+        decoder = self.context.decoder
         if isinstance(source, CachedShard):
             key = source.keys[position]
             self.counters.counts["cached_samples"] += 1
@@ -185,7 +185,7 @@ class WorkerStream:
         return sample, key, None
 
     def _bad(self, bad: BadSample) -> None:
-        if self.spec.on_error == "fail":
+        if self.context.on_error == "fail":
             raise PipelineDataError(bad.describe())
         self.counters.counts["skipped"] += 1
         self.counters.skipped_by_shard[bad.url] += 1
@@ -195,7 +195,7 @@ class WorkerStream:
                         "place, __valid__=False): %s", bad.describe())
 
     def _batch(self, items: list[tuple[Any, int, bool, str]], local_batch: int) -> Booked:
-        batch = self.spec.decoder.finish_batch(collate([s for s, _, _, _ in items]))
+        batch = self.context.decoder.finish_batch(collate([s for s, _, _, _ in items]))
         return self._booked(batch, [k for _, _, _, k in items],
                             np.array([i for _, i, _, _ in items], dtype=np.int64),
                             np.array([v for _, _, v, _ in items], dtype=bool), local_batch)
@@ -205,7 +205,7 @@ class WorkerStream:
                   local_batch: int) -> Booked | None:
         """The batch of `chunk` gathered from decoded-cache entries, or None when one of its
         shards has none (or a transform must see every sample)."""
-        if len(chunk) < self.plan.batch_size or self.spec.decoder.transform is not None:
+        if len(chunk) < self.plan.batch_size or self.context.decoder.transform is not None:
             return None
         runs = shards.run_of[chunk]
         used = np.unique(runs).tolist()
@@ -224,8 +224,8 @@ class WorkerStream:
         if self._reference is None:
             self._reference = set(layout)
         last = entries[used.index(int(runs[-1]))]
-        self._last_good = (self.spec.decoder.finish(last.sample(int(positions[-1]))), keys[-1])
-        batch = self.spec.decoder.finish_batch(arrays)
+        self._last_good = (self.context.decoder.finish(last.sample(int(positions[-1]))), keys[-1])
+        batch = self.context.decoder.finish_batch(arrays)
         return self._booked(batch, keys, self.plan.ids[chunk], valid, local_batch)
 
     # -- a whole batch of indexed reads, field by field ------------------------------------
@@ -235,7 +235,7 @@ class WorkerStream:
         no per-sample dict past the read; None (the caller goes sample by sample, which
         handles bad data) when a sample is unreadable, undecodable or has other fields, or a
         transform or the user's decode must see every sample."""
-        decoder = self.spec.decoder
+        decoder = self.context.decoder
         if len(chunk) < self.plan.batch_size or decoder.transform is not None \
                 or decoder.decode is not None:
             return None
@@ -284,9 +284,9 @@ class _OpenShards:
     Slots are grouped in *runs*: maximal stretches of needed slots in one shard, in read order
     (a shard may appear in more than one run after a resume reordered the epoch)."""
 
-    def __init__(self, spec: StreamContext, needed: np.ndarray, shard_of: np.ndarray,
+    def __init__(self, context: StreamContext, needed: np.ndarray, shard_of: np.ndarray,
                  pos_of: np.ndarray, counters: StreamCounters) -> None:
-        self.spec, self.counters, self.pos_of = spec, counters, pos_of
+        self.context, self.counters, self.pos_of = context, counters, pos_of
         self.runs = _runs(needed, shard_of, pos_of)
         self.run_of = np.full(len(shard_of), -1, dtype=np.int64)
         for r, (_, slots) in enumerate(self.runs):
@@ -294,16 +294,16 @@ class _OpenShards:
         # the emission index (within `needed`) of each run's last slot
         self.last_use = np.full(len(self.runs), -1, dtype=np.int64)
         np.maximum.at(self.last_use, self.run_of[needed], np.arange(len(needed)))
-        decoded = spec.decoded
+        decoded = context.decoded
         self.entry_paths: list[Any] = []
         for s, _ in self.runs:
-            ref = spec.refs[s]
+            ref = context.refs[s]
             identity = shard_identity(ref) if decoded is not None else None
             self.entry_paths.append(decoded.path(identity, ref.url) if identity else None)
         # runs whose entry exists now are not fetched ahead (a remote one is not downloaded)
         self.cached = [p is not None and p.exists() for p in self.entry_paths]
-        fetch = [spec.refs[s] for (s, _), c in zip(self.runs, self.cached, strict=True) if not c]
-        self.prefetcher = Prefetcher(spec.cache, fetch, spec.prefetch)
+        fetch = [context.refs[s] for (s, _), c in zip(self.runs, self.cached, strict=True) if not c]
+        self.prefetcher = Prefetcher(context.cache, fetch, context.prefetch)
         self._handles = iter(self.prefetcher)
         self.open: dict[int, Any] = {}
         self._next = 0
@@ -331,25 +331,25 @@ class _OpenShards:
         source.close()
 
     def _open(self, r: int) -> ShardSamples | CachedShard:
-        spec, counts = self.spec, self.counters.counts
+        context, counts = self.context, self.counters.counts
         shard, slots = self.runs[r]
-        ref, path = spec.refs[shard], self.entry_paths[r]
+        ref, path = context.refs[shard], self.entry_paths[r]
         counts["shards_opened"] += 1
         if self.cached[r]:
-            entry = spec.decoded.open(path)
+            entry = context.decoded.open(path)
             if entry is not None and entry.num_samples == ref.num_samples:
                 entry.url = ref.url
                 counts["decoded_hits"] += 1
                 return entry
             if entry is not None:
                 entry.close()
-            handle = spec.cache.open(ref)  # evicted meanwhile: read the shard
+            handle = context.cache.open(ref)  # evicted meanwhile: read the shard
         else:
             handle = next(self._handles)
         if not ref.is_local:
             counts["cache_hits" if handle.cache_hit else "cache_misses"] += 1
             counts["bytes_downloaded"] += handle.downloaded
-        samples = open_samples(handle, spec.indexes, set(self.pos_of[slots].tolist()))
+        samples = open_samples(handle, context.indexes, set(self.pos_of[slots].tolist()))
         if path is not None and isinstance(samples, IndexedSamples):
             entry = self._fill(path, samples, ref)
             if entry is not None:
@@ -362,10 +362,10 @@ class _OpenShards:
     def _fill(self, path: Any, samples: IndexedSamples, ref: ShardRef) -> CachedShard | None:
         """Decode the whole shard into a new decoded-cache entry (None: another process is
         writing it, or the shard cannot be cached: then it is read as it is)."""
-        writer = self.spec.decoded.writer(path, ref.num_samples)
+        writer = self.context.decoded.writer(path, ref.num_samples)
         if writer is None:
             return None
-        decoder = self.spec.decoder
+        decoder = self.context.decoder
         try:
             for lo in range(0, ref.num_samples, FILL_ROWS):
                 raws = samples.get_many(list(range(lo, min(lo + FILL_ROWS, ref.num_samples))))

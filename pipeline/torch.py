@@ -73,8 +73,8 @@ class _PassState:
 class _StreamDataset(IterableDataset):
     """What each DataLoader worker process runs: its worker stream of the pass in `state`."""
 
-    def __init__(self, spec: StreamContext, planner: Planner, rank: int, state: _PassState) -> None:
-        self.spec, self.planner, self.rank, self.state = spec, planner, rank, state
+    def __init__(self, context: StreamContext, planner: Planner, rank: int, state: _PassState) -> None:
+        self.context, self.planner, self.rank, self.state = context, planner, rank, state
 
     def __iter__(self) -> Iterator[Booked | _WorkerError]:
         info = get_worker_info()
@@ -83,7 +83,7 @@ class _StreamDataset(IterableDataset):
         plan = self.planner.plans(state["epoch"], segments)[-1]
         t0 = state["t0"]
         w = (info.id + t0) % plan.config.streams
-        stream = WorkerStream.resuming(self.spec, plan, self.rank, w, t0)
+        stream = WorkerStream.resuming(self.context, plan, self.rank, w, t0)
         try:
             for booked in stream:
                 # small arrays travel as lists: a tensor each would cost a shared-memory
@@ -163,7 +163,7 @@ class TorchLoader:
         if workers > 0:  # worker processes learn each pass from shared memory
             pipe.reads_here = False  # and read the next epoch when it is asked for
             self._state = _PassState()
-            dataset = _StreamDataset(pipe.spec, Planner(pipe.layout, pipe.seed, pipe.shuffle),
+            dataset = _StreamDataset(pipe.context, Planner(pipe.layout, pipe.seed, pipe.shuffle),
                                      pipe.rank, self._state)
         options: dict[str, Any] = {
             "batch_size": None,  # the streams batch themselves
@@ -207,7 +207,7 @@ class TorchLoader:
         there when the pipeline normalizes)."""
         from pipeline.gpu_decode import decode_jpeg_batch
 
-        decoder = self.pipe.spec.decoder
+        decoder = self.pipe.context.decoder
         device = torch.device("cuda", torch.cuda.current_device())
         for name in decoder.image_fields_encoded(batch):
             pixels = decode_jpeg_batch(list(batch[name]), decoder.image_size, device)
