@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netns_hosts  # noqa: E402
 from common import (  # noqa: E402
     REPO,
     RESULTS,
@@ -56,31 +55,6 @@ MOMENTS = {"adam": 2, "adamw": 2, "sgd": 1}  # per-parameter optimizer tensors a
 
 
 # -- two hosts on one throttled link -------------------------------------------------------------
-def missing_prerequisite() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root for network namespaces and tc"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` not found (Debian: apt-get install iproute2)"
-    return None
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
-def _teardown(namespace: str) -> None:
-    """Kill what still runs in the namespace (started by this benchmark), then delete it."""
-    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
-                          text=True).stdout
-    for pid in pids.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
-
-
 def shape(namespaces: tuple[str, str], rate: str | None) -> None:
     """Rate-limit both ends of the link (tbf: one token bucket per direction), or lift it."""
     for ns in namespaces:
@@ -96,16 +70,7 @@ def shape(namespaces: tuple[str, str], rate: str | None) -> None:
 def two_hosts(tmp: Path) -> Iterator[tuple[tuple[str, str], dict[str, str]]]:
     """Hosts A and B (eth0 = 192.168.78.1 / .2, one veth link) and the environment for a
     horovodrun in A: PATH leads to an `ssh` that runs its command in the host's namespace."""
-    pair = (f"{NS_PREFIX}{os.getpid()}a", f"{NS_PREFIX}{os.getpid()}b")
-    try:
-        for ns in pair:
-            _ip("netns", "add", ns)
-        _ip("link", "add", "eth0", "netns", pair[0], "type", "veth",
-            "peer", "name", "eth0", "netns", pair[1])
-        for ns, address in zip(pair, ADDRESSES, strict=True):
-            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+    with netns_hosts.two_hosts(NS_PREFIX, ADDRESSES) as pair:
         bindir = tmp / "bin"
         bindir.mkdir()
         hosts = dict(zip(ADDRESSES, pair, strict=True))
@@ -124,9 +89,6 @@ os.execvp("ip", ["ip", "netns", "exec", hosts[host], "bash", "-c", " ".join(args
 """)
         (bindir / "ssh").chmod(0o755)
         yield pair, bench_env(PATH=f"{bindir}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}")
-    finally:
-        for ns in pair:
-            _teardown(ns)
 
 
 def train_across(namespaces: tuple[str, str], env: dict[str, str], out: Path,
@@ -183,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     timeout = opts.timeout or (240 if opts.quick else 600)
     setups = [(1, True), (4, True)] if opts.quick else [(1, True), (4, True), (8, True),
                                                         (8, False)]
-    why = missing_prerequisite() or demo_missing()
+    why = netns_hosts.missing_prerequisite(NS_PREFIX, ("ip", "tc")) or demo_missing()
     if why:
         rows = [pending_row(NAME, f"step time, {label(h, s)} vs H=1", f"pending: {why}")
                 for h, s in setups[1:]]

@@ -23,6 +23,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -32,6 +33,9 @@ from pathlib import Path
 import helpers
 import pytest
 from helpers import BIN, REPO, run
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import netns_hosts  # noqa: E402  (shared with benchmarks/local_sgd_bench.py)
 
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
 WORKER = Path(__file__).resolve().parent / "multinode_worker.py"
@@ -54,46 +58,14 @@ def training_command(out: Path) -> list[str]:
 # ---- prerequisites and the two namespaces ------------------------------------------------------
 
 def _missing_prerequisite() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces (ip netns add) and run sshd"
-    for tool in ("ip", "ssh", "ssh-keygen"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` not found (Debian: apt-get install iproute2 openssh-client)"
+    reason = netns_hosts.missing_prerequisite(NS_PREFIX, ("ip", "ssh", "ssh-keygen"))
+    if reason:
+        return reason
     if not os.access(SSHD, os.X_OK):
         return f"{SSHD} not found (Debian: apt-get install openssh-server)"
     if not (BIN / "horovodrun").exists():
         return f"{BIN / 'horovodrun'} not found: Horovod is not installed (make setup)"
-    probe = f"{NS_PREFIX}probe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` failed here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
-def _teardown_namespace(name: str) -> None:
-    # Everything still running in the namespace (sshd, its sessions, a stuck rank) was started
-    # by this test; kill it, then the namespace (which takes its veth end with it).
-    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
-    for pid in pids.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-
-def _remove_stale_namespaces() -> None:
-    """Namespaces left by an earlier run of this test that was killed before its cleanup."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
-        owner = name[len(NS_PREFIX):-1]
-        if name.startswith(NS_PREFIX) and owner.isdigit() and not Path(f"/proc/{owner}").exists():
-            _teardown_namespace(name)
 
 
 @pytest.fixture
@@ -102,21 +74,8 @@ def namespaces() -> Iterator[tuple[str, str]]:
     reason = _missing_prerequisite()
     if reason:
         pytest.skip(reason)
-    _remove_stale_namespaces()
-    pair = (f"{NS_PREFIX}{os.getpid()}a", f"{NS_PREFIX}{os.getpid()}b")
-    try:
-        for ns in pair:
-            _ip("netns", "add", ns)
-        _ip("link", "add", "eth0", "netns", pair[0], "type", "veth",
-            "peer", "name", "eth0", "netns", pair[1])
-        for ns, address in zip(pair, ADDRESSES, strict=True):
-            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+    with netns_hosts.two_hosts(NS_PREFIX, ADDRESSES) as pair:
         yield pair
-    finally:
-        for ns in pair:
-            _teardown_namespace(ns)
 
 
 def _entrypoint(*args: str) -> str:
