@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from ringfeed.errors import UserError
 from train.data import DataSpec
+from train.horovod_env import apply_horovod_env, check_controller
 
 # Per-step agreement vector, allreduced with op=Average on every step. Any rank's request
 # makes the average > 0 on all ranks, so every rank takes the same decision at the same step.
@@ -205,6 +206,15 @@ class CommStats:
                 "allreduce_bytes": float(self.bytes), "samples": float(self.samples),
                 "steps": float(self.steps), "syncs": float(self.syncs),
                 "sync_every": float(self.sync_every)}
+
+
+def start_horovod(hvd: Any, cfg: Any) -> Dist:
+    """hvd.init() (horovod.torch or horovod.tensorflow) with the config's `horovod:` knobs,
+    checked against what the launch gave; this rank's place in the job."""
+    apply_horovod_env(cfg.horovod)  # Horovod reads its knobs in init() only
+    hvd.init()
+    check_controller(cfg.horovod, hvd.mpi_enabled(), hvd.gloo_enabled())
+    return Dist(hvd.rank(), hvd.size(), hvd.local_rank())
 
 
 def gpu_for_rank(rank: int, views: list[GpuView], share: bool) -> int | None:

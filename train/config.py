@@ -275,7 +275,7 @@ def template() -> str:
 def load_config(path: str | Path, overrides: list[str] = (), resume: str | None = None,
                 check_paths: bool = True, elastic: bool = False) -> RunConfig:
     """Load, override, validate. Raises UserError (one line naming the field) on any problem."""
-    raw = _read_yaml(Path(path))
+    raw = read_yaml_mapping(Path(path))
     for item in overrides:
         _apply_override(raw, item)
     if elastic:
@@ -295,15 +295,17 @@ def load_config(path: str | Path, overrides: list[str] = (), resume: str | None 
     return cfg
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml_mapping(path: Path, what: str = "config file",
+                      keys: str = "sections (framework, model, data, ...)") -> dict[str, Any]:
+    """A YAML file that must hold a mapping; UserError (one line naming the file) otherwise."""
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        raise UserError(f"{path}: config file not found") from None
+        raise UserError(f"{path}: {what} not found") from None
     except yaml.YAMLError as e:
         raise UserError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping of sections (framework, model, data, ...)")
+        raise UserError(f"{path}: expected a mapping of {keys}")
     return data
 
 

@@ -41,9 +41,9 @@ from train.backend import (
     StepResult,
     choose_gpu,
     metric_sums,
+    start_horovod,
 )
 from train.data import REGRESS, DataSpec, split_batch
-from train.horovod_env import apply_horovod_env, check_controller
 from train.losses import regression_fns
 from train.models import build_model
 from train.userhooks import load_callable
@@ -81,11 +81,8 @@ class TFBackend(StepCounting):
     name = "tensorflow"
 
     def __init__(self, cfg):
-        apply_horovod_env(cfg.horovod)  # Horovod reads its knobs in init() only
-        hvd.init()
-        check_controller(cfg.horovod, hvd.mpi_enabled(), hvd.gloo_enabled())
+        self.dist = start_horovod(hvd, cfg)
         self.cfg = cfg
-        self.dist = Dist(hvd.rank(), hvd.size(), hvd.local_rank())
         gpus = tf.config.list_physical_devices("GPU")
         for gpu in gpus:
             tf.config.experimental.set_memory_growth(gpu, True)

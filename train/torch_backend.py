@@ -26,10 +26,17 @@ import torch
 import torch.nn.functional as F
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 
-from train.backend import CommStats, Dist, StepCounting, StepResult, choose_gpu, metric_sums
+from train.backend import (
+    CommStats,
+    Dist,
+    StepCounting,
+    StepResult,
+    choose_gpu,
+    metric_sums,
+    start_horovod,
+)
 from train.checkpoint import open_for_write
 from train.data import REGRESS, DataSpec, split_batch
-from train.horovod_env import apply_horovod_env, check_controller
 from train.losses import regression_fns
 from train.models import build_model
 from train.userhooks import load_callable
@@ -121,11 +128,8 @@ class TorchBackend(StepCounting):
     name = "torch"
 
     def __init__(self, cfg):
-        apply_horovod_env(cfg.horovod)  # Horovod reads its knobs in init() only
-        hvd.init()
-        check_controller(cfg.horovod, hvd.mpi_enabled(), hvd.gloo_enabled())
+        self.dist = start_horovod(hvd, cfg)
         self.cfg = cfg
-        self.dist = Dist(hvd.rank(), hvd.size(), hvd.local_rank())
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         devices = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(count))
         gather = None if cfg.elastic.enabled else (

@@ -45,6 +45,7 @@ from pydantic import (
 
 from ringfeed.errors import UserError
 from ringfeed.fsutil import atomic_write_text
+from train.config import read_yaml_mapping
 
 # Keys the tuner owns: every trial gets its own run dir, checkpoints inside it, and its resume.
 MANAGED_KEYS = ("output.dir", "checkpoint.dir", "checkpoint.resume")
@@ -363,14 +364,7 @@ def get_dotted(raw: dict[str, Any], key: str, default: Any = None) -> Any:
 def load_search(path: str | Path) -> Search:
     """Read and check a search file; UserError (one line naming the field) on any problem."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: search file not found") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping (base, space, metric, direction, launch)")
+    data = read_yaml_mapping(path, "search file", "base, space, metric, direction, launch")
     try:
         spec = SearchFile.model_validate(data)
     except ValidationError as e:
