@@ -87,22 +87,28 @@ def synthetic_manifest(directory: Path, shards: int, samples: int, seed: int = 0
     """manifest.json and manifest.bin for `shards` shards (names train-0000000.tar, fake
     sizes and hashes), written directly: no tar files, no ShardInfo objects. Returns counts."""
     from shards.manifest import Manifest
-    from shards.manifest_format import (
-        HAS_SHA256,
-        INDEX_NAME,
-        SplitArrays,
-        manifest_meta,
-        write_index,
-    )
+    from shards.manifest_format import manifest_meta
 
-    directory.mkdir(parents=True, exist_ok=True)
     counts = synthetic_counts(shards, samples, seed)
-    sizes = counts * 1100 + 1024
-    sha = np.random.default_rng(seed + 1).bytes(32 * shards)
-    hexes = binascii.hexlify(sha).decode()
-    names = [f"train-{i:07d}.tar" for i in range(shards)]
+    sha = np.frombuffer(np.random.default_rng(seed + 1).bytes(32 * shards), np.uint8)
     meta = manifest_meta(Manifest(splits={}, fields={"jpg": "image", "cls": "int"},
                                   created_by="plan_bench"))
+    write_manifest(directory, meta, [f"train-{i:07d}.tar" for i in range(shards)], counts,
+                   counts * 1100 + 1024, sha.reshape(shards, 32))
+    return counts
+
+
+def write_manifest(directory: Path, meta: dict[str, Any], names: list[str], counts: np.ndarray,
+                   sizes: np.ndarray, sha: np.ndarray) -> None:
+    """manifest.json and manifest.bin of one split, train, written directly from arrays (at
+    10^6 shards a Manifest of ShardInfo objects is what is being measured, not a way to write
+    one). `meta`: the manifest's keys but splits; `names` all of one length; `sha` (shards, 32)
+    uint8."""
+    from shards.manifest_format import HAS_SHA256, INDEX_NAME, SplitArrays, write_index
+
+    directory.mkdir(parents=True, exist_ok=True)
+    shards = len(names)
+    hexes = binascii.hexlify(sha.tobytes()).decode()
     entries = ",\n".join(
         f'{{"name": "{names[i]}", "num_samples": {c}, "bytes": {b}, '
         f'"sha256": "{hexes[64 * i:64 * i + 64]}", "index": null}}'
@@ -110,15 +116,14 @@ def synthetic_manifest(directory: Path, shards: int, samples: int, seed: int = 0
     text = json.dumps({**meta, "splits": {"train": {"shards": "@"}}}, indent=1)
     data = text.replace('"@"', f"[\n{entries}\n]").encode()
     (directory / "manifest.json").write_bytes(data)
-    width = len(names[0])  # every name has the same length
-    arrays = SplitArrays(counts, sizes, np.frombuffer(sha, np.uint8).reshape(shards, 32),
+    width = len(names[0])
+    arrays = SplitArrays(np.asarray(counts, np.int64), np.asarray(sizes, np.int64), sha,
                          np.full(shards, HAS_SHA256, np.uint8),
                          np.arange(shards + 1, dtype=np.int64) * width,
                          np.frombuffer("".join(names).encode(), np.uint8),
                          np.zeros(shards + 1, np.int64), np.zeros(0, np.uint8))
     write_index(directory / INDEX_NAME, meta, {"train": arrays}, len(data),
                 hashlib.sha256(data).hexdigest())
-    return counts
 
 
 # -- one point, in a fresh process ------------------------------------------------------------
