@@ -19,7 +19,7 @@ import hashlib
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -177,10 +177,13 @@ class Prefetcher:
     but never consumed are closed on `close()`.
     """
 
-    def __init__(self, cache: ShardCache, refs: list[ShardRef], depth: int) -> None:
+    def __init__(self, cache: ShardCache, refs: Iterable[ShardRef], depth: int,
+                 remote: bool) -> None:
+        """`refs` may be lazy (it is read in order, as far ahead as `depth`); `remote`: whether
+        any of them is (only then is there a thread)."""
         opened = (cache.open(ref) for ref in refs)
         self._background: BackgroundIterator | None = None
-        if depth > 0 and refs and not all(r.is_local for r in refs):
+        if depth > 0 and remote:
             self._background = BackgroundIterator(opened, depth, "ringfeed-prefetch",
                                                   discard=ShardHandle.close)
         self._items: Iterator[ShardHandle] = self._background or opened

@@ -10,6 +10,7 @@ fetched once and reused by the epochs that follow).
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 from collections.abc import Iterator, Sequence
@@ -134,6 +135,14 @@ class ShardRefs(Sequence[ShardRef]):
 
     def __len__(self) -> int:
         return len(self.shards)
+
+    @functools.cached_property
+    def all_local(self) -> bool:
+        """Whether every shard is a local file, read from the index's name bytes (no ShardRef
+        per shard). Conservative: a name with a scheme (file:// included) counts as remote."""
+        names = self.shards.arrays.names.tobytes()
+        return (is_local_url(self.base) and b"://" not in names
+                and not len(self.shards.names_starting_with("pipe:")))
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):

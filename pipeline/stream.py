@@ -17,6 +17,7 @@ PipelineDataError naming the shard URL and the sample key.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -287,26 +288,51 @@ class _OpenShards:
     def __init__(self, context: StreamContext, needed: np.ndarray, shard_of: np.ndarray,
                  pos_of: np.ndarray, counters: StreamCounters) -> None:
         self.context, self.counters, self.pos_of = context, counters, pos_of
-        self.runs = _runs(needed, shard_of, pos_of)
-        self.run_of = np.full(len(shard_of), -1, dtype=np.int64)
-        for r, (_, slots) in enumerate(self.runs):
-            self.run_of[slots] = r
+        self.run_shard, self.run_of, self._slots, self._bounds = _runs(needed, shard_of, pos_of)
         # the emission index (within `needed`) of each run's last slot
-        self.last_use = np.full(len(self.runs), -1, dtype=np.int64)
+        self.last_use = np.full(len(self.run_shard), -1, dtype=np.int64)
         np.maximum.at(self.last_use, self.run_of[needed], np.arange(len(needed)))
-        decoded = context.decoded
-        self.entry_paths: list[Any] = []
-        for s, _ in self.runs:
-            ref = context.refs[s]
-            identity = shard_identity(ref) if decoded is not None else None
-            self.entry_paths.append(decoded.path(identity, ref.url) if identity else None)
-        # runs whose entry exists now are not fetched ahead (a remote one is not downloaded)
-        self.cached = [p is not None and p.exists() for p in self.entry_paths]
-        fetch = [context.refs[s] for (s, _), c in zip(self.runs, self.cached, strict=True) if not c]
-        self.prefetcher = Prefetcher(context.cache, fetch, context.prefetch)
+        # Whether a run's decoded-cache entry exists is looked up when the read reaches it
+        # (by the prefetcher, ahead, or by the stream), not for every run up front: a rank's
+        # share of a 10^6-shard epoch on few ranks is 10^5+ runs (a stat and a hash each).
+        self.entry_paths: dict[int, Any] = {}
+        self.cached = np.zeros(len(self.run_shard), dtype=bool)
+        self._decided = 0
+        self._decide_lock = threading.Lock()
+        refs = context.refs
+        all_local = getattr(refs, "all_local", None)
+        if all_local is None:  # a list of ShardRefs (made from URLs): they exist already
+            all_local = all(refs[int(s)].is_local for s in np.unique(self.run_shard))
+        self.prefetcher = Prefetcher(context.cache, self._to_fetch(), context.prefetch,
+                                     remote=not all_local)
         self._handles = iter(self.prefetcher)
         self.open: dict[int, Any] = {}
         self._next = 0
+
+    def _decide_through(self, run: int) -> None:
+        """Look up the entries of every run up to `run`, in order (from the stream's thread or
+        the prefetcher's: the first to get there does it)."""
+        with self._decide_lock:
+            decoded, refs = self.context.decoded, self.context.refs
+            while self._decided <= run:
+                r = self._decided
+                path = None
+                if decoded is not None:
+                    ref = refs[int(self.run_shard[r])]
+                    identity = shard_identity(ref)
+                    path = decoded.path(identity, ref.url) if identity else None
+                self.entry_paths[r] = path
+                # a run whose entry exists is not fetched ahead (a remote one not downloaded)
+                self.cached[r] = path is not None and path.exists()
+                self._decided += 1
+
+    def _to_fetch(self) -> Iterator[ShardRef]:
+        """The shards of the runs without a decoded entry, in read order (the prefetcher's
+        input: handles come back in this order, one per such run)."""
+        for r in range(len(self.run_shard)):
+            self._decide_through(r)
+            if not self.cached[r]:
+                yield self.context.refs[int(self.run_shard[r])]
 
     def open_through(self, run: int) -> dict[int, Any]:
         """Open every run up to `run` (in order: the prefetcher hands shards out in order)."""
@@ -332,8 +358,9 @@ class _OpenShards:
 
     def _open(self, r: int) -> ShardSamples | CachedShard:
         context, counts = self.context, self.counters.counts
-        shard, slots = self.runs[r]
-        ref, path = context.refs[shard], self.entry_paths[r]
+        self._decide_through(r)
+        slots = self._slots[self._bounds[r]:self._bounds[r + 1]]
+        ref, path = context.refs[int(self.run_shard[r])], self.entry_paths.pop(r)
         counts["shards_opened"] += 1
         if self.cached[r]:
             entry = context.decoded.open(path)
@@ -385,16 +412,21 @@ class _OpenShards:
 
 
 def _runs(needed: np.ndarray, shard_of: np.ndarray, pos_of: np.ndarray
-          ) -> list[tuple[int, np.ndarray]]:
-    """Maximal stretches of slots in one shard with rising positions, that hold at least one
-    needed slot: (shard index, its needed slots) in read order."""
-    is_needed = np.zeros(len(shard_of), dtype=bool)
-    is_needed[needed] = True
-    breaks = np.flatnonzero((shard_of[1:] != shard_of[:-1]) | (pos_of[1:] <= pos_of[:-1])) + 1
-    bounds = [0, *breaks.tolist(), len(shard_of)]
-    runs = []
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        idx = np.flatnonzero(is_needed[lo:hi]) + lo
-        if len(idx):
-            runs.append((int(shard_of[lo]), idx))
-    return runs
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal stretches of slots in one shard with rising positions that hold at least one
+    needed slot, in read order: (each run's shard, each slot's run or -1 where not needed,
+    the needed slots in slot order, bounds: run r's needed slots are slots[bounds[r]:
+    bounds[r + 1]]). Vectorised: a rank's share of an epoch may be 10^5+ runs."""
+    n = len(shard_of)
+    is_new = np.ones(n, dtype=bool)
+    is_new[1:] = (shard_of[1:] != shard_of[:-1]) | (pos_of[1:] <= pos_of[:-1])
+    stretch = np.cumsum(is_new) - 1
+    slots = np.sort(needed)
+    used = np.zeros(int(stretch[-1]) + 1 if n else 0, dtype=bool)
+    used[stretch[slots]] = True
+    run_of_stretch = np.cumsum(used) - 1
+    run_shard = shard_of[np.flatnonzero(is_new)[used]].astype(np.int64)
+    run_of = np.full(n, -1, dtype=np.int64)
+    run_of[slots] = run_of_stretch[stretch[slots]]
+    bounds = np.searchsorted(run_of[slots], np.arange(len(run_shard) + 1))
+    return run_shard, run_of, slots, bounds

@@ -13,7 +13,7 @@ from helpers import REPO, ringfeed
 
 # Every benchmark runs here, once; the quick run is each one's smoke test.
 BENCHMARKS = {"shards", "pipeline", "trainer", "allreduce", "scaling", "stall", "decode", "plan",
-              "local_sgd"}
+              "local_sgd", "startup"}
 NOT_MEASURED_IN_QUICK = ("pending:", "full mode only")
 
 
@@ -61,6 +61,7 @@ def test_every_benchmark_runs_in_quick_mode(tmp_path):
     check_pipeline(tmp_path)
     check_decode(tmp_path)
     check_plan(tmp_path)
+    check_startup(tmp_path)
     # The closing table is printed, and a quick run leaves the committed README alone.
     assert "met?" in r.stdout and "allreduce" in r.stdout
     assert readme.read_text() == readme_before
@@ -97,6 +98,12 @@ def check_plan(results):
     assert {p["kind"] for p in points} == {"fresh", "resume", "load"}
     assert len(plan["ratios"]) == 6
     assert {r["note"] for r in plan["rows"] if r["ratio"] is None} == {"full mode only"}
+
+
+def check_startup(results):
+    runs = json.loads((results / "startup_quick.json").read_text())["data"]["runs"]
+    assert len(runs) == 2 and "10000" in runs  # the real shards' own count, and 10^4
+    assert all(run["wall_s"] > 0 and run["bin_mb"] > 0 for run in runs.values())
 
 
 GPU_FEED_CONTENDERS = {"in_memory", "webdataset", "ringfeed_off", "ringfeed_warm"}

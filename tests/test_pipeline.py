@@ -408,3 +408,34 @@ def test_rank_out_of_range_and_bad_options(uneven):
         make(uneven, balance="even")
     with pytest.raises(PipelineError, match="split 'val'"):
         make(uneven, split="val")
+
+
+# -- runs: the shard stretches a stream opens ----------------------------------------------------
+def _runs_by_definition(needed, shard_of, pos_of):
+    """Maximal stretches of one shard with rising positions holding a needed slot, in order."""
+    runs, lo = [], 0
+    for i in range(1, len(shard_of) + 1):
+        if i == len(shard_of) or shard_of[i] != shard_of[i - 1] or pos_of[i] <= pos_of[i - 1]:
+            idx = [j for j in range(lo, i) if j in set(needed.tolist())]
+            if idx:
+                runs.append((int(shard_of[lo]), idx))
+            lo = i
+    return runs
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_vectorised_runs_match_their_definition(seed):
+    from pipeline.stream import _runs
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 60))
+    shard_of = np.sort(rng.integers(0, 6, n)) if seed % 2 else rng.integers(0, 4, n)
+    pos_of = rng.integers(0, 5, n)  # positions that fall back start a new run (a resume)
+    needed = rng.permutation(n)[:int(rng.integers(1, n + 1))]
+    run_shard, run_of, slots, bounds = _runs(needed, shard_of, pos_of)
+    got = [(int(run_shard[r]), slots[bounds[r]:bounds[r + 1]].tolist())
+           for r in range(len(run_shard))]
+    assert got == _runs_by_definition(needed, shard_of, pos_of)
+    for r, (_, idx) in enumerate(got):
+        assert (run_of[idx] == r).all()
+    assert (run_of[np.setdiff1d(np.arange(n), needed)] == -1).all()
