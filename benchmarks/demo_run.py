@@ -33,6 +33,12 @@ def demo_missing() -> str | None:
 
 def demo_shards() -> Path:
     """The demo's digits shards (32x32 PNGs of sklearn's bundled digits, train + val)."""
+    return digit_shards("digits-shards-v1", SHARD_FLAGS)
+
+
+def digit_shards(name: str, flags: list[str]) -> Path:
+    """The demo's digit images sharded with `ringfeed shard IMAGES OUT *flags`, made once
+    under the benchmarks' cache as `name`."""
     from train.cli import main as ringfeed
 
     spec = importlib.util.spec_from_file_location("ringfeed_demo", EXAMPLES / "demo.py")
@@ -43,11 +49,11 @@ def demo_shards() -> Path:
         with tempfile.TemporaryDirectory(dir=CACHE, prefix=".digits-") as tmp:
             images = Path(tmp) / "images"
             demo.build_digits(images)
-            code = ringfeed(["shard", str(images), str(out), *SHARD_FLAGS])
+            code = ringfeed(["shard", str(images), str(out), *flags])
         if code != 0:
             raise RuntimeError(f"ringfeed shard of the digits exited {code}")
 
-    return cached_dir("digits-shards-v1", build)
+    return cached_dir(name, build)
 
 
 def demo_run(ranks: int, timeout: float, max_steps: int | None = None) -> TrainRun:

@@ -18,7 +18,6 @@ batch (not the 1,000 samples = 1,000 shards here), train.max_steps=2, under horo
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import tempfile
@@ -29,8 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, Row, finish, new_figure, pending_row  # noqa: E402
-from datasets import CACHE, cached_dir  # noqa: E402
-from demo_run import CONFIG, EXAMPLES, demo_missing  # noqa: E402
+from demo_run import CONFIG, demo_missing, digit_shards  # noqa: E402
 from plan_bench import write_manifest  # noqa: E402
 from trainrun import ringfeed_train  # noqa: E402
 
@@ -40,23 +38,9 @@ FULL, QUICK = (10**4, 10**5, 10**6), (10**4,)
 
 def one_sample_shards() -> Path:
     """The demo's digit images, sharded one sample a shard (train split only)."""
-    from train.cli import main as ringfeed
-
-    spec = importlib.util.spec_from_file_location("ringfeed_demo", EXAMPLES / "demo.py")
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
-
-    def build(out: Path) -> None:
-        with tempfile.TemporaryDirectory(dir=CACHE, prefix=".digits-") as tmp:
-            images = Path(tmp) / "images"
-            demo.build_digits(images)
-            code = ringfeed(["shard", str(images), str(out), "--format", "imagefolder",
-                             "--val-fraction", "0", "--shuffle-seed", "0", "--max-count", "1",
-                             "--no-progress"])
-        if code != 0:
-            raise RuntimeError(f"ringfeed shard of the digits exited {code}")
-
-    return cached_dir("digits-shards-1-per-shard-v1", build)
+    return digit_shards("digits-shards-1-per-shard-v1",
+                        ["--format", "imagefolder", "--val-fraction", "0", "--shuffle-seed", "0",
+                         "--max-count", "1", "--no-progress"])
 
 
 def manifest_of(real: Path, shards: int, out: Path) -> Path:
