@@ -221,6 +221,11 @@ def remove_stale_temporaries(directory: Path, age_s: float = 24 * 3600) -> None:
 def evict_lru(entries: list[Path], limit: int) -> int:
     """Remove least-recently-used (mtime) entries no reader holds until their total fits
     `limit` bytes; returns the bytes freed."""
+    return evict_lru_sized(entries, limit)[0]
+
+
+def evict_lru_sized(entries: list[Path], limit: int) -> tuple[int, int]:
+    """evict_lru, and the bytes the entries hold after it: (freed, left)."""
     stats = []
     for p in entries:
         try:
@@ -236,7 +241,7 @@ def evict_lru(entries: list[Path], limit: int) -> int:
         if _remove_if_unused(path):
             total -= size
             freed += size
-    return freed
+    return freed, total
 
 
 def _remove_if_unused(path: Path) -> bool:

@@ -25,16 +25,20 @@ import json
 import mmap
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pipeline.cache import LOCK_SUFFIX, evict_lru, remove_stale_temporaries
+from pipeline.cache import LOCK_SUFFIX, evict_lru_sized, remove_stale_temporaries
 from ringfeed.fsutil import publish
 
 MAGIC = b"RFDEC001"
 SUFFIX = ".rfd"
+# How stale this process's view of the cache's size may get (other ranks and loader workers
+# write entries too): the directory is scanned again at least this often while writing.
+RESCAN_S = 30.0
 ALIGN = 64
 
 
@@ -77,6 +81,8 @@ class DecodedStore:
         self.limit = limit
         text = json.dumps({"format": MAGIC.decode(), **settings}, sort_keys=True)
         self.settings_key = hashlib.sha256(text.encode()).hexdigest()[:16]
+        self._bytes: int | None = None  # the entries' total at the last scan, plus writes since
+        self._scanned_at = 0.0
 
     def path(self, identity: str, name: str) -> Path:
         stem = name.rstrip("/").rsplit("/", 1)[-1][:60]
@@ -129,11 +135,22 @@ class DecodedStore:
             return []
         return [p for p in self.directory.iterdir() if p.name.endswith(SUFFIX)]
 
-    def evict(self) -> int:
+    def evict(self, added: int = 0) -> int:
+        """Keep the entries under the limit after `added` bytes were written; returns the bytes
+        freed. The directory is scanned (a stat per entry) only when the running total passes
+        the limit or RESCAN_S after the last scan: scanning after every entry made filling a
+        cache of n entries cost O(n^2) stats."""
         if self.limit is None:
             return 0
+        now = time.monotonic()
+        if self._bytes is not None:
+            self._bytes += added
+            if self._bytes <= self.limit and now - self._scanned_at < RESCAN_S:
+                return 0
         remove_stale_temporaries(self.directory)
-        return evict_lru(self.entries(), self.limit)
+        freed, self._bytes = evict_lru_sized(self.entries(), self.limit)
+        self._scanned_at = now
+        return freed
 
 
 class EntryWriter:
@@ -217,7 +234,11 @@ class EntryWriter:
             return None
         finally:
             self._lock.close()
-        self.store.evict()
+        try:
+            written = self.path.stat().st_size
+        except OSError:
+            written = 0
+        self.store.evict(written)
         return self.store.open(self.path)
 
     def abort(self) -> None:

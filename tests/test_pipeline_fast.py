@@ -183,6 +183,20 @@ def test_decoded_cache_stays_within_the_limit(shard_dir, tmp_path):
     assert total <= limit
 
 
+def test_filling_the_decoded_cache_scans_its_folder_once_while_under_the_limit(
+        shard_dir, tmp_path, monkeypatch):
+    from pipeline.decoded_cache import DecodedStore
+
+    scans = []
+    listing = DecodedStore.entries
+    monkeypatch.setattr(DecodedStore, "entries", lambda self: scans.append(1) or listing(self))
+    pipe = make(shard_dir, tmp_path / "c", decoded_cache=True, cache_limit=10**9)
+    epoch(pipe, 0)
+    written = list((tmp_path / "c" / "decoded").glob("*.rfd"))
+    assert len(written) == 4  # an entry per shard, and one scan (it was one per entry)
+    assert len(scans) == 1
+
+
 def test_shards_that_cannot_be_cached_are_read_as_they_are(tmp_path):
     import webdataset as wds
 
