@@ -234,11 +234,7 @@ class EntryWriter:
             return None
         finally:
             self._lock.close()
-        try:
-            written = self.path.stat().st_size
-        except OSError:
-            written = 0
-        self.store.evict(written)
+        self.store.evict(self._data_bytes + len(tail))  # the entry's size: what was written
         return self.store.open(self.path)
 
     def abort(self) -> None:
