@@ -296,7 +296,8 @@ def load_config(path: str | Path, overrides: list[str] = (), resume: str | None 
 
 
 def read_yaml_mapping(path: Path, what: str = "config file",
-                      keys: str = "sections (framework, model, data, ...)") -> dict[str, Any]:
+                      expected: str = "a mapping of sections (framework, model, data, ...)"
+                      ) -> dict[str, Any]:
     """A YAML file that must hold a mapping; UserError (one line naming the file) otherwise."""
     try:
         data = yaml.safe_load(path.read_text())
@@ -305,7 +306,7 @@ def read_yaml_mapping(path: Path, what: str = "config file",
     except yaml.YAMLError as e:
         raise UserError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping of {keys}")
+        raise UserError(f"{path}: expected {expected}")
     return data
 
 

@@ -364,7 +364,7 @@ def get_dotted(raw: dict[str, Any], key: str, default: Any = None) -> Any:
 def load_search(path: str | Path) -> Search:
     """Read and check a search file; UserError (one line naming the field) on any problem."""
     path = Path(path)
-    data = read_yaml_mapping(path, "search file", "base, space, metric, direction, launch")
+    data = read_yaml_mapping(path, "search file", "a mapping (base, space, metric, direction, launch)")
     try:
         spec = SearchFile.model_validate(data)
     except ValidationError as e:
