@@ -95,24 +95,21 @@ def main(argv: list[str] | None = None) -> dict:
 
     real = one_sample_shards()
     real_count = len(Manifest.load(real).split("train").shards)
-    data: dict = {"real_shards": None, "runs": {}}
+    data: dict = {"real_shards": real_count, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="ringfeed-startup-") as tmp:
-        for shards in (None, *sizes):  # None: the real shards' own count, the baseline
+        for count in (real_count, *sizes):  # the real shards' own count first: the baseline
             start = time.perf_counter()
-            count = shards or real_count
             directory = manifest_of(real, count, Path(tmp) / f"s{count}")
             made = time.perf_counter() - start
             seconds = timed_run(directory, Path(tmp) / f"out{count}", repeat, opts.timeout)
+            run = {"wall_s": seconds, "write_s": made,
+                   "json_mb": (directory / "manifest.json").stat().st_size / 1e6,
+                   "bin_mb": (directory / "manifest.bin").stat().st_size / 1e6}
+            data["runs"][count] = run
             print(f"{count:>9,} shards: {seconds:6.2f} s (manifest {made:.1f} s to write, "
-                  f"{(directory / 'manifest.json').stat().st_size / 1e6:.1f} MB)", flush=True)
-            data["runs"][count] = {"wall_s": seconds, "write_s": made,
-                                   "json_mb": (directory / "manifest.json").stat().st_size / 1e6,
-                                   "bin_mb": (directory / "manifest.bin").stat().st_size / 1e6}
-            if shards is None:
-                data["real_shards"] = count
-            else:  # the links and the manifest go before the next (10^6 links: ~1 GB of inodes)
-                for link in directory.glob("train-*.tar"):
-                    link.unlink()
+                  f"{run['json_mb']:.1f} MB)", flush=True)
+            for link in directory.glob("train-*.tar"):  # before the next (10^6 links, inodes)
+                link.unlink()
     base_count = data["real_shards"]
     base = data["runs"][base_count]["wall_s"]
     rows = [Row(NAME, f"2-rank 2-step run, {s:,} shards vs {base_count:,}",
