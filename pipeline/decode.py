@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +29,11 @@ from typing import Any
 import numpy as np
 
 from pipeline.codecs import decode_image
+
+# numpy parses a .npy header with ast.literal_eval, and CPython 3.11's AST construction is not
+# thread-safe (python/cpython#106905): two decode threads at once sporadically raised
+# "SystemError: AST constructor recursion depth mismatch", and the sample was skipped as bad.
+_NPY_LOCK = threading.Lock()
 
 IMAGE_EXTENSIONS = {"png", "jpg", "jpeg", "ppm", "pgm", "pbm", "pnm", "bmp", "gif", "tif",
                     "tiff", "webp"}
@@ -166,7 +172,8 @@ class Decoder:
         if kind == "image":
             return self.decode_image(data) if self.decode_images else data
         if kind == "npy":
-            array = np.load(io.BytesIO(data), allow_pickle=False)
+            with _NPY_LOCK:
+                array = np.load(io.BytesIO(data), allow_pickle=False)
             return array.astype(np.int64) if name.startswith("tokens") else array
         if kind == "int":
             return int(data.decode().strip())
