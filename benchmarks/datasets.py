@@ -10,9 +10,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from ringfeed.shards.manifest import Manifest, ShardInfo, Split
 
 from ringfeed.fsutil import sha256_file
-from shards.manifest import Manifest, ShardInfo, Split
 
 CACHE = Path(tempfile.gettempdir()) / "ringfeed-bench"
 
@@ -56,7 +56,7 @@ def image_shards(samples: int, per_shard: int, side: int = 32, classes: int = 10
     """`ringfeed shard` of an image folder (class subfolders) of `samples` random-texture
     `side`x`side` RGB PNGs, `per_shard` a shard, shuffled across shards: what users feed
     `ringfeed train`."""
-    from train.cli import main as ringfeed
+    from ringfeed.train.cli import main as ringfeed
 
     def build(out: Path) -> None:
         rng = np.random.default_rng(0)

@@ -67,7 +67,7 @@ def encoded(fmt: str, side: int, count: int) -> list[bytes]:
 
 # -- contenders: name -> (fmt -> decode(bytes) -> HWC uint8) or the reason it is missing -------
 def contenders() -> tuple[dict[str, dict[str, Callable[[bytes], np.ndarray]]], dict[str, str]]:
-    from pipeline import codecs
+    from ringfeed.pipeline import codecs
 
     found: dict[str, dict[str, Callable[[bytes], np.ndarray]]] = {
         "PIL": {"JPEG": codecs.decode_pil, "PNG": codecs.decode_pil},
@@ -134,7 +134,7 @@ def best_us(fns: dict[str, Callable[[bytes], Any]], datas: list[bytes],
 
 
 def max_diff(fn: Callable[[bytes], np.ndarray], datas: list[bytes]) -> int | None:
-    from pipeline import codecs
+    from ringfeed.pipeline import codecs
 
     worst = 0
     for d in datas:
@@ -222,7 +222,7 @@ def stalled_share(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
 
 
 def gil(quick: bool) -> dict[str, Any]:
-    from pipeline import codecs
+    from ringfeed.pipeline import codecs
 
     out: dict[str, Any] = {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)}
     if codecs.simplejpeg is None:
@@ -254,7 +254,7 @@ def gil(quick: bool) -> dict[str, Any]:
 
 # -- opt-in DCT-domain downscale ------------------------------------------------------------------
 def dct_downscale(repeat: int, quick: bool) -> dict[str, Any]:
-    from pipeline import codecs
+    from ringfeed.pipeline import codecs
 
     out = {}
     cases = [(256, 64)] if quick else [(256, 128), (256, 64), (512, 224), (512, 128)]
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     quick = args.quick
     repeat = args.repeat or (3 if quick else 15)
     sizes = SIZES[:2] if quick else SIZES
-    from pipeline import codecs
+    from ringfeed.pipeline import codecs
 
     data: dict[str, Any] = {"images_per_size": IMAGES_PER_SIZE, "repeat": repeat,
                             "jpeg_backend": codecs.jpeg_backend(), "versions": versions()}

@@ -39,7 +39,7 @@ def demo_shards() -> Path:
 def digit_shards(name: str, flags: list[str]) -> Path:
     """The demo's digit images sharded with `ringfeed shard IMAGES OUT *flags`, made once
     under the benchmarks' cache as `name`."""
-    from train.cli import main as ringfeed
+    from ringfeed.train.cli import main as ringfeed
 
     spec = importlib.util.spec_from_file_location("ringfeed_demo", EXAMPLES / "demo.py")
     demo = importlib.util.module_from_spec(spec)

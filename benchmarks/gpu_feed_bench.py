@@ -193,7 +193,7 @@ def jpeg_shards(samples: int, shards: int, side: int, workers: int) -> Path:
     `ringfeed shard --format imagefolder`, as users make them: plain WebDataset tars (`jpg` +
     `cls`) that bare webdataset reads as they are, with the manifest and tar-index sidecars
     ringfeed reads. Cached under the benchmarks' temp dir (datasets.cached_dir)."""
-    from train.cli import main as ringfeed
+    from ringfeed.train.cli import main as ringfeed
 
     per_shard = -(-samples // shards)
 
@@ -257,8 +257,8 @@ def ringfeed(step: Step, shard_dir: Path, workers: int, opts: argparse.Namespace
              cache_dir: Path) -> dict[str, dict[str, float]]:
     """The decoded cache off; then on: its first epoch (which fills it, recorded in the JSON)
     and the warm epochs after it."""
-    from pipeline import ShardPipeline
-    from pipeline.torch import make_loader
+    from ringfeed.pipeline import ShardPipeline
+    from ringfeed.pipeline.torch import make_loader
 
     threads = decode_threads_for(workers, opts)
     # read_ahead starts the next epoch in the consumer's own threads: what the trainer sets, but
@@ -313,8 +313,7 @@ def plain_loop(device: torch.device, args: argparse.Namespace) -> dict[str, floa
     """workers/hvd_torch_loop.py without Horovod, on `device`: the built-in model, SGD
     momentum, one in-memory uint8 batch converted to float every step, loss read every step."""
     from peer import batch, model_args, spec
-
-    from train.models import build_model
+    from ringfeed.train.models import build_model
 
     torch.manual_seed(0)
     model = build_model("torch", args.model, model_args(args), spec(args)).to(device)

@@ -111,9 +111,8 @@ def train_across(namespaces: tuple[str, str], env: dict[str, str], out: Path,
 def demo_parameters() -> tuple[int, str]:
     """The demo model's parameter count and optimizer (for bytes per sample)."""
     import yaml
-
-    from train.data import CLASSIFY, DataSpec
-    from train.models import build_model
+    from ringfeed.train.data import CLASSIFY, DataSpec
+    from ringfeed.train.models import build_model
 
     config = yaml.safe_load(CONFIG.read_text())
     side = config["data"]["image_size"]

@@ -21,7 +21,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from train.models.torch_models import GPT  # noqa: E402
+from ringfeed.train.models.torch_models import GPT  # noqa: E402
 
 # (n_layer, d_model, n_head): the default, then GPT-2 small's and medium's shapes
 SIZES = [(2, 128, 4), (12, 768, 12), (24, 1024, 16)]

@@ -48,9 +48,9 @@ def write_bench_shards(directory: Path, samples: int, shards: int, image: int,
     many bytes instead of the image (for raw-read throughput)."""
     import webdataset as wds
     from PIL import Image
+    from ringfeed.shards.manifest import Manifest, ShardInfo, Split
 
     from ringfeed.fsutil import sha256_file
-    from shards.manifest import Manifest, ShardInfo, Split
 
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -88,10 +88,9 @@ def timed_epochs(loader, epochs: int) -> tuple[float, int]:
 def decoded_rates(shard_dir: Path, workers: int, epochs: int, rounds: int, batch: int
                   ) -> dict[str, float]:
     import webdataset as wds
+    from ringfeed.pipeline import ShardPipeline
+    from ringfeed.pipeline.torch import make_loader
     from torch.utils.data import DataLoader
-
-    from pipeline import ShardPipeline
-    from pipeline.torch import make_loader
 
     urls = [str(p) for p in sorted(shard_dir.glob("*.tar"))]
     ours = make_loader(ShardPipeline(shard_dir, batch_size=batch, shuffle_buffer=1000,
@@ -138,8 +137,7 @@ def one_core_child(shard_dir: Path, rounds: int, batch: int) -> dict[str, float]
     """In this process, on one CPU: webdataset vs ringfeed's first (cache-filling) and
     second (cached) epochs, and ringfeed's first epoch without the decoded cache."""
     import webdataset as wds
-
-    from pipeline import ShardPipeline
+    from ringfeed.pipeline import ShardPipeline
 
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     urls = [str(p) for p in sorted(shard_dir.glob("*.tar"))]
@@ -184,10 +182,9 @@ def raw_rates(shard_dir: Path, rounds: int) -> dict[str, float]:
     """Bytes/s over all shards: `cat`; ringfeed's I/O path alone (ShardCache.open + read);
     ringfeed's whole pipeline without decoding; webdataset iterating the same tars."""
     import webdataset as wds
-
-    from pipeline import ShardPipeline
-    from pipeline.cache import ShardCache
-    from pipeline.source import ShardRef
+    from ringfeed.pipeline import ShardPipeline
+    from ringfeed.pipeline.cache import ShardCache
+    from ringfeed.pipeline.source import ShardRef
 
     paths = sorted(shard_dir.glob("*.tar"))
     total = sum(p.stat().st_size for p in paths)
@@ -237,8 +234,7 @@ def cold_warm(shard_dir: Path, rates: list[float], batch: int, rounds: int) -> d
     cold (empty cache) then warm (cached), best of `rounds` fresh caches; and the same epoch
     reading the directory in place, measured alongside."""
     from pipeline_util import http_server_process
-
-    from pipeline import ShardPipeline
+    from ringfeed.pipeline import ShardPipeline
 
     def epoch_s(pipe: ShardPipeline, epoch: int) -> float:
         pipe.set_epoch(epoch)
@@ -362,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
         data["raw_blobs16"] = raw_rates(blobs16, rounds)
         jpegs, jpeg_shards = Path(tmp) / "jpegs", Path(tmp) / "jpeg_shards"
         write_jpeg_folder(jpegs, 512 if q else 8192, 64)
-        from train.cli import main as ringfeed
+        from ringfeed.train.cli import main as ringfeed
 
         ringfeed(["shard", str(jpegs), str(jpeg_shards), "--format", "imagefolder",
                   "--shuffle-seed", "0", "--max-count", "1000", "--no-progress"])

@@ -86,8 +86,8 @@ def synthetic_counts(shards: int, samples: int, seed: int = 0) -> np.ndarray:
 def synthetic_manifest(directory: Path, shards: int, samples: int, seed: int = 0) -> np.ndarray:
     """manifest.json and manifest.bin for `shards` shards (names train-0000000.tar, fake
     sizes and hashes), written directly: no tar files, no ShardInfo objects. Returns counts."""
-    from shards.manifest import Manifest
-    from shards.manifest_format import manifest_meta
+    from ringfeed.shards.manifest import Manifest
+    from ringfeed.shards.manifest_format import manifest_meta
 
     counts = synthetic_counts(shards, samples, seed)
     sha = np.frombuffer(np.random.default_rng(seed + 1).bytes(32 * shards), np.uint8)
@@ -104,7 +104,7 @@ def write_manifest(directory: Path, meta: dict[str, Any], names: list[str], coun
     10^6 shards a Manifest of ShardInfo objects is what is being measured, not a way to write
     one). `meta`: the manifest's keys but splits; `names` all of one length; `sha` (shards, 32)
     uint8."""
-    from shards.manifest_format import HAS_SHA256, INDEX_NAME, SplitArrays, write_index
+    from ringfeed.shards.manifest_format import HAS_SHA256, INDEX_NAME, SplitArrays, write_index
 
     directory.mkdir(parents=True, exist_ok=True)
     shards = len(names)
@@ -141,11 +141,11 @@ def _maxrss_mb() -> float:
 
 def plan_rank(layout, point: dict[str, Any]) -> tuple[int, str]:
     """Plan one rank as the point says; (slots planned, digest of the plan's arrays)."""
-    from pipeline import plan as P
+    from ringfeed.pipeline import plan as P
 
     module = P
     if point["planner"] == "old":
-        from pipeline import plan_reference as module  # type: ignore[no-redef]
+        from ringfeed.pipeline import plan_reference as module  # type: ignore[no-redef]
     ranks = point["ranks"]
     config = P.SegmentConfig(ranks, WORKERS, BATCH, BUFFER, "drop")
     segments, rank = [P.Segment(config)], ranks - 1
@@ -167,9 +167,9 @@ def plan_rank(layout, point: dict[str, Any]) -> tuple[int, str]:
 def json_manifest_load(directory: Path) -> int:
     """What ShardPipeline did before the index (pipeline/source.py's read_manifest and
     refs_from_manifest): parse manifest.json, a ShardRef per shard, the counts array."""
-    from pipeline.plan import Layout
-    from pipeline.source import ShardRef
-    from shards.manifest import Manifest
+    from ringfeed.pipeline.plan import Layout
+    from ringfeed.pipeline.source import ShardRef
+    from ringfeed.shards.manifest import Manifest
 
     manifest = Manifest.load(directory)
     refs = [ShardRef(str(directory / s.name), s.num_samples, s.bytes, s.sha256, s.index)
@@ -179,11 +179,11 @@ def json_manifest_load(directory: Path) -> int:
 
 def measure(point: dict[str, Any]) -> dict[str, Any]:
     """Run one point in this (fresh) process."""
-    from pipeline import (
+    from ringfeed.pipeline import (
         ShardPipeline,  # noqa: F401 - imported before the clock starts
         plan_reference,  # noqa: F401
     )
-    from pipeline import plan as P
+    from ringfeed.pipeline import plan as P
 
     if point["kind"] == "load":
         directory = Path(point["directory"])

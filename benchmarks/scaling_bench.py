@@ -31,7 +31,7 @@ GOAL_LINEAR = ("<=", 1.25)
 
 def pipeline_throughput(shards: Path, batch: int, workers: int) -> dict:
     """One full epoch of decoded batches on one rank: construction time and samples/s."""
-    from pipeline import ShardPipeline
+    from ringfeed.pipeline import ShardPipeline
 
     start = time.perf_counter()
     pipe = ShardPipeline(shards, batch_size=batch, num_workers=workers, seed=0)
@@ -49,8 +49,7 @@ def checkpoint_times(size_mb: int, work: Path, repeat: int) -> dict:
     checkpoint module (atomic directory, sha256 of the payload, verified on load) and with
     bare torch.save/torch.load of the same tensors."""
     import torch
-
-    from train.checkpoint import verify, write_checkpoint
+    from ringfeed.train.checkpoint import verify, write_checkpoint
 
     tensors = 8  # a model is many tensors; 8 of size/8 each
     state = {f"layer{i}.weight": torch.randn(size_mb * MB // 4 // tensors)

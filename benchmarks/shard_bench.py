@@ -78,8 +78,8 @@ def _warm(src: Path) -> int:
 
 
 def run_ringfeed(src: Path, out: Path, workers: int, max_size: str) -> tuple[float, float]:
-    from train.cli import build_parser
-    from train.cli import main as ringfeed
+    from ringfeed.train.cli import build_parser
+    from ringfeed.train.cli import main as ringfeed
 
     build_parser()  # imports what `ringfeed shard` imports, outside the timing
     start, cpu = time.perf_counter(), _cpu_seconds()

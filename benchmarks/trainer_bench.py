@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     opts = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not opts.default_malloc:  # every contender with the allocator settings ringfeed uses
-        from pipeline.malloc import MMAP_THRESHOLD, TRIM_THRESHOLD
+        from ringfeed.pipeline.malloc import MMAP_THRESHOLD, TRIM_THRESHOLD
 
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
         os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(TRIM_THRESHOLD))

@@ -18,7 +18,7 @@ from ringfeed.fsutil import atomic_write_text
 
 
 def trainer_available() -> bool:
-    return importlib.util.find_spec("train.main") is not None
+    return importlib.util.find_spec("ringfeed.train.main") is not None
 
 
 @dataclass

@@ -96,7 +96,7 @@ fi
 hvd_nccl; result "horovod-nccl" $? "horovod.torch.nccl_built()"
 
 # --- 2. ringfeed info -------------------------------------------------------------------------
-"$PY" -m train info >"$REPORT/info.txt" 2>&1
+"$PY" -m ringfeed.train info >"$REPORT/info.txt" 2>&1
 grep -q '\[X\] NCCL' "$REPORT/info.txt"; result "info" $? "ringfeed info lists NCCL ($REPORT/info.txt)"
 
 # --- 3. the digits demo on the GPU ------------------------------------------------------------
@@ -107,7 +107,7 @@ digits() {  # digits NAME SET...
   local name="$1"; shift
   local run="$REPORT/runs/digits-$name"
   rm -rf "$run"
-  horovodrun -np 1 "$PY" -m train train examples/configs/digits.yaml --set "data.train=$shards" \
+  horovodrun -np 1 "$PY" -m ringfeed.train train examples/configs/digits.yaml --set "data.train=$shards" \
     --set "output.dir=$run" --set data.cache_dir="$CACHE/data" --set output.tensorboard=false \
     "$@" >"$REPORT/digits-$name.log" 2>&1
   local rc=$? acc
@@ -126,7 +126,7 @@ fi
 
 # --- 4. more ranks than GPUs ------------------------------------------------------------------
 if [ -f "$shards/manifest.json" ]; then
-  horovodrun -np $((ngpu + 1)) "$PY" -m train train examples/configs/digits.yaml \
+  horovodrun -np $((ngpu + 1)) "$PY" -m ringfeed.train train examples/configs/digits.yaml \
     --set "data.train=$shards" --set "output.dir=$REPORT/runs/oversubscribed" \
     --set train.max_steps=2 --set output.tensorboard=false >"$REPORT/oversubscribed.log" 2>&1
   rc=$?

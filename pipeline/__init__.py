@@ -12,14 +12,14 @@ from typing import Any
 
 __all__ = ["ShardPipeline", "PipelineDataError", "PipelineError", "horovod_rank_and_size"]
 
-_HOMES = {"ShardPipeline": "pipeline.core", "horovod_rank_and_size": "pipeline.core",
-          "PipelineDataError": "pipeline.errors", "PipelineError": "pipeline.errors"}
+_HOMES = {"ShardPipeline": "ringfeed.pipeline.core", "horovod_rank_and_size": "ringfeed.pipeline.core",
+          "PipelineDataError": "ringfeed.pipeline.errors", "PipelineError": "ringfeed.pipeline.errors"}
 
 
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
-        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+        raise AttributeError(f"module 'ringfeed.pipeline' has no attribute {name!r}")
     import importlib
 
     return getattr(importlib.import_module(home), name)

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import fsspec
+from ringfeed.pipeline.background import BackgroundIterator
+from ringfeed.pipeline.errors import PipelineDataError
+from ringfeed.pipeline.source import ShardRef, local_path
 
-from pipeline.background import BackgroundIterator
-from pipeline.errors import PipelineDataError
-from pipeline.source import ShardRef, local_path
 from ringfeed.fsutil import HashingIO, atomic_open
 
 LOCK_SUFFIX = ".lock"

@@ -15,22 +15,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from pipeline.background import BackgroundIterator
-from pipeline.batch import collate
-from pipeline.cache import ShardCache
-from pipeline.decode import Decoder, SampleFn, as_pair
-from pipeline.decoded_cache import DecodedStore, layout_of
-from pipeline.errors import PipelineDataError, PipelineError
-from pipeline.plan import BALANCE_POLICIES, Layout, SegmentConfig, SegmentPlan
-from pipeline.shardread import (
+from ringfeed.pipeline.background import BackgroundIterator
+from ringfeed.pipeline.batch import collate
+from ringfeed.pipeline.cache import ShardCache
+from ringfeed.pipeline.decode import Decoder, SampleFn, as_pair
+from ringfeed.pipeline.decoded_cache import DecodedStore, layout_of
+from ringfeed.pipeline.errors import PipelineDataError, PipelineError
+from ringfeed.pipeline.plan import BALANCE_POLICIES, Layout, SegmentConfig, SegmentPlan
+from ringfeed.pipeline.shardread import (
     COMPRESSED_SUFFIXES,
     BadSample,
     IndexStore,
     iter_samples,
     open_samples,
 )
-from pipeline.source import (
+from ringfeed.pipeline.source import (
     ShardRef,
     check_pipe_allowed,
     expand_urls,
@@ -38,11 +37,12 @@ from pipeline.source import (
     manifest_refs,
     sample_counts,
 )
-from pipeline.state import PipelineState
-from pipeline.stats import PipelineStats
-from pipeline.stream import ON_ERROR_POLICIES, Booked, StreamContext, WorkerStream
+from ringfeed.pipeline.state import PipelineState
+from ringfeed.pipeline.stats import PipelineStats
+from ringfeed.pipeline.stream import ON_ERROR_POLICIES, Booked, StreamContext, WorkerStream
+from ringfeed.shards.manifest import Manifest
+
 from ringfeed.fsutil import parse_size
-from shards.manifest import Manifest
 
 DECODE_DEVICES = ("cpu", "cuda")
 # decoded_cache="auto" turns the cache on when the split's decoded samples fit cache_limit,
@@ -132,7 +132,7 @@ class ShardPipeline:
         self.num_workers, self.balance, self.prefetch = int(num_workers), balance, int(prefetch)
         self.decode_device = decode_device
         if decode_device == "cuda":
-            from pipeline.gpu_decode import check_available
+            from ringfeed.pipeline.gpu_decode import check_available
 
             try:
                 check_available(decode_device)

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from ringfeed.pipeline.cache import LOCK_SUFFIX, evict_lru_sized, remove_stale_temporaries
 
-from pipeline.cache import LOCK_SUFFIX, evict_lru_sized, remove_stale_temporaries
 from ringfeed.fsutil import publish
 
 MAGIC = b"RFDEC001"

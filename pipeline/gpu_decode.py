@@ -39,8 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-
-from pipeline import codecs
+from ringfeed.pipeline import codecs
 
 EXTRA = "gpu-decode"  # the pyproject.toml extra that installs torchvision
 NO_GPU = ("data.decode_device: cuda needs a CUDA GPU; none is visible "

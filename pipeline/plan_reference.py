@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from pipeline.plan import (
+from ringfeed.pipeline.plan import (
     Layout,
     Segment,
     SegmentConfig,

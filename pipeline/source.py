@@ -20,10 +20,9 @@ from typing import Any
 import braceexpand
 import fsspec
 import numpy as np
-
-from pipeline.errors import PipelineError
-from shards.manifest import Manifest, ManifestError
-from shards.manifest_index import SplitIndex, index_of_bytes, load_index
+from ringfeed.pipeline.errors import PipelineError
+from ringfeed.shards.manifest import Manifest, ManifestError
+from ringfeed.shards.manifest_index import SplitIndex, index_of_bytes, load_index
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 

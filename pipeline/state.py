@@ -12,8 +12,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.errors import PipelineError
-from pipeline.plan import Layout, Planner, Segment, SegmentConfig, SegmentPlan, batches_for
+from ringfeed.pipeline.errors import PipelineError
+from ringfeed.pipeline.plan import Layout, Planner, Segment, SegmentConfig, SegmentPlan, batches_for
 
 STATE_VERSION = 1
 

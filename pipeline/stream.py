@@ -23,15 +23,14 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
-
-from pipeline import malloc
-from pipeline.batch import collate, gather, stack
-from pipeline.cache import Prefetcher, ShardCache
-from pipeline.decode import Decoder
-from pipeline.decoded_cache import CachedShard, DecodedStore, Uncacheable
-from pipeline.errors import PipelineDataError
-from pipeline.plan import Layout, SegmentPlan, WorkerPlan, consumed_by_worker
-from pipeline.shardread import (
+from ringfeed.pipeline import malloc
+from ringfeed.pipeline.batch import collate, gather, stack
+from ringfeed.pipeline.cache import Prefetcher, ShardCache
+from ringfeed.pipeline.decode import Decoder
+from ringfeed.pipeline.decoded_cache import CachedShard, DecodedStore, Uncacheable
+from ringfeed.pipeline.errors import PipelineDataError
+from ringfeed.pipeline.plan import Layout, SegmentPlan, WorkerPlan, consumed_by_worker
+from ringfeed.pipeline.shardread import (
     BadSample,
     IndexedSamples,
     IndexStore,
@@ -39,8 +38,8 @@ from pipeline.shardread import (
     open_samples,
     shard_identity,
 )
-from pipeline.source import ShardRef
-from pipeline.stats import StreamCounters
+from ringfeed.pipeline.source import ShardRef
+from ringfeed.pipeline.stats import StreamCounters
 
 log = logging.getLogger("ringfeed.pipeline")
 

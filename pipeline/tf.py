@@ -23,9 +23,8 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-
-from pipeline.core import ShardPipeline
-from pipeline.errors import PipelineError
+from ringfeed.pipeline.core import ShardPipeline
+from ringfeed.pipeline.errors import PipelineError
 
 _TAG_SPEC = tf.TensorSpec((3,), tf.int64)  # a batch's (epoch, segment, t): see Booked
 

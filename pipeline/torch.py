@@ -33,12 +33,11 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+from ringfeed.pipeline.core import ShardPipeline
+from ringfeed.pipeline.errors import PipelineDataError
+from ringfeed.pipeline.plan import Planner, Segment
+from ringfeed.pipeline.stream import Booked, StreamContext, WorkerStream
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-
-from pipeline.core import ShardPipeline
-from pipeline.errors import PipelineDataError
-from pipeline.plan import Planner, Segment
-from pipeline.stream import Booked, StreamContext, WorkerStream
 
 _STATE_BYTES = 1 << 16
 # per-sample arrays small enough to travel from worker processes as lists (see _StreamDataset)
@@ -205,7 +204,7 @@ class TorchLoader:
         """decode_device="cuda": the image fields arrive as encoded bytes and are decoded here
         with nvJPEG, a batch at a time, into uint8 NHWC tensors on the GPU (then normalized
         there when the pipeline normalizes)."""
-        from pipeline.gpu_decode import decode_jpeg_batch
+        from ringfeed.pipeline.gpu_decode import decode_jpeg_batch
 
         decoder = self.pipe.context.decoder
         device = torch.device("cuda", torch.cuda.current_device())

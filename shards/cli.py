@@ -6,8 +6,9 @@ import argparse
 import math
 from pathlib import Path
 
+from ringfeed.shards.options import DEFAULT_MAX_SIZE, FORMATS, TABLE_FORMATS, ShardOptions
+
 from ringfeed.errors import UserError
-from shards.options import DEFAULT_MAX_SIZE, FORMATS, TABLE_FORMATS, ShardOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -137,15 +138,15 @@ def _name_ext(spec: str, flag: str, example: str, last: bool = False) -> tuple[s
 
 
 def run_shard(args: argparse.Namespace) -> int:
-    from shards.progress import human_bytes, rate
+    from ringfeed.shards.progress import human_bytes, rate
 
     opts = options_from_args(args)
     if opts.format == "wds-index":
-        from shards.wds_index import index_shards
+        from ringfeed.shards.wds_index import index_shards
 
         run = index_shards(opts)
     else:
-        from shards.build import shard_dataset
+        from ringfeed.shards.build import shard_dataset
 
         run = shard_dataset(opts)
     m = run.manifest
@@ -164,8 +165,8 @@ def run_shard(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from shards.progress import human_bytes
-    from shards.verify import verify
+    from ringfeed.shards.progress import human_bytes
+    from ringfeed.shards.verify import verify
 
     result = verify(Path(args.out), args.workers)
     for check in result.bad:
@@ -183,7 +184,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from shards.inspection import inspect_dataset
+    from ringfeed.shards.inspection import inspect_dataset
 
     print(inspect_dataset(Path(args.out), args.samples, args.workers))
     return 0

@@ -9,13 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from shards.manifest import Manifest
-from shards.members import kind_of
-from shards.parallel import parallel_map
-from shards.progress import human_bytes
-from shards.tarread import read_ints, scan_tar, shard_url
-from shards.verify import load_manifest
+from ringfeed.shards.manifest import Manifest
+from ringfeed.shards.members import kind_of
+from ringfeed.shards.parallel import parallel_map
+from ringfeed.shards.progress import human_bytes
+from ringfeed.shards.tarread import read_ints, scan_tar, shard_url
+from ringfeed.shards.verify import load_manifest
 
 PREVIEW_CHARS = 60
 

@@ -13,8 +13,9 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from ringfeed.shards.manifest import ShardInfo
+
 from ringfeed.fsutil import atomic_write_text
-from shards.manifest import ShardInfo
 
 JOURNAL = ".ringfeed-journal.jsonl"
 

@@ -49,8 +49,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ringfeed.shards.manifest_format import INDEX_NAME, write_manifest_index
+
 from ringfeed.fsutil import atomic_write_bytes
-from shards.manifest_format import INDEX_NAME, write_manifest_index
 
 FORMAT = "ringfeed-shards"
 VERSION = 1

@@ -19,7 +19,7 @@ import numpy as np
 from ringfeed.fsutil import atomic_open
 
 if TYPE_CHECKING:  # (type hints only)
-    from shards.manifest import Manifest, ShardInfo
+    from ringfeed.shards.manifest import Manifest, ShardInfo
 
 INDEX_NAME = "manifest.bin"
 MAGIC = b"RFMIDX\x00\x01"

@@ -40,9 +40,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-
-from shards.manifest import Manifest, ManifestError, ShardInfo, Split
-from shards.manifest_format import (  # noqa: F401 - re-exported: the index's one namespace
+from ringfeed.shards.manifest import Manifest, ManifestError, ShardInfo, Split
+from ringfeed.shards.manifest_format import (  # noqa: F401 - re-exported: the index's one namespace
     HAS_INDEX,
     HAS_SHA256,
     INDEX_NAME,

@@ -23,12 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from pipeline.tarindex import TarIndex, TarIndexBuilder
+from ringfeed.pipeline.tarindex import TarIndex, TarIndexBuilder
+from ringfeed.shards.manifest import INDEX_SUFFIX, ShardInfo
+from ringfeed.shards.packing import PlannedShard
+from ringfeed.shards.sources import Source
+
 from ringfeed.errors import UserError
 from ringfeed.fsutil import HashingIO, publish, temp_open
-from shards.manifest import INDEX_SUFFIX, ShardInfo
-from shards.packing import PlannedShard
-from shards.sources import Source
 
 TAR_MTIME = 946684800  # 2000-01-01T00:00:00Z (1970 makes GNU tar warn on extraction)
 TAR_OWNER = "ringfeed"

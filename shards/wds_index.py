@@ -24,18 +24,18 @@ from collections import Counter
 from pathlib import Path
 
 import braceexpand
+from ringfeed.pipeline.tarindex import build_index
+from ringfeed.shards.build import ShardRun, created_by
+from ringfeed.shards.manifest import INDEX_SUFFIX, Manifest, ShardInfo, Split
+from ringfeed.shards.members import kind_of
+from ringfeed.shards.options import ShardOptions
+from ringfeed.shards.packing import SPLIT_ORDER
+from ringfeed.shards.parallel import parallel_map
+from ringfeed.shards.sources.base import SPLIT_NAMES, class_record
+from ringfeed.shards.tarread import TarReadError, TarScan, read_ints, scan_tar
 
-from pipeline.tarindex import build_index
 from ringfeed.errors import UserError
 from ringfeed.fsutil import atomic_write_bytes
-from shards.build import ShardRun, created_by
-from shards.manifest import INDEX_SUFFIX, Manifest, ShardInfo, Split
-from shards.members import kind_of
-from shards.options import ShardOptions
-from shards.packing import SPLIT_ORDER
-from shards.parallel import parallel_map
-from shards.sources.base import SPLIT_NAMES, class_record
-from shards.tarread import TarReadError, TarScan, read_ints, scan_tar
 
 _SPLIT_PREFIX = re.compile(r"^([a-z]+)[-_.]", re.IGNORECASE)
 

@@ -4,7 +4,7 @@
   developer runs while editing;
 - integration (`@pytest.mark.integration`): one process with real files, real servers on
   127.0.0.1 (http.server, moto's S3), pipelines with worker processes, in-process training;
-- system (`@pytest.mark.system`, or the older `slow`): other processes - horovodrun, the CLI,
+- system (`@pytest.mark.system`): other processes - horovodrun, the CLI,
   network namespaces, faults.
 
 `make test` runs all three. A test without the system marker that starts a subprocess fails
@@ -20,12 +20,6 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("slow") is not None:
-            item.add_marker(pytest.mark.system)
 
 
 @pytest.fixture(autouse=True)

@@ -33,12 +33,11 @@ class Forked:
 def preload_torch_trainer() -> None:
     """Import once, in the parent, what every forked torch run needs (torch's optimizers load
     torch._dynamo lazily: 2 s each time otherwise)."""
+    import ringfeed.train.cli  # noqa: F401
+    import ringfeed.train.loop  # noqa: F401
+    import ringfeed.train.torch_backend  # noqa: F401
     import torch._dynamo  # noqa: F401
     import webdataset  # noqa: F401
-
-    import train.cli  # noqa: F401
-    import train.loop  # noqa: F401
-    import train.torch_backend  # noqa: F401
 
 
 def ringfeed_forked(argv: list[str], log: Path, timeout: float = 120,
@@ -58,8 +57,8 @@ def ringfeed_forked(argv: list[str], log: Path, timeout: float = 120,
             os.environ.update(env or {})
             if "torch" in sys.modules:  # imported by the parent: set the threads here
                 sys.modules["torch"].set_num_threads(1)
-            from train import faults
-            from train.cli import main
+            from ringfeed.train import faults
+            from ringfeed.train.cli import main
 
             faults.arm(os.environ.get(faults.ENV))
             code = main([str(a) for a in argv])
@@ -180,9 +179,9 @@ def corrupt_one_sample(shards: Path, shard_name: str, sample_index: int) -> str:
     """Rewrite one shard with one sample's x.npy replaced by bytes that are not a .npy file
     (and its manifest entry updated, so only decoding can notice). Returns that sample's key."""
     import webdataset as wds
+    from ringfeed.shards.manifest import Manifest
 
     from ringfeed.fsutil import sha256_file
-    from shards.manifest import Manifest
 
     path = shards / shard_name
     samples = list(wds.WebDataset(str(path), shardshuffle=False))

@@ -25,8 +25,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ringfeed.shards.manifest import Manifest, ShardInfo, Split  # noqa: E402
+
 from ringfeed.fsutil import sha256_file  # noqa: E402
-from shards.manifest import Manifest, ShardInfo, Split  # noqa: E402
 
 
 def png_bytes(value: int, size: int = 8) -> bytes:
@@ -163,8 +164,7 @@ def hvd_main(argv: list[str]) -> int:
     batch, and write what this rank saw to <out>/rank<r>.json."""
     import horovod.torch as hvd
     import torch
-
-    from pipeline import ShardPipeline
+    from ringfeed.pipeline import ShardPipeline
 
     hvd.init()
     source, out = argv[0], Path(argv[1])

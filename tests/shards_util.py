@@ -8,8 +8,7 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
-
-from train.cli import main as ringfeed_main
+from ringfeed.train.cli import main as ringfeed_main
 
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:

@@ -17,7 +17,7 @@ BENCHMARKS = {"shards", "pipeline", "trainer", "allreduce", "scaling", "stall", 
 NOT_MEASURED_IN_QUICK = ("pending:", "full mode only")
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(500)  # (local_sgd's quick mode: ~1 min of it)
 def test_every_benchmark_runs_in_quick_mode(tmp_path):
     readme = REPO / "benchmarks" / "README.md"
@@ -109,7 +109,7 @@ def check_startup(results):
 GPU_FEED_CONTENDERS = {"in_memory", "webdataset", "ringfeed_off", "ringfeed_warm"}
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(420)
 def test_gpu_feed_bench_runs_on_cpu(tmp_path):
     """benchmarks/gpu_feed_bench.py is run by `make gpu-check` on GPU machines only; its CPU

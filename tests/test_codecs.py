@@ -11,8 +11,7 @@ import warnings
 import numpy as np
 import pytest
 from PIL import Image, ImageFile
-
-from pipeline import codecs, gpu_decode
+from ringfeed.pipeline import codecs, gpu_decode
 
 SIZES = [(1, 1), (7, 13), (16, 16), (33, 47), (64, 64), (97, 130)]
 RESIZES = [None, (16, 16), (50, 20), (120, 90)]
@@ -303,7 +302,7 @@ def test_dct_downscale_leaves_non_jpegs_and_unsized_decodes_exact():
 
 # -- the pipeline uses it -------------------------------------------------------------------------
 def test_decoder_decodes_through_codecs(no_pil_for_jpeg):
-    from pipeline.decode import Decoder
+    from ringfeed.pipeline.decode import Decoder
 
     data = encode(natural(40, 30), quality=90)
     decoder = Decoder({"jpg": "image"}, image_size=(24, 24))

@@ -30,9 +30,8 @@ from fault_util import (
     worker_processes,
 )
 from helpers import BIN, horovodrun, run, test_env
+from ringfeed.train.checkpoint import META, find_resume_point, list_checkpoints, verify
 from train_util import finish, start, toy_config, write_config, write_toy_shards
-
-from train.checkpoint import META, find_resume_point, list_checkpoints, verify
 
 pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 
@@ -325,8 +324,8 @@ def test_read_only_checkpoint_dir_fails_before_training(tmp_path, shards, small_
 # -- loader workers and SIGTERM ---------------------------------------------------------------
 EXIT_WITH_OPEN_LOADER = """
 import os, signal, sys, time
-from pipeline import ShardPipeline
-from pipeline.torch import make_loader
+from ringfeed.pipeline import ShardPipeline
+from ringfeed.pipeline.torch import make_loader
 
 pipe = ShardPipeline(sys.argv[1], batch_size=4, num_workers=2, rank=0, world_size=1)
 loader = make_loader(pipe)

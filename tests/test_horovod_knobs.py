@@ -11,12 +11,17 @@ from pathlib import Path
 
 import pytest
 from helpers import BIN, horovodrun, run
+from ringfeed.train.cli import main
+from ringfeed.train.config import HorovodSection
+from ringfeed.train.horovod_env import (
+    apply_horovod_env,
+    check_controller,
+    horovod_env,
+    launch_problem,
+)
 from train_util import toy_config, write_config, write_toy_shards
 
 from ringfeed.errors import UserError
-from train.cli import main
-from train.config import HorovodSection
-from train.horovod_env import apply_horovod_env, check_controller, horovod_env, launch_problem
 
 RINGFEED = BIN / "ringfeed"
 MIB = 1024 * 1024
@@ -117,7 +122,7 @@ def test_bad_values_are_one_line_naming_the_field(tmp_path, shards, capsys, over
 
 
 # -- Horovod itself: 2-rank runs ------------------------------------------------------------
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(400)
 def test_torch_timeline_and_autotune_log_show_horovod_used_the_settings(tmp_path, shards):
     """Fusion off and a 7 ms cycle: the timeline holds the gradients' allreduces and no fusion
@@ -139,7 +144,7 @@ def test_torch_timeline_and_autotune_log_show_horovod_used_the_settings(tmp_path
     assert {(r["cycle_time_ms"], r["tensor_fusion_threshold"]) for r in rows} == {("7", "0")}
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(400)
 def test_tensorflow_fusion_on_fuses_the_grouped_gradients(tmp_path, shards):
     """The same knobs from the TF backend: a 32 MB threshold and 3 ms cycle reach the
@@ -159,7 +164,7 @@ def test_tensorflow_fusion_on_fuses_the_grouped_gradients(tmp_path, shards):
         == {("3", "32")}
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(300)
 def test_controller_picks_the_library_horovod_reduces_with(tmp_path, shards):
     """One plain process: controller gloo -> Gloo allreduces, mpi -> MPI ones (this Horovod

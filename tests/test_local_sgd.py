@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import BIN, REPO, horovodrun
+from ringfeed.train.cli import main
 from train_util import toy_config, write_config, write_toy_shards
-
-from train.cli import main
 
 RINGFEED = BIN / "ringfeed"
 DEMO_CONFIG = REPO / "examples" / "configs" / "digits.yaml"
@@ -65,7 +64,7 @@ def test_unsupported_combinations_are_one_line(tmp_path, shards, capsys, overrid
 
 
 # -- runs -------------------------------------------------------------------------------------
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 def test_resume_from_a_sync_step_is_bit_identical(tmp_path, shards, framework):
@@ -109,7 +108,7 @@ def final_weights(run: Path, framework: str) -> dict[str, np.ndarray]:
     return {n: reader.get_tensor(n) for n in names if n.startswith("model/")}
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 def test_sync_every_4_trains_the_demo_to_its_accuracy_goal(tmp_path, digits, framework):

@@ -9,11 +9,10 @@ import pickle
 import numpy as np
 import pytest
 from pipeline_util import collect, http_server, write_shards
-
-from pipeline import PipelineError, ShardPipeline
-from pipeline.source import ShardRefs
-from shards import manifest_index as mi
-from shards.manifest import Manifest, ManifestError, ShardInfo, Split
+from ringfeed.pipeline import PipelineError, ShardPipeline
+from ringfeed.pipeline.source import ShardRefs
+from ringfeed.shards import manifest_index as mi
+from ringfeed.shards.manifest import Manifest, ManifestError, ShardInfo, Split
 
 pytestmark = pytest.mark.integration  # real files, a server on 127.0.0.1, loader workers
 SIZES = [5, 0, 7, 3]
@@ -112,7 +111,7 @@ def test_no_writable_cache_still_works_in_memory(tmp_path):
     assert pipe.refs.shards.index.path is None
     assert pipe.layout.counts.tolist() == SIZES
     assert list(pickle.loads(pickle.dumps(pipe.refs))) == list(pipe.refs)
-    from pipeline.torch import make_loader
+    from ringfeed.pipeline.torch import make_loader
 
     assert collect(make_loader(pipe)) == collect(ShardPipeline(tmp_path / "s", batch_size=2,
                                                                num_workers=2))

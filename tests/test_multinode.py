@@ -168,7 +168,7 @@ def root_hosts(namespaces: tuple[str, str], tmp_path: Path) -> Iterator[RootHost
         shutil.rmtree(ssh_dir, ignore_errors=True)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_horovodrun_trains_across_two_netns_hosts(root_hosts: RootHosts, tmp_path: Path) -> None:
     out = tmp_path / "out"
     launcher = ["ip", "netns", "exec", root_hosts.namespaces[0], str(BIN / "horovodrun"),
@@ -178,7 +178,7 @@ def test_horovodrun_trains_across_two_netns_hosts(root_hosts: RootHosts, tmp_pat
     _assert_trained_across_hosts(out)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_ringfeed_train_across_two_netns_hosts(root_hosts: RootHosts, tmp_path: Path) -> None:
     from train_util import toy_config, write_config, write_toy_shards
 
@@ -196,7 +196,7 @@ def test_ringfeed_train_across_two_netns_hosts(root_hosts: RootHosts, tmp_path: 
     steps = [json.loads(line).get("step") for line in
              (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(s for s in steps if s is not None) == 12
-    from train.checkpoint import checkpoint_path
+    from ringfeed.train.checkpoint import checkpoint_path
     assert (checkpoint_path(run_dir / "checkpoints", 12) / "meta.json").is_file()
 
 
@@ -241,7 +241,7 @@ def _user_view(sandbox: Path, uid: int, needed: list[Path]) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_image_entrypoint_as_unprivileged_user_across_two_netns_hosts(
         namespaces: tuple[str, str]) -> None:
     for tool in ("unshare", "setpriv"):

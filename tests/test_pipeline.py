@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import webdataset as wds
 from pipeline_util import collect, valid_ids, write_shards
-
-from pipeline import PipelineDataError, PipelineError, ShardPipeline
+from ringfeed.pipeline import PipelineDataError, PipelineError, ShardPipeline
 
 UNEVEN = [1, 23, 3, 17, 2, 9, 5]  # 60 samples; one shard far bigger than the others
 B = 4
@@ -121,7 +120,7 @@ def resumed(source, k: int, loader, **kw) -> tuple[list[dict], list[dict]]:
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("k", [1, 4])
 def test_exact_resume_torch_loader(uneven, workers, k):
-    from pipeline.torch import make_loader
+    from ringfeed.pipeline.torch import make_loader
 
     full, stitched = resumed(uneven, k, make_loader, rank=1, world_size=2, num_workers=workers)
     assert stitched == full
@@ -357,7 +356,7 @@ def test_fail_policy_names_shard_and_key(tmp_path, how):
 
 
 def test_fail_policy_through_torch_workers_is_one_clear_error(tmp_path):
-    from pipeline.torch import make_loader
+    from ringfeed.pipeline.torch import make_loader
 
     paths = write_shards(tmp_path, [10, 12, 10], images=True)
     damage(paths[1], "image")
@@ -425,7 +424,7 @@ def _runs_by_definition(needed, shard_of, pos_of):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_vectorised_runs_match_their_definition(seed):
-    from pipeline.stream import _runs
+    from ringfeed.pipeline.stream import _runs
 
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 60))

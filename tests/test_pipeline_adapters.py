@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 from helpers import REPO
 from pipeline_util import collect, write_shards
-
-from pipeline import ShardPipeline
+from ringfeed.pipeline import ShardPipeline
 
 # servers on 127.0.0.1 / loader worker processes (tests/conftest.py: tiers)
 pytestmark = pytest.mark.integration
@@ -50,9 +49,8 @@ def test_import_pipeline_loads_neither_torch_nor_tf():
 @pytest.mark.system
 def test_torch_and_tf_yield_the_same_samples_in_the_same_order(shard_dir, workers):
     import torch
-
-    from pipeline.tf import make_dataset
-    from pipeline.torch import make_loader
+    from ringfeed.pipeline.tf import make_dataset
+    from ringfeed.pipeline.torch import make_loader
 
     reference = make(shard_dir, num_workers=workers)
     expected = collect(reference)
@@ -76,7 +74,7 @@ def test_torch_and_tf_yield_the_same_samples_in_the_same_order(shard_dir, worker
 
 @pytest.mark.system
 def test_tf_counts_batches_the_caller_pulled_and_resumes(shard_dir):
-    from pipeline.tf import make_dataset
+    from ringfeed.pipeline.tf import make_dataset
 
     expected = collect(make(shard_dir, num_workers=2))
     pipe = make(shard_dir, num_workers=2)
@@ -92,7 +90,7 @@ def test_tf_counts_batches_the_caller_pulled_and_resumes(shard_dir):
 
 
 def test_torch_persistent_workers_follow_epochs(shard_dir):
-    from pipeline.torch import make_loader
+    from ringfeed.pipeline.torch import make_loader
 
     pipe = make(shard_dir, num_workers=2)
     loader = make_loader(pipe)
@@ -112,7 +110,7 @@ def test_worker_processes_read_ahead_and_the_trainer_process_does_not(shard_dir)
     process reading it too would decode an epoch nobody takes."""
     import threading
 
-    from pipeline.torch import make_loader
+    from ringfeed.pipeline.torch import make_loader
 
     pipe = make(shard_dir, num_workers=2, read_ahead=True)
     loader = make_loader(pipe)
@@ -126,7 +124,7 @@ def test_worker_processes_read_ahead_and_the_trainer_process_does_not(shard_dir)
 
 
 def test_torch_loader_stopped_mid_epoch_continues_where_it_stopped(shard_dir):
-    from pipeline.torch import make_loader
+    from ringfeed.pipeline.torch import make_loader
 
     expected = collect(make(shard_dir, num_workers=2))
     pipe = make(shard_dir, num_workers=2)
@@ -152,7 +150,7 @@ def _every_path(shard_dir, path: str):
         pipe = make(shard_dir, num_workers=2, prefetch=2)
         return pipe, list(pipe)
     if path.startswith("torch"):
-        from pipeline.torch import make_loader
+        from ringfeed.pipeline.torch import make_loader
 
         pipe = make(shard_dir, num_workers=2 if path == "torch workers" else 0)
         loader = make_loader(pipe)
@@ -160,7 +158,7 @@ def _every_path(shard_dir, path: str):
             return pipe, list(loader)
         finally:
             loader.close()
-    from pipeline.tf import make_dataset
+    from ringfeed.pipeline.tf import make_dataset
 
     pipe = make(shard_dir, num_workers=2)
     return pipe, tf_batches(make_dataset(pipe))
@@ -188,7 +186,7 @@ def test_bookkeeping_travels_beside_batches_and_is_counted_once(shard_dir, path)
 
 def test_uncounted_iteration_yields_batches_beside_their_tags(shard_dir):
     """What the adapters read: Booked(batch, tag, stats), counted only when the caller says."""
-    from pipeline.stream import Booked
+    from ringfeed.pipeline.stream import Booked
 
     pipe = make(shard_dir, num_workers=2)
     booked = list(pipe.iterate(count=False))
@@ -204,11 +202,10 @@ def test_booked_survives_dataloader_conversion_and_pinning(monkeypatch):
     """What DataLoader does to each item (default_convert, then pin_memory with CUDA) keeps a
     Booked a Booked and a worker error a worker error (Tensor.pin_memory stubbed: no GPU)."""
     import torch
+    from ringfeed.pipeline.stream import Booked
+    from ringfeed.pipeline.torch import _WorkerError
     from torch.utils.data._utils.collate import default_convert
     from torch.utils.data._utils.pin_memory import pin_memory
-
-    from pipeline.stream import Booked
-    from pipeline.torch import _WorkerError
 
     pinned = []
     monkeypatch.setattr(torch.Tensor, "pin_memory",

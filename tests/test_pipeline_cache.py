@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 from pipeline_util import collect, http_server, write_shards
-
-from pipeline import PipelineDataError, ShardPipeline
-from pipeline.cache import ShardCache
-from pipeline.source import ShardRef
+from ringfeed.pipeline import PipelineDataError, ShardPipeline
+from ringfeed.pipeline.cache import ShardCache
+from ringfeed.pipeline.source import ShardRef
 
 # servers on 127.0.0.1 / loader worker processes (tests/conftest.py: tiers)
 pytestmark = pytest.mark.integration
@@ -53,7 +52,7 @@ def test_http_downloads_once_and_reuses_across_epochs_and_runs(shard_dir, tmp_pa
 
 
 def test_http_with_torch_workers_sharing_the_cache(shard_dir, tmp_path):
-    from pipeline.torch import make_loader
+    from ringfeed.pipeline.torch import make_loader
 
     local = collect(make(shard_dir, tmp_path / "unused", num_workers=2))
     with http_server(shard_dir) as (url, requests):

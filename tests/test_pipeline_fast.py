@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pipeline_util import png_bytes, write_shards
+from ringfeed.pipeline import PipelineError, ShardPipeline
+from ringfeed.shards.manifest import Manifest
 
-from pipeline import PipelineError, ShardPipeline
 from ringfeed.fsutil import sha256_file
-from shards.manifest import Manifest
 
 SIZES = [10, 23, 7, 14]
 B = 4
@@ -117,7 +117,7 @@ def test_decoded_cache_batches_equal_a_fresh_decode(shard_dir, tmp_path, workers
 
 
 def test_decoded_cache_through_torch_workers_and_tf(shard_dir, tmp_path):
-    from pipeline.torch import make_loader
+    from ringfeed.pipeline.torch import make_loader
 
     reference = epoch(make(shard_dir, tmp_path / "plain", num_workers=2), 1)
     warm = make(shard_dir, tmp_path / "c", num_workers=2, decoded_cache=True)
@@ -185,7 +185,7 @@ def test_decoded_cache_stays_within_the_limit(shard_dir, tmp_path):
 
 def test_filling_the_decoded_cache_scans_its_folder_once_while_under_the_limit(
         shard_dir, tmp_path, monkeypatch):
-    from pipeline.decoded_cache import DecodedStore
+    from ringfeed.pipeline.decoded_cache import DecodedStore
 
     scans = []
     listing = DecodedStore.entries
@@ -253,7 +253,7 @@ def test_two_processes_share_one_decoded_cache(shard_dir, tmp_path):
     script.write_text(f"""
 import json, sys
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
-from pipeline import ShardPipeline
+from ringfeed.pipeline import ShardPipeline
 rank, out = int(sys.argv[1]), sys.argv[2]
 pipe = ShardPipeline({str(shard_dir)!r}, batch_size={B}, seed=1, shuffle_buffer=9, rank=rank,
                      world_size=2, balance="pad", cache_dir={str(tmp_path / "shared")!r},
@@ -298,8 +298,7 @@ def test_remote_sidecars_are_fetched_once_and_used(tmp_path):
     once into its index cache (no tar scan) and reads exactly what local reading gives."""
     from PIL import Image
     from pipeline_util import http_server
-
-    from train.cli import main as ringfeed
+    from ringfeed.train.cli import main as ringfeed
 
     src = tmp_path / "images"
     for i in range(24):

@@ -9,10 +9,9 @@ import json
 import pytest
 from helpers import REPO, horovodrun
 from pipeline_util import write_shards
+from ringfeed.pipeline import ShardPipeline
 
-from pipeline import ShardPipeline
-
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 UNEVEN = [1, 23, 3, 17, 2, 9, 5]
 PROGRAM = str(REPO / "tests" / "pipeline_util.py")
 

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 from helpers import ringfeed
 from PIL import Image
-
-from pipeline import ShardPipeline
-from shards.manifest import Manifest
+from ringfeed.pipeline import ShardPipeline
+from ringfeed.shards.manifest import Manifest
 
 pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 

@@ -10,9 +10,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
-
-from pipeline import plan as P
-from pipeline import plan_reference as R
+from ringfeed.pipeline import plan as P
+from ringfeed.pipeline import plan_reference as R
 
 UNEVEN = [1, 23, 3, 17, 2, 9, 5]  # tests/test_pipeline.py's layout
 

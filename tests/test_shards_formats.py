@@ -11,10 +11,9 @@ import tarfile
 
 import numpy as np
 import pytest
+from ringfeed.shards.manifest import Manifest
+from ringfeed.shards.members import TAR_RECORD
 from shards_util import cli, load_npy, make_images, manifest, members, samples, split_samples
-
-from shards.manifest import Manifest
-from shards.members import TAR_RECORD
 
 
 @pytest.fixture(scope="module")
@@ -389,7 +388,7 @@ def _stream(out, split: str) -> list[int]:
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "byte_tok:ByteTokenizer"])
 def test_text_val_fraction_draws_whole_documents(capsys, tmp_path, monkeypatch, tokenizer):
-    from shards.split import choose_val
+    from ringfeed.shards.split import choose_val
 
     (tmp_path / "byte_tok.py").write_text(BYTE_TOKENIZER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))

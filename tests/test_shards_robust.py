@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 from helpers import BIN, ringfeed, run, test_env
+from ringfeed.shards.journal import JOURNAL, Journal
+from ringfeed.shards.manifest import ShardInfo
 from shards_util import cli, make_images, manifest, tree_bytes
-
-from shards.journal import JOURNAL, Journal
-from shards.manifest import ShardInfo
 
 
 @pytest.fixture(scope="module")
@@ -196,10 +195,10 @@ def test_disk_full_is_one_line_keeps_finished_shards_and_resumes(capsys, tmp_pat
 
 def _plan_id(args: list[str]) -> str:
     """The plan fingerprint `ringfeed ARGS` writes first into its journal."""
-    from shards.cli import options_from_args
-    from shards.packing import fingerprint, plan_shards
-    from shards.sources import open_source
-    from train.cli import build_parser
+    from ringfeed.shards.cli import options_from_args
+    from ringfeed.shards.packing import fingerprint, plan_shards
+    from ringfeed.shards.sources import open_source
+    from ringfeed.train.cli import build_parser
 
     opts = options_from_args(build_parser().parse_args(args))
     source = open_source(opts)

@@ -14,10 +14,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from ringfeed.shards.manifest import Manifest
 from shards_util import cli, load_npy, manifest, split_samples, tree_bytes
 from tabular_util import write_csv, write_parquet
-
-from shards.manifest import Manifest
 
 
 def write_rows(path: Path, header: list[str], rows: list[list]) -> Path:
@@ -297,15 +296,15 @@ class _Cfg:
 
 
 def _spec(out: Path, **cfg):
-    from pipeline import ShardPipeline
-    from train.data import infer_spec
+    from ringfeed.pipeline import ShardPipeline
+    from ringfeed.train.data import infer_spec
 
     pipe = ShardPipeline(str(out), split="train", batch_size=4, shuffle=False)
     return infer_spec(_Cfg(**cfg), pipe), pipe
 
 
 def test_trainer_infers_input_classes_task_and_scaling(capsys, tmp_path):
-    from train.data import CLASSIFY, REGRESS, split_batch
+    from ringfeed.train.data import CLASSIFY, REGRESS, split_batch
 
     out = tmp_path / "bc"
     assert cli(capsys, "shard", write_csv(tmp_path / "t.csv", "breast_cancer"), out,
@@ -334,8 +333,7 @@ def test_trainer_infers_input_classes_task_and_scaling(capsys, tmp_path):
 
 def test_wds_index_records_classes_and_the_trainer_infers_them(capsys, tmp_path):
     import webdataset as wds
-
-    from train.data import _num_classes
+    from ringfeed.train.data import _num_classes
 
     shards = tmp_path / "wds"
     shards.mkdir()
@@ -353,7 +351,7 @@ def test_wds_index_records_classes_and_the_trainer_infers_them(capsys, tmp_path)
 
 
 def test_each_error_prints_once(capsys, tmp_path):
-    from train.cli import main
+    from ringfeed.train.cli import main
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"data: {{train: {tmp_path / 'nowhere'}}}\n")

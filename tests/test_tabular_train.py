@@ -28,7 +28,7 @@ from helpers import BIN, REPO, horovodrun, ringfeed, run
 from shards_util import load_npy, make_images, split_samples
 from tabular_util import write_csv, write_parquet
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 RINGFEED = BIN / "ringfeed"
 
 

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ringfeed.pipeline.tarindex import MAGIC, TarIndex, build_index
+from ringfeed.shards.manifest import Manifest, ShardInfo
+from ringfeed.shards.tarwrite import TAR_MODE, TAR_MTIME, TAR_OWNER, SampleTarWriter
+from ringfeed.train.cli import main as ringfeed_main
 from shards_util import cli, make_images, manifest
-
-from pipeline.tarindex import MAGIC, TarIndex, build_index
-from shards.manifest import Manifest, ShardInfo
-from shards.tarwrite import TAR_MODE, TAR_MTIME, TAR_OWNER, SampleTarWriter
-from train.cli import main as ringfeed_main
 
 # -- helpers --------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import yaml
 from helpers import BIN, REPO, horovodrun, run, test_env
+from ringfeed.train.cli import main
 from train_util import (
     finish,
     rank_process,
@@ -26,8 +27,6 @@ from train_util import (
     write_config,
     write_toy_shards,
 )
-
-from train.cli import main
 
 pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 

@@ -22,7 +22,7 @@ from train_util import INJECT_STEP, STEPS
 WORKER = REPO / "tests" / "train_util.py"
 RTOL = 1e-6
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 @pytest.fixture(scope="module", params=["torch", "tensorflow"])

@@ -57,9 +57,9 @@ def write_toy_shards(out: Path, n_train: int = 480, n_val: int = 96,
                      per_shard: int = 50) -> Path:
     """x.npy / y.npy shards with a manifest, written with webdataset's TarWriter."""
     import webdataset as wds
+    from ringfeed.shards.manifest import Manifest, ShardInfo, Split
 
     from ringfeed.fsutil import sha256_file
-    from shards.manifest import Manifest, ShardInfo, Split
 
     out.mkdir(parents=True, exist_ok=True)
     splits = {}
@@ -244,9 +244,9 @@ def _arm(backend, on: bool) -> None:
 
 # -- the step-level worker ------------------------------------------------------------------
 def _backend(framework: str, accumulate: int, micro: int, spec=None, **train: Any):
-    from train.config import RunConfig
-    from train.data import CLASSIFY, DataSpec
-    from train.frameworks import make_backend
+    from ringfeed.train.config import RunConfig
+    from ringfeed.train.data import CLASSIFY, DataSpec
+    from ringfeed.train.frameworks import make_backend
 
     spec = spec or DataSpec(CLASSIFY, "x.npy", "y.npy", (FEATURES,), num_classes=CLASSES)
     model = train.pop("model", {"name": "mlp", "args": {"hidden": [16]}})
@@ -264,8 +264,8 @@ def _backend(framework: str, accumulate: int, micro: int, spec=None, **train: An
 
 
 def _dist(framework: str) -> tuple[int, int]:
-    from train.config import RunConfig
-    from train.frameworks import make_backend
+    from ringfeed.train.config import RunConfig
+    from ringfeed.train.frameworks import make_backend
 
     dist = make_backend(RunConfig(framework=framework, data={"train": "unused"})).dist
     return dist.rank, dist.size
@@ -298,7 +298,7 @@ def run_scenario(framework: str, accumulate: int, steps: int = STEPS, inject: bo
     toy_images instead of the mlp on toy_arrays. `replica`: one process feeds the rows rank
     `replica` of 2 would (the reference for local SGD's replicas). `trace`: each step records
     digests of the weights and of the optimizer state."""
-    from train.data import CLASSIFY, DataSpec
+    from ringfeed.train.data import CLASSIFY, DataSpec
 
     rank, size = _dist(framework)
     if replica is not None:
@@ -344,7 +344,7 @@ def run_scenario(framework: str, accumulate: int, steps: int = STEPS, inject: bo
 def overfit_builtin(framework: str, name: str, steps: int = 8) -> list[float]:
     """Losses of `steps` steps on one fixed batch: the built-in cnn (uint8 HWC images) and
     gpt (token rows of seq_len + 1) must drive them down."""
-    from train.data import CLASSIFY, LM, DataSpec
+    from ringfeed.train.data import CLASSIFY, LM, DataSpec
 
     rng = np.random.default_rng(5)
     if name == "cnn":

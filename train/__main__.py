@@ -1,5 +1,5 @@
 import sys
 
-from train.cli import main
+from ringfeed.train.cli import main
 
 sys.exit(main())

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ringfeed.train.data import DataSpec
+from ringfeed.train.horovod_env import apply_horovod_env, check_controller
+
 from ringfeed.errors import UserError
-from train.data import DataSpec
-from train.horovod_env import apply_horovod_env, check_controller
 
 # Per-step agreement vector, allreduced with op=Average on every step. Any rank's request
 # makes the average > 0 on all ranks, so every rank takes the same decision at the same step.

@@ -14,12 +14,12 @@ import sys
 from ringfeed.errors import UserError
 
 COMMAND_MODULES = [
-    "train.info",        # ringfeed info
-    "shards.cli",        # ringfeed shard | verify | inspect
-    "train.main",        # ringfeed train
-    "train.supervise",   # ringfeed run -- <launcher ...>
-    "train.bench",       # ringfeed bench
-    "train.tune",        # ringfeed tune SEARCH.yaml
+    "ringfeed.train.info",        # ringfeed info
+    "ringfeed.shards.cli",        # ringfeed shard | verify | inspect
+    "ringfeed.train.main",        # ringfeed train
+    "ringfeed.train.supervise",   # ringfeed run -- <launcher ...>
+    "ringfeed.train.bench",       # ringfeed bench
+    "ringfeed.train.tune",        # ringfeed tune SEARCH.yaml
 ]
 
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from ringfeed.train.userhooks import load_callable
 
 from ringfeed.errors import UserError
-from train.userhooks import load_callable
 
 CLASSIFY, LM, REGRESS = "classify", "lm", "regress"
 TARGET_NAMES = ("y", "label", "labels", "target", "targets", "cls")
@@ -54,7 +54,7 @@ class DataSpec:
 
 def make_pipeline(cfg, split: str, rank: int, world_size: int):
     """The ShardPipeline for `split` ("train" or "val") of this rank."""
-    from pipeline import ShardPipeline
+    from ringfeed.pipeline import ShardPipeline
 
     d = cfg.data
     training = split == "train"

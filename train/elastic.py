@@ -33,10 +33,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from train.runstate import Recovery, SignalRequests, TrainState
+from ringfeed.train.runstate import Recovery, SignalRequests, TrainState
 
 if TYPE_CHECKING:  # (type hints only: the loop imports this module)
-    from train.loop import Trainer
+    from ringfeed.train.loop import Trainer
 
 
 class ElasticRun:

@@ -5,15 +5,15 @@ exactly the one its config names."""
 
 from __future__ import annotations
 
-from train.backend import Backend
+from ringfeed.train.backend import Backend
 
 
 def make_backend(cfg) -> Backend:
     """Import the framework named by cfg.framework (and Horovod for it), hvd.init() included."""
     if cfg.framework == "torch":
-        from train.torch_backend import TorchBackend
+        from ringfeed.train.torch_backend import TorchBackend
 
         return TorchBackend(cfg)
-    from train.tf_backend import TFBackend
+    from ringfeed.train.tf_backend import TFBackend
 
     return TFBackend(cfg)

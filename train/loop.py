@@ -31,12 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from ringfeed.errors import UserError
-from ringfeed.fsutil import atomic_write_text
-from train import faults
-from train.backend import Backend, Dist, StepResult
-from train.checkpoint import (
+from ringfeed.train import faults
+from ringfeed.train.backend import Backend, Dist, StepResult
+from ringfeed.train.checkpoint import (
     CheckpointWriteError,
     checkpoint_path,
     find_resume_point,
@@ -45,14 +42,17 @@ from train.checkpoint import (
     remove_stale_temporaries,
     write_checkpoint,
 )
-from train.config import RunConfig
-from train.data import DataSpec, infer_spec, make_pipeline
-from train.elastic import ElasticRun
-from train.frameworks import make_backend
-from train.metrics import RunLogger, SampleLog, Throughput
-from train.runstate import Recovery, SignalRequests, TrainState
-from train.schedule import LRSchedule, make_schedule
-from train.supervise import RESTART_ENV
+from ringfeed.train.config import RunConfig
+from ringfeed.train.data import DataSpec, infer_spec, make_pipeline
+from ringfeed.train.elastic import ElasticRun
+from ringfeed.train.frameworks import make_backend
+from ringfeed.train.metrics import RunLogger, SampleLog, Throughput
+from ringfeed.train.runstate import Recovery, SignalRequests, TrainState
+from ringfeed.train.schedule import LRSchedule, make_schedule
+from ringfeed.train.supervise import RESTART_ENV
+
+from ringfeed.errors import UserError
+from ringfeed.fsutil import atomic_write_text
 
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # what a shell reports for a job ended by SIGTERM
 

@@ -44,7 +44,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from train.config import load_config, template
+    from ringfeed.train.config import load_config, template
 
     if args.config is None:
         if args.print_config:
@@ -61,11 +61,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("elastic.enabled needs an elastic launch: horovodrun --min-np N "
                         "--max-np M --host-discovery-script SCRIPT ... ringfeed train CONFIG "
                         "--elastic (train/RECOVERY.md)")
-    from train.horovod_env import apply_horovod_env
+    from ringfeed.train.horovod_env import apply_horovod_env
 
     # Before anything loads Horovod's library: it reads the autotuner's sample settings when it
     # loads, the rest in hvd.init() (the backends apply the section again right before it).
     apply_horovod_env(cfg.horovod)
-    from train.loop import train
+    from ringfeed.train.loop import train
 
     return train(cfg)

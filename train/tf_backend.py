@@ -32,8 +32,7 @@ import numpy as np
 import tensorflow as tf
 from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
-
-from train.backend import (
+from ringfeed.train.backend import (
     STATS_LOSS,
     CommStats,
     Dist,
@@ -43,10 +42,10 @@ from train.backend import (
     metric_sums,
     start_horovod,
 )
-from train.data import REGRESS, DataSpec, split_batch
-from train.losses import regression_fns
-from train.models import build_model
-from train.userhooks import load_callable
+from ringfeed.train.data import REGRESS, DataSpec, split_batch
+from ringfeed.train.losses import regression_fns
+from ringfeed.train.models import build_model
+from ringfeed.train.userhooks import load_callable
 
 CHECKPOINT_PREFIX = "tf_checkpoint"
 POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
@@ -134,7 +133,7 @@ class TFBackend(StepCounting):
         keras.utils.set_random_seed(t.seed * 1000 + self.dist.rank + 1)  # per-rank stream
 
     def loader(self, pipe):
-        from pipeline.tf import make_dataset
+        from ringfeed.pipeline.tf import make_dataset
 
         return make_dataset(pipe)
 

@@ -25,8 +25,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
-
-from train.backend import (
+from ringfeed.train.backend import (
     CommStats,
     Dist,
     StepCounting,
@@ -35,11 +34,11 @@ from train.backend import (
     metric_sums,
     start_horovod,
 )
-from train.checkpoint import open_for_write
-from train.data import REGRESS, DataSpec, split_batch
-from train.losses import regression_fns
-from train.models import build_model
-from train.userhooks import load_callable
+from ringfeed.train.checkpoint import open_for_write
+from ringfeed.train.data import REGRESS, DataSpec, split_batch
+from ringfeed.train.losses import regression_fns
+from ringfeed.train.models import build_model
+from ringfeed.train.userhooks import load_callable
 
 STATE_FILE = "state.pt"
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -180,7 +179,7 @@ class TorchBackend(StepCounting):
         torch.manual_seed(t.seed * 1000 + self.dist.rank + 1)
 
     def loader(self, pipe):
-        from pipeline.torch import make_loader
+        from ringfeed.pipeline.torch import make_loader
 
         return make_loader(pipe)
 

@@ -28,8 +28,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ringfeed.train.tune_spec import Search, load_search
+
 from ringfeed.errors import UserError
-from train.tune_spec import Search, load_search
 
 INTERRUPTED = (None, "interrupted")  # FAIL trials whose `failure` is one of these get retried
 _retry_lock = threading.Lock()
@@ -63,7 +64,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     search = load_search(args.search)
     study = open_study(search)
-    from train import tune_report
+    from ringfeed.train import tune_report
 
     if args.report:
         return tune_report.report(search, study)
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         if search.spec.algorithm == "pbt":
-            from train.tune_pbt import run_pbt
+            from ringfeed.train.tune_pbt import run_pbt
 
             run_pbt(search, study, stop)
         else:
@@ -176,8 +177,7 @@ def recover(study) -> None:
     import socket
 
     from optuna.trial import TrialState
-
-    from train.tune_trial import kill_tree, process_alive
+    from ringfeed.train.tune_trial import kill_tree, process_alive
 
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         who = t.user_attrs.get("owner")
@@ -277,8 +277,7 @@ class TPELoop:
     def worker(self) -> None:
         import optuna
         from optuna.trial import TrialState
-
-        from train import tune_report
+        from ringfeed.train import tune_report
 
         while (trial := self.next_trial()) is not None:
             beat = heartbeat(self.study, trial)
@@ -334,8 +333,7 @@ def suggest(trial, search: Search) -> dict[str, Any]:
 
 def run_tpe_trial(search: Search, study, trial, stop: threading.Event) -> float:
     import optuna
-
-    from train.tune_trial import adopt_checkpoint
+    from ringfeed.train.tune_trial import adopt_checkpoint
 
     if stop.is_set():
         raise TuneInterrupted
@@ -363,7 +361,7 @@ def run_tpe_trial(search: Search, study, trial, stop: threading.Event) -> float:
 def carried_over(study, retry_of: int | None) -> tuple[Path, Path] | None:
     """The newest complete checkpoint (and its run dir) along the chain of interrupted trials
     that a retry replaces, nearest first."""
-    from train.tune_trial import newest_checkpoint
+    from ringfeed.train.tune_trial import newest_checkpoint
 
     by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
     while retry_of is not None and retry_of in by_number:
@@ -391,9 +389,8 @@ def launch_trial(search: Search, trial, config: Path, run_dir: Path, stop: threa
     record what a later reader needs (run dir, log, owner, launcher pid). Returns the Outcome;
     raises TrialFailed for a config the trainer would refuse."""
     import psutil
-
-    from train.config import load_config
-    from train.tune_trial import owner, run_job
+    from ringfeed.train.config import load_config
+    from ringfeed.train.tune_trial import owner, run_job
 
     log = run_dir / log_name
     trial.set_user_attr("run_dir", str(run_dir))
@@ -441,7 +438,7 @@ def launch_trial(search: Search, trial, config: Path, run_dir: Path, stop: threa
 def outcome_value(search: Search, trial, outcome, run_dir: Path,
                   at_step: int | None = None) -> float:
     """The trial's result: the last value of the metric (at `at_step`) in its metrics.jsonl."""
-    from train.tune_trial import metric_value, read_records
+    from ringfeed.train.tune_trial import metric_value, read_records
 
     metric = search.spec.metric
     records = read_records(run_dir / "metrics.jsonl")  # the final file, after any rewrites

@@ -34,16 +34,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ringfeed.errors import UserError
-from train.tune import (
+from ringfeed.train.tune import (
     TrialFailed,
     TuneInterrupted,
     launch_trial,
     outcome_value,
     say,
 )
-from train.tune_spec import Search, get_dotted
-from train.tune_trial import adopt_checkpoint, kill_tree, newest_checkpoint, process_alive
+from ringfeed.train.tune_spec import Search, get_dotted
+from ringfeed.train.tune_trial import adopt_checkpoint, kill_tree, newest_checkpoint, process_alive
+
+from ringfeed.errors import UserError
 
 
 def run_pbt(search: Search, study, stop: threading.Event) -> None:
@@ -87,7 +88,7 @@ class PBT:
         return self.search.out_dir / "pbt" / f"member-{m:02d}"
 
     def run(self) -> None:
-        from train import tune_report
+        from ringfeed.train import tune_report
 
         self.fail_leftovers()
         population = self.cfg.population
@@ -154,8 +155,7 @@ class PBT:
     # -- one member, one interval -------------------------------------------------------------
     def segment(self, m: int, g: int) -> None:
         from optuna.trial import TrialState
-
-        from train import tune_report
+        from ringfeed.train import tune_report
 
         if self.stop.is_set() or (self.deadline and time.monotonic() > self.deadline):
             return

@@ -42,10 +42,10 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
+from ringfeed.train.config import read_yaml_mapping
 
 from ringfeed.errors import UserError
 from ringfeed.fsutil import atomic_write_text
-from train.config import read_yaml_mapping
 
 # Keys the tuner owns: every trial gets its own run dir, checkpoints inside it, and its resume.
 MANAGED_KEYS = ("output.dir", "checkpoint.dir", "checkpoint.resume")
@@ -249,8 +249,7 @@ def _flow_yaml(value: Any) -> str:
 def check_config_key(key: str) -> str | None:
     """Why `key` (dotted) is not a leaf key of the trainer config, or None if it is one."""
     from pydantic import BaseModel as _Model
-
-    from train.config import RunConfig
+    from ringfeed.train.config import RunConfig
 
     model: type[_Model] | None = RunConfig
     parts = key.split(".")
@@ -436,7 +435,7 @@ def _read_base(path: Path, base: str | dict[str, Any]) -> dict[str, Any]:
 def _check_configs(search: Search) -> None:
     """The base config with the fixed overrides must load (shards found, ...), and so must every
     bound and choice of every searched key: a typo fails here, not after an hour of trials."""
-    from train.config import load_config
+    from ringfeed.train.config import load_config
 
     path, scratch = search.path, search.out_dir / ".check"
     check_file = scratch / "config.yaml"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from train.checkpoint import PREFIX, CheckpointError, list_checkpoints, verify
+from ringfeed.train.checkpoint import PREFIX, CheckpointError, list_checkpoints, verify
 
 POLL_S = 0.25
 TERM_GRACE_S = 10.0  # SIGTERM first (srun cancels its step, ringfeed saves), then SIGKILL

@@ -9,8 +9,7 @@ import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 from peer import batch, model_args, parse_args, report, spec, time_steps
-
-from train.models import build_model
+from ringfeed.train.models import build_model
 
 
 def main() -> None:

@@ -8,8 +8,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 from peer import batch, model_args, parse_args, report, spec, time_steps
-
-from train.models import build_model
+from ringfeed.train.models import build_model
 
 
 def main() -> None:

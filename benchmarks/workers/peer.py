@@ -11,8 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-
-from train.data import CLASSIFY, DataSpec
+from ringfeed.train.data import CLASSIFY, DataSpec
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

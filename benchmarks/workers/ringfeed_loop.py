@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 from peer import parse_args, report
-
-from train.config import DataSection, RunConfig
-from train.loop import SignalRequests, Trainer
+from ringfeed.train.config import DataSection, RunConfig
+from ringfeed.train.loop import SignalRequests, Trainer
 
 
 class InMemoryTrainer(Trainer):

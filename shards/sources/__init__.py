@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from ringfeed.shards.options import FORMATS, ShardOptions
+from ringfeed.shards.sources.base import Part, Source, require_exists
+
 from ringfeed.errors import UserError
-from shards.options import FORMATS, ShardOptions
-from shards.sources.base import Part, Source, require_exists
 
 
 def open_source(opts: ShardOptions) -> Source:
@@ -12,19 +13,19 @@ def open_source(opts: ShardOptions) -> Source:
     if opts.format in FORMATS:
         require_exists(opts.src)
     if opts.format in ("jsonl", "csv"):
-        from shards.sources.tabular import Tabular
+        from ringfeed.shards.sources.tabular import Tabular
         return Tabular(opts)
     if opts.format == "parquet":
-        from shards.sources.parquet import Parquet
+        from ringfeed.shards.sources.parquet import Parquet
         return Parquet(opts)
     if opts.format in ("npz", "npy"):
-        from shards.sources.arrays import Arrays
+        from ringfeed.shards.sources.arrays import Arrays
         return Arrays(opts)
     if opts.format == "imagefolder":
-        from shards.sources.imagefolder import ImageFolder
+        from ringfeed.shards.sources.imagefolder import ImageFolder
         return ImageFolder(opts)
     if opts.format == "text":
-        from shards.sources.text import Text
+        from ringfeed.shards.sources.text import Text
         return Text(opts)
     raise UserError(f"unknown --format {opts.format!r} (choose from: {', '.join(FORMATS)})")
 

@@ -13,12 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from ringfeed.shards.keys import NumberedKeys, check_ext, safe_key
+from ringfeed.shards.members import encode, kind_of, member_tar_bytes
+from ringfeed.shards.options import ShardOptions
+from ringfeed.shards.sources.base import (
+    Part,
+    Source,
+    class_record,
+    int_sizes,
+    source_splits,
+    visible,
+)
 
 from ringfeed.errors import UserError
-from shards.keys import NumberedKeys, check_ext, safe_key
-from shards.members import encode, kind_of, member_tar_bytes
-from shards.options import ShardOptions
-from shards.sources.base import Part, Source, class_record, int_sizes, source_splits, visible
 
 
 class Arrays(Source):

@@ -39,12 +39,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-
-from ringfeed.errors import UserError
-from shards.keys import NumberedKeys, check_ext, check_unique, safe_key
-from shards.members import encode, json_bytes, kind_of, member_tar_bytes, npy_bytes
-from shards.options import ShardOptions
-from shards.sources.base import (
+from ringfeed.shards.keys import NumberedKeys, check_ext, check_unique, safe_key
+from ringfeed.shards.members import encode, json_bytes, kind_of, member_tar_bytes, npy_bytes
+from ringfeed.shards.options import ShardOptions
+from ringfeed.shards.sources.base import (
     SPLIT_NAMES,
     Part,
     Source,
@@ -54,6 +52,8 @@ from shards.sources.base import (
     source_splits,
     visible,
 )
+
+from ringfeed.errors import UserError
 
 SUFFIXES = {"jsonl": (".jsonl", ".ndjson"), "csv": (".csv",), "parquet": (".parquet", ".pq")}
 REST = "json"  # the member holding the columns no other member names

@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from ringfeed.shards.keys import NumberedKeys
+from ringfeed.shards.members import member_tar_bytes, npy_bytes
+from ringfeed.shards.options import ShardOptions
+from ringfeed.shards.parallel import parallel_map
+from ringfeed.shards.sources.base import WORK_DIR, Part, Source, WorkDir, int_sizes, source_splits
+from ringfeed.shards.split import draw_val
+from ringfeed.shards.tokenizers import Tokenizer, load_tokenizer
 
 from ringfeed.errors import UserError
-from shards.keys import NumberedKeys
-from shards.members import member_tar_bytes, npy_bytes
-from shards.options import ShardOptions
-from shards.parallel import parallel_map
-from shards.sources.base import WORK_DIR, Part, Source, WorkDir, int_sizes, source_splits
-from shards.split import draw_val
-from shards.tokenizers import Tokenizer, load_tokenizer
 
 MEMBER = "tokens.npy"
 READ_CHUNK = 1 << 24
@@ -58,7 +58,7 @@ def _file_tokens(tokenizer: Tokenizer, path: Path, text_field: str
             for doc in _jsonl_documents(path, text_field):
                 yield tokenizer.tokens(doc, str(path)), 1
         elif path.suffix == ".parquet":  # one document per row of the text column
-            from shards.sources.parquet import parquet_documents
+            from ringfeed.shards.sources.parquet import parquet_documents
 
             for text in parquet_documents(path, text_field):
                 yield tokenizer.tokens(text.encode(), str(path)), 1
@@ -82,7 +82,7 @@ def _count_documents(path: Path, text_field: str) -> int:
     """Documents in one file, as `_file_tokens` will find them: a file, a jsonl line, or a
     parquet row."""
     if path.suffix == ".parquet":
-        from shards.sources.parquet import parquet_documents
+        from ringfeed.shards.sources.parquet import parquet_documents
 
         return sum(1 for _ in parquet_documents(path, text_field))
     if path.suffix != ".jsonl":

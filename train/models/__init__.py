@@ -12,18 +12,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from ringfeed.train.config import BUILTIN_MODELS
+from ringfeed.train.data import DataSpec
+from ringfeed.train.userhooks import call_with_optional, load_callable
+
 from ringfeed.errors import UserError
-from train.config import BUILTIN_MODELS
-from train.data import DataSpec
-from train.userhooks import call_with_optional, load_callable
 
 
 def build_model(framework: str, name: str, args: dict[str, Any], spec: DataSpec) -> Any:
     if name in BUILTIN_MODELS:
         if framework == "torch":
-            from train.models import torch_models as builders
+            from ringfeed.train.models import torch_models as builders
         else:
-            from train.models import keras_models as builders
+            from ringfeed.train.models import keras_models as builders
         try:
             return builders.build(name, spec, **args)
         except TypeError as e:  # an unknown model.args key

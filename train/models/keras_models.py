@@ -8,8 +8,7 @@ from collections.abc import Sequence
 
 import keras
 from keras import layers
-
-from train.data import DataSpec
+from ringfeed.train.data import DataSpec
 
 
 def mlp(spec: DataSpec, num_classes: int, hidden: Sequence[int] = (256, 128),

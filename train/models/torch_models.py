@@ -9,9 +9,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from ringfeed.train.data import DataSpec
 from torch import nn
-
-from train.data import DataSpec
 
 
 class MLP(nn.Module):
