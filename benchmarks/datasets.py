@@ -1,5 +1,5 @@
 """Generated shard sets for the trainer and scaling benchmarks: small PNG images with a class
-label, written with webdataset's TarWriter plus a ringfeed manifest (shards/manifest.py), and
+label, written with webdataset's TarWriter plus a ringfeed manifest (ringfeed/formats/manifest.py), and
 cached in the temp dir so repeated runs reuse them."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from ringfeed.shards.manifest import Manifest, ShardInfo, Split
 
+from ringfeed.formats.manifest import Manifest, ShardInfo, Split
 from ringfeed.fsutil import sha256_file
 
 CACHE = Path(tempfile.gettempdir()) / "ringfeed-bench"

@@ -48,8 +48,8 @@ def write_bench_shards(directory: Path, samples: int, shards: int, image: int,
     many bytes instead of the image (for raw-read throughput)."""
     import webdataset as wds
     from PIL import Image
-    from ringfeed.shards.manifest import Manifest, ShardInfo, Split
 
+    from ringfeed.formats.manifest import Manifest, ShardInfo, Split
     from ringfeed.fsutil import sha256_file
 
     directory.mkdir(parents=True, exist_ok=True)

@@ -86,8 +86,8 @@ def synthetic_counts(shards: int, samples: int, seed: int = 0) -> np.ndarray:
 def synthetic_manifest(directory: Path, shards: int, samples: int, seed: int = 0) -> np.ndarray:
     """manifest.json and manifest.bin for `shards` shards (names train-0000000.tar, fake
     sizes and hashes), written directly: no tar files, no ShardInfo objects. Returns counts."""
-    from ringfeed.shards.manifest import Manifest
-    from ringfeed.shards.manifest_format import manifest_meta
+    from ringfeed.formats.manifest import Manifest
+    from ringfeed.formats.manifest_format import manifest_meta
 
     counts = synthetic_counts(shards, samples, seed)
     sha = np.frombuffer(np.random.default_rng(seed + 1).bytes(32 * shards), np.uint8)
@@ -104,7 +104,7 @@ def write_manifest(directory: Path, meta: dict[str, Any], names: list[str], coun
     10^6 shards a Manifest of ShardInfo objects is what is being measured, not a way to write
     one). `meta`: the manifest's keys but splits; `names` all of one length; `sha` (shards, 32)
     uint8."""
-    from ringfeed.shards.manifest_format import HAS_SHA256, INDEX_NAME, SplitArrays, write_index
+    from ringfeed.formats.manifest_format import HAS_SHA256, INDEX_NAME, SplitArrays, write_index
 
     directory.mkdir(parents=True, exist_ok=True)
     shards = len(names)
@@ -169,7 +169,8 @@ def json_manifest_load(directory: Path) -> int:
     refs_from_manifest): parse manifest.json, a ShardRef per shard, the counts array."""
     from ringfeed.pipeline.plan import Layout
     from ringfeed.pipeline.source import ShardRef
-    from ringfeed.shards.manifest import Manifest
+
+    from ringfeed.formats.manifest import Manifest
 
     manifest = Manifest.load(directory)
     refs = [ShardRef(str(directory / s.name), s.num_samples, s.bytes, s.sha256, s.index)

@@ -45,8 +45,8 @@ def one_sample_shards() -> Path:
 
 def manifest_of(real: Path, shards: int, out: Path) -> Path:
     """`shards` entries over the real shards, round robin: a link and a manifest row each."""
-    from ringfeed.shards.manifest import Manifest
-    from ringfeed.shards.manifest_format import manifest_meta
+    from ringfeed.formats.manifest import Manifest
+    from ringfeed.formats.manifest_format import manifest_meta
 
     manifest = Manifest.load(real)
     table = manifest.split("train").shards
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [pending_row(NAME, f"2-rank run, {s:,} shards", f"pending: {why}") for s in sizes]
         return finish(NAME, opts.quick, opts.results, rows, {})
 
-    from ringfeed.shards.manifest import Manifest
+    from ringfeed.formats.manifest import Manifest
 
     real = one_sample_shards()
     real_count = len(Manifest.load(real).split("train").shards)

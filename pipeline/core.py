@@ -40,8 +40,8 @@ from ringfeed.pipeline.source import (
 from ringfeed.pipeline.state import PipelineState
 from ringfeed.pipeline.stats import PipelineStats
 from ringfeed.pipeline.stream import ON_ERROR_POLICIES, Booked, StreamContext, WorkerStream
-from ringfeed.shards.manifest import Manifest
 
+from ringfeed.formats.manifest import Manifest
 from ringfeed.fsutil import parse_size
 
 DECODE_DEVICES = ("cpu", "cuda")

@@ -29,20 +29,12 @@ from typing import Any
 import numpy as np
 from ringfeed.pipeline.codecs import decode_image
 
+from ringfeed.formats.kinds import kind_of
+
 # numpy parses a .npy header with ast.literal_eval, and CPython 3.11's AST construction is not
 # thread-safe (python/cpython#106905): two decode threads at once sporadically raised
 # "SystemError: AST constructor recursion depth mismatch", and the sample was skipped as bad.
 _NPY_LOCK = threading.Lock()
-
-IMAGE_EXTENSIONS = {"png", "jpg", "jpeg", "ppm", "pgm", "pbm", "pnm", "bmp", "gif", "tif",
-                    "tiff", "webp"}
-KIND_BY_EXTENSION = {
-    **dict.fromkeys(IMAGE_EXTENSIONS, "image"),
-    "npy": "npy",
-    "cls": "int", "cls2": "int", "index": "int", "inx": "int", "id": "int",
-    "json": "json", "jsn": "json",
-    "txt": "text", "text": "text",
-}
 
 SampleFn = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -78,8 +70,7 @@ class Decoder:
     def kind(self, extension: str) -> str:
         kind = self._kinds.get(extension)
         if kind is None:
-            kind = self.fields.get(extension) or KIND_BY_EXTENSION.get(
-                extension.rsplit(".", 1)[-1], "bytes")
+            kind = self.fields.get(extension) or kind_of(extension)
             self._kinds[extension] = kind
         return kind
 

@@ -32,7 +32,7 @@ from ringfeed.pipeline.source import ShardRef, is_local_url, local_path
 from ringfeed.fsutil import atomic_write_bytes
 
 if TYPE_CHECKING:
-    from ringfeed.pipeline.tarindex import TarIndex
+    from ringfeed.formats.tarindex import TarIndex
 
 COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst")
 # a sample's members up to this size are read in one pread and sliced; larger ones each get
@@ -121,7 +121,7 @@ class IndexStore:
 
     def index_for(self, handle: ShardHandle) -> tuple[TarIndex, int, str | None]:
         """(index, intact samples, reason the rest is unreadable or None)."""
-        from ringfeed.pipeline.tarindex import build_index
+        from ringfeed.formats.tarindex import build_index
         size = os.fstat(handle.file.fileno()).st_size
         cached = self.cached_path(handle)
         with _mapped(handle.file.fileno(), size) as buf:
@@ -163,7 +163,7 @@ class IndexStore:
 
 
 def _load(path: Path | None) -> TarIndex | None:
-    from ringfeed.pipeline.tarindex import TarIndex
+    from ringfeed.formats.tarindex import TarIndex
 
     if path is None:
         return None

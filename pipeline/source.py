@@ -21,8 +21,9 @@ import braceexpand
 import fsspec
 import numpy as np
 from ringfeed.pipeline.errors import PipelineError
-from ringfeed.shards.manifest import Manifest, ManifestError
-from ringfeed.shards.manifest_index import SplitIndex, index_of_bytes, load_index
+
+from ringfeed.formats.manifest import Manifest, ManifestError
+from ringfeed.formats.manifest_index import SplitIndex, index_of_bytes, load_index
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
@@ -91,7 +92,7 @@ def manifest_refs(location: str, split: str, storage_options: dict[str, Any],
                   cache_dir: str | os.PathLike | None) -> tuple[Manifest, ShardRefs]:
     """The manifest at a local/remote directory or manifest URL, and its split's shards.
 
-    Read from the manifest's compact binary index (shards/manifest_index.py), never by parsing
+    Read from the manifest's compact binary index (ringfeed/formats/manifest_index.py), never by parsing
     every JSON entry on every rank: the index beside a local manifest.json, else one built once
     into `cache_dir` (keyed by the JSON's path, size and mtime; for a remote manifest, by the
     sha256 of the JSON downloaded)."""

@@ -13,8 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ringfeed.shards.manifest import ShardInfo
-
+from ringfeed.formats.manifest import ShardInfo
 from ringfeed.fsutil import atomic_write_text
 
 JOURNAL = ".ringfeed-journal.jsonl"

@@ -12,12 +12,12 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
-from ringfeed.shards.members import TAR_END, TAR_RECORD, tar_file_bytes
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.sources import Source
 from ringfeed.shards.split import draw_val
 
 from ringfeed.errors import UserError
+from ringfeed.formats.tarblocks import END, RECORD, tar_file_bytes
 
 SPLIT_ORDER = ("train", "val", "test")
 PLAN_VERSION = 1
@@ -76,7 +76,7 @@ def pack(sizes: np.ndarray, max_size: int | None, max_count: int | None) -> list
     max_size bytes (a single larger sample gets a shard of its own)."""
     n = len(sizes)
     csum = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-    budget = (max_size // TAR_RECORD) * TAR_RECORD - TAR_END if max_size else None
+    budget = (max_size // RECORD) * RECORD - END if max_size else None
     ranges, start = [], 0
     while start < n:
         end = n if not max_count else min(n, start + max_count)

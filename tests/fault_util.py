@@ -179,8 +179,8 @@ def corrupt_one_sample(shards: Path, shard_name: str, sample_index: int) -> str:
     """Rewrite one shard with one sample's x.npy replaced by bytes that are not a .npy file
     (and its manifest entry updated, so only decoding can notice). Returns that sample's key."""
     import webdataset as wds
-    from ringfeed.shards.manifest import Manifest
 
+    from ringfeed.formats.manifest import Manifest
     from ringfeed.fsutil import sha256_file
 
     path = shards / shard_name

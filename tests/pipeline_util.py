@@ -25,8 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ringfeed.shards.manifest import Manifest, ShardInfo, Split  # noqa: E402
-
+from ringfeed.formats.manifest import Manifest, ShardInfo, Split  # noqa: E402
 from ringfeed.fsutil import sha256_file  # noqa: E402
 
 

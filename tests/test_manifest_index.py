@@ -1,4 +1,4 @@
-"""manifest.bin (shards/manifest_index.py): the compact binary index of manifest.json that the
+"""manifest.bin (ringfeed/formats/manifest_index.py): the compact binary index of manifest.json that the
 pipeline memory-maps instead of parsing the JSON on every rank (issue 17)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 from pipeline_util import collect, http_server, write_shards
 from ringfeed.pipeline import PipelineError, ShardPipeline
 from ringfeed.pipeline.source import ShardRefs
-from ringfeed.shards import manifest_index as mi
-from ringfeed.shards.manifest import Manifest, ManifestError, ShardInfo, Split
+
+from ringfeed.formats import manifest_index as mi
+from ringfeed.formats.manifest import Manifest, ManifestError, ShardInfo, Split
 
 pytestmark = pytest.mark.integration  # real files, a server on 127.0.0.1, loader workers
 SIZES = [5, 0, 7, 3]

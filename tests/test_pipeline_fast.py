@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from pipeline_util import png_bytes, write_shards
 from ringfeed.pipeline import PipelineError, ShardPipeline
-from ringfeed.shards.manifest import Manifest
 
+from ringfeed.formats.manifest import Manifest
 from ringfeed.fsutil import sha256_file
 
 SIZES = [10, 23, 7, 14]

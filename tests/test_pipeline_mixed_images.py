@@ -8,7 +8,8 @@ import pytest
 from helpers import ringfeed
 from PIL import Image
 from ringfeed.pipeline import ShardPipeline
-from ringfeed.shards.manifest import Manifest
+
+from ringfeed.formats.manifest import Manifest
 
 pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 

@@ -11,9 +11,10 @@ import tarfile
 
 import numpy as np
 import pytest
-from ringfeed.shards.manifest import Manifest
-from ringfeed.shards.members import TAR_RECORD
 from shards_util import cli, load_npy, make_images, manifest, members, samples, split_samples
+
+from ringfeed.formats.manifest import Manifest
+from ringfeed.formats.tarblocks import RECORD as TAR_RECORD
 
 
 @pytest.fixture(scope="module")

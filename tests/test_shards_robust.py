@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from helpers import BIN, ringfeed, run, test_env
 from ringfeed.shards.journal import JOURNAL, Journal
-from ringfeed.shards.manifest import ShardInfo
 from shards_util import cli, make_images, manifest, tree_bytes
+
+from ringfeed.formats.manifest import ShardInfo
 
 
 @pytest.fixture(scope="module")

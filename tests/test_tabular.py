@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from ringfeed.shards.manifest import Manifest
 from shards_util import cli, load_npy, manifest, split_samples, tree_bytes
 from tabular_util import write_csv, write_parquet
+
+from ringfeed.formats.manifest import Manifest
 
 
 def write_rows(path: Path, header: list[str], rows: list[list]) -> Path:

@@ -57,8 +57,8 @@ def write_toy_shards(out: Path, n_train: int = 480, n_val: int = 96,
                      per_shard: int = 50) -> Path:
     """x.npy / y.npy shards with a manifest, written with webdataset's TarWriter."""
     import webdataset as wds
-    from ringfeed.shards.manifest import Manifest, ShardInfo, Split
 
+    from ringfeed.formats.manifest import Manifest, ShardInfo, Split
     from ringfeed.fsutil import sha256_file
 
     out.mkdir(parents=True, exist_ok=True)

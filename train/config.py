@@ -29,11 +29,11 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
-from ringfeed.shards.manifest import ManifestError
-from ringfeed.shards.manifest_index import ManifestIndex, load_index
 from ringfeed.train.horovod_env import launch_problem
 
 from ringfeed.errors import UserError
+from ringfeed.formats.manifest import ManifestError
+from ringfeed.formats.manifest_index import ManifestIndex, load_index
 from ringfeed.fsutil import parse_size
 
 BUILTIN_MODELS = ("mlp", "cnn", "gpt")

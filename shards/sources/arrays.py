@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 from ringfeed.shards.keys import NumberedKeys, check_ext, safe_key
-from ringfeed.shards.members import encode, kind_of, member_tar_bytes
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.sources.base import (
     Part,
@@ -26,6 +25,9 @@ from ringfeed.shards.sources.base import (
 )
 
 from ringfeed.errors import UserError
+from ringfeed.formats.kinds import kind_of
+from ringfeed.formats.members import encode
+from ringfeed.formats.tarblocks import member_tar_bytes
 
 
 class Arrays(Source):

@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 from ringfeed.shards.keys import check_unique, safe_key
-from ringfeed.shards.members import IMAGE_EXTS, member_tar_bytes
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.parallel import parallel_map
 from ringfeed.shards.sources.base import Part, Source, int_sizes, source_splits, visible
 
 from ringfeed.errors import UserError
+from ringfeed.formats.kinds import IMAGE_EXTENSIONS
+from ringfeed.formats.tarblocks import member_tar_bytes
 
 # PIL format name -> member extension; also the spelling used for a file's own extension.
 PIL_EXTS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "GIF": "gif", "BMP": "bmp",
@@ -65,7 +66,7 @@ def _identify_file(_shared: Any, path: str) -> tuple[str | None, str | None]:
         if why:
             return None, why
     own = _split_suffix(os.path.basename(path))[1].lower()
-    if own in IMAGE_EXTS:
+    if own in IMAGE_EXTENSIONS:
         return CANONICAL_EXT.get(own, own), None
     if fmt in PIL_EXTS:
         return PIL_EXTS[fmt], None

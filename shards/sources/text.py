@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 from ringfeed.shards.keys import NumberedKeys
-from ringfeed.shards.members import member_tar_bytes, npy_bytes
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.parallel import parallel_map
 from ringfeed.shards.sources.base import WORK_DIR, Part, Source, WorkDir, int_sizes, source_splits
@@ -29,6 +28,8 @@ from ringfeed.shards.split import draw_val
 from ringfeed.shards.tokenizers import Tokenizer, load_tokenizer
 
 from ringfeed.errors import UserError
+from ringfeed.formats.members import npy_bytes
+from ringfeed.formats.tarblocks import member_tar_bytes
 
 MEMBER = "tokens.npy"
 READ_CHUNK = 1 << 24

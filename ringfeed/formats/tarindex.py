@@ -48,7 +48,8 @@ from typing import IO, Any
 
 import numpy as np
 
-BLOCK = 512
+from ringfeed.formats.tarblocks import BLOCK
+
 MAGIC = b"ringfeed-tarindex\n"
 VERSION = 1
 _PREAMBLE = struct.Struct("<II")  # version, header length

@@ -1,6 +1,5 @@
-"""Write one planned shard in the standard library's tar format (tarfile's own headers), hashed
-while written, to a temporary file that the caller publishes (fsync + rename) once it is
-complete.
+"""The writing side of ringfeed's tar shards: samples -> tar members in the standard library's
+tar format (tarfile's own headers) plus the shard's index sidecar (tarindex.py, the reading side).
 
 The members are what webdataset's TarWriter writes (`KEY.EXT`, in sorted EXT order, keys
 starting with `_` left out), in the same tar format, but not through TarWriter:
@@ -17,24 +16,17 @@ process (and any rerun) writes the same file for the same plan.
 
 from __future__ import annotations
 
-import io
 import tarfile
-from collections.abc import Callable
-from pathlib import Path
 from typing import IO
 
-from ringfeed.pipeline.tarindex import TarIndex, TarIndexBuilder
-from ringfeed.shards.manifest import INDEX_SUFFIX, ShardInfo
-from ringfeed.shards.packing import PlannedShard
-from ringfeed.shards.sources import Source
-
 from ringfeed.errors import UserError
-from ringfeed.fsutil import HashingIO, publish, temp_open
+from ringfeed.formats.manifest import INDEX_SUFFIX
+from ringfeed.formats.tarblocks import BLOCK, data_padding, end_bytes
+from ringfeed.formats.tarindex import TarIndex, TarIndexBuilder
 
 TAR_MTIME = 946684800  # 2000-01-01T00:00:00Z (1970 makes GNU tar warn on extraction)
 TAR_OWNER = "ringfeed"
 TAR_MODE = 0o444
-WRITE_BUFFER = 1 << 20  # headers are 512 bytes: collect them into few large writes
 
 
 class SampleTarWriter:
@@ -67,14 +59,14 @@ class SampleTarWriter:
             member.uname = member.gname = TAR_OWNER
             header = member.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
             start = self._offset + len(header)
-            padding = -len(data) % tarfile.BLOCKSIZE
+            padding = data_padding(len(data))
             self._stream.write(header)
             self._stream.write(data)
             if padding:
                 self._stream.write(tarfile.NUL * padding)
             self._offset = start + len(data) + padding
             try:
-                self._index.add(member.name, start, len(data), header[-tarfile.BLOCKSIZE:])
+                self._index.add(member.name, start, len(data), header[-BLOCK:])
             except ValueError as e:  # webdataset could not read the shard either
                 raise UserError(f"sample {key!r}: {e}; webdataset would not read this "
                                 "shard") from None
@@ -86,8 +78,7 @@ class SampleTarWriter:
         if self._closed:
             return
         self._closed = True
-        end = 2 * tarfile.BLOCKSIZE
-        end += -(self._offset + end) % tarfile.RECORDSIZE
+        end = end_bytes(self._offset)
         self._stream.write(tarfile.NUL * end)
         self._offset += end
         self._index.end()
@@ -102,52 +93,6 @@ class SampleTarWriter:
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
         if exc_type is None:
             self.close()  # a failed shard's temp file is removed unfinished
-
-
-def write_shard(source: Source, shard: PlannedShard, out_dir: Path,
-                on_sample: Callable[[int], None] | None = None) -> tuple[ShardInfo, Path, Path]:
-    """Write `shard` and its index sidecar (`index_name(shard.name)`) to temp files in
-    `out_dir`; (its description, the shard's temp file, the sidecar's temp file) for
-    `publish_shard`. Not fsynced here: publishing them in another thread lets the disk write
-    back one shard while the next is built."""
-    path = out_dir / shard.name
-    with temp_open(path, "wb") as (f, tmp):
-        out = HashingIO(f)
-        # closed before `f` is: closing flushes the buffer into `out`, which leaves `f` open
-        with io.BufferedWriter(out, buffer_size=WRITE_BUFFER) as buffered, \
-                SampleTarWriter(buffered) as tar:
-            for index in shard.indices:
-                size = tar.write(source.sample(shard.part, int(index)))
-                if on_sample:
-                    on_sample(size)
-        if out.size != shard.bytes:
-            # sizes come from the scan; a difference means the input changed since
-            raise UserError(f"{path}: {out.size} bytes written, {shard.bytes} planned: did "
-                            f"the input under {source.path} change while sharding? Run again")
-        tar_index = tar.index()
-        if tar_index.num_samples != shard.num_samples:
-            raise UserError(f"{path}: webdataset would read {tar_index.num_samples} samples, "
-                            f"{shard.num_samples} were written (keys that split or repeat)")
-    sidecar = index_name(shard.name)
-    try:
-        with temp_open(out_dir / sidecar, "wb") as (f, index_tmp):
-            f.write(tar_index.to_bytes())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    info = ShardInfo(shard.name, shard.num_samples, out.size, out.sha256.hexdigest(), sidecar)
-    return info, tmp, index_tmp
-
-
-def publish_shard(out_dir: Path, info: ShardInfo, tmp: Path, index_tmp: Path) -> None:
-    """Rename a written shard's temp files to their names: the sidecar first, so a shard is
-    never there without its index. A failure removes the temp files left."""
-    try:
-        publish(index_tmp, out_dir / index_name(info.name))
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    publish(tmp, out_dir / info.name)
 
 
 def index_name(shard_name: str) -> str:

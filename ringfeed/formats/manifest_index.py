@@ -40,8 +40,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-from ringfeed.shards.manifest import Manifest, ManifestError, ShardInfo, Split
-from ringfeed.shards.manifest_format import (  # noqa: F401 - re-exported: the index's one namespace
+
+from ringfeed.formats.manifest import Manifest, ManifestError, ShardInfo, Split
+from ringfeed.formats.manifest_format import (  # noqa: F401 - re-exported: the index's one namespace
     HAS_INDEX,
     HAS_SHA256,
     INDEX_NAME,

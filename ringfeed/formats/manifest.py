@@ -49,8 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ringfeed.shards.manifest_format import INDEX_NAME, write_manifest_index
-
+from ringfeed.formats.manifest_format import INDEX_NAME, write_manifest_index
 from ringfeed.fsutil import atomic_write_bytes
 
 FORMAT = "ringfeed-shards"
@@ -104,7 +103,7 @@ class Manifest:
 
     def save(self, directory: str | Path) -> Path:
         """Write `directory/manifest.json` atomically (temp file + rename), then its compact
-        binary index `manifest.bin` (shards/manifest_format.py; shards/manifest_index.py maps it instead
+        binary index `manifest.bin` (ringfeed/formats/manifest_format.py; ringfeed/formats/manifest_index.py maps it instead
         of parsing the JSON)."""
         path = Path(directory) / "manifest.json"
         text = self.to_json().encode()

@@ -1,5 +1,5 @@
 """The binary format of manifest.bin, the compact index of manifest.json (written side; the
-reading side, memory-mapped, is shards/manifest_index.py). It imports nothing of the manifest
+reading side, memory-mapped, is ringfeed/formats/manifest_index.py). It imports nothing of the manifest
 module: Manifest.save writes the index through it right after the JSON, without an import
 cycle."""
 
@@ -19,7 +19,7 @@ import numpy as np
 from ringfeed.fsutil import atomic_open
 
 if TYPE_CHECKING:  # (type hints only)
-    from ringfeed.shards.manifest import Manifest, ShardInfo
+    from ringfeed.formats.manifest import Manifest, ShardInfo
 
 INDEX_NAME = "manifest.bin"
 MAGIC = b"RFMIDX\x00\x01"

@@ -1,8 +1,4 @@
-"""Tar member extensions -> field kinds (manifest "fields"), and values -> member bytes.
-
-The kind follows the last part of the extension, as webdataset's decoders do: `cls` is an int,
-`caption.txt` is text, `x.npy` is a numpy array.
-"""
+"""Values -> tar member bytes, by the member's kind (kinds.py)."""
 
 from __future__ import annotations
 
@@ -13,42 +9,7 @@ from typing import Any
 import numpy as np
 
 from ringfeed.errors import UserError
-
-IMAGE_EXTS = frozenset("jpg jpeg png gif bmp webp tif tiff ppm pgm pbm".split())
-INT_EXTS = frozenset("cls cls2 class count index inx id".split())
-TEXT_EXTS = frozenset("txt text transcript html htm".split())
-JSON_EXTS = frozenset("json jsn".split())
-
-# One tar member = a 512-byte header + its data padded to 512; a tar ends with two zero blocks
-# and is padded to whole 20-block records (Python's tarfile, which webdataset's TarWriter uses).
-TAR_BLOCK = 512
-TAR_END = 2 * TAR_BLOCK
-TAR_RECORD = 20 * TAR_BLOCK
-
-
-def kind_of(ext: str) -> str:
-    last = ext.rsplit(".", 1)[-1]
-    if last in IMAGE_EXTS:
-        return "image"
-    if last in INT_EXTS:
-        return "int"
-    if last in TEXT_EXTS:
-        return "text"
-    if last in JSON_EXTS:
-        return "json"
-    if last == "npy":
-        return "npy"
-    return "bytes"
-
-
-def member_tar_bytes(data_len: int) -> int:
-    """Bytes one member of `data_len` bytes takes inside a tar."""
-    return TAR_BLOCK + -(-data_len // TAR_BLOCK) * TAR_BLOCK
-
-
-def tar_file_bytes(members_total: int) -> int:
-    """Size of a finished tar whose members take `members_total` bytes."""
-    return -(-(members_total + TAR_END) // TAR_RECORD) * TAR_RECORD
+from ringfeed.formats.kinds import kind_of
 
 
 def npy_bytes(array: Any) -> bytes:
