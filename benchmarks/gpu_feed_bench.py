@@ -313,6 +313,7 @@ def plain_loop(device: torch.device, args: argparse.Namespace) -> dict[str, floa
     """workers/hvd_torch_loop.py without Horovod, on `device`: the built-in model, SGD
     momentum, one in-memory uint8 batch converted to float every step, loss read every step."""
     from peer import batch, model_args, spec
+
     from ringfeed.train.models import build_model
 
     torch.manual_seed(0)

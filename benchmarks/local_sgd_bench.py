@@ -111,6 +111,7 @@ def train_across(namespaces: tuple[str, str], env: dict[str, str], out: Path,
 def demo_parameters() -> tuple[int, str]:
     """The demo model's parameter count and optimizer (for bytes per sample)."""
     import yaml
+
     from ringfeed.train.data import CLASSIFY, DataSpec
     from ringfeed.train.models import build_model
 

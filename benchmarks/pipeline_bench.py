@@ -88,9 +88,10 @@ def timed_epochs(loader, epochs: int) -> tuple[float, int]:
 def decoded_rates(shard_dir: Path, workers: int, epochs: int, rounds: int, batch: int
                   ) -> dict[str, float]:
     import webdataset as wds
+    from torch.utils.data import DataLoader
+
     from ringfeed.pipeline import ShardPipeline
     from ringfeed.pipeline.torch import make_loader
-    from torch.utils.data import DataLoader
 
     urls = [str(p) for p in sorted(shard_dir.glob("*.tar"))]
     ours = make_loader(ShardPipeline(shard_dir, batch_size=batch, shuffle_buffer=1000,
@@ -137,6 +138,7 @@ def one_core_child(shard_dir: Path, rounds: int, batch: int) -> dict[str, float]
     """In this process, on one CPU: webdataset vs ringfeed's first (cache-filling) and
     second (cached) epochs, and ringfeed's first epoch without the decoded cache."""
     import webdataset as wds
+
     from ringfeed.pipeline import ShardPipeline
 
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -182,6 +184,7 @@ def raw_rates(shard_dir: Path, rounds: int) -> dict[str, float]:
     """Bytes/s over all shards: `cat`; ringfeed's I/O path alone (ShardCache.open + read);
     ringfeed's whole pipeline without decoding; webdataset iterating the same tars."""
     import webdataset as wds
+
     from ringfeed.pipeline import ShardPipeline
     from ringfeed.pipeline.cache import ShardCache
     from ringfeed.pipeline.source import ShardRef
@@ -234,6 +237,7 @@ def cold_warm(shard_dir: Path, rates: list[float], batch: int, rounds: int) -> d
     cold (empty cache) then warm (cached), best of `rounds` fresh caches; and the same epoch
     reading the directory in place, measured alongside."""
     from pipeline_util import http_server_process
+
     from ringfeed.pipeline import ShardPipeline
 
     def epoch_s(pipe: ShardPipeline, epoch: int) -> float:

@@ -167,10 +167,9 @@ def plan_rank(layout, point: dict[str, Any]) -> tuple[int, str]:
 def json_manifest_load(directory: Path) -> int:
     """What ShardPipeline did before the index (pipeline/source.py's read_manifest and
     refs_from_manifest): parse manifest.json, a ShardRef per shard, the counts array."""
+    from ringfeed.formats.manifest import Manifest
     from ringfeed.pipeline.plan import Layout
     from ringfeed.pipeline.source import ShardRef
-
-    from ringfeed.formats.manifest import Manifest
 
     manifest = Manifest.load(directory)
     refs = [ShardRef(str(directory / s.name), s.num_samples, s.bytes, s.sha256, s.index)

@@ -49,6 +49,7 @@ def checkpoint_times(size_mb: int, work: Path, repeat: int) -> dict:
     checkpoint module (atomic directory, sha256 of the payload, verified on load) and with
     bare torch.save/torch.load of the same tensors."""
     import torch
+
     from ringfeed.train.checkpoint import verify, write_checkpoint
 
     tensors = 8  # a model is many tensors; 8 of size/8 each

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import IO, Any
 
 import fsspec
+
+from ringfeed.fsutil import HashingIO, atomic_open
 from ringfeed.pipeline.background import BackgroundIterator
 from ringfeed.pipeline.errors import PipelineDataError
 from ringfeed.pipeline.source import ShardRef, local_path
-
-from ringfeed.fsutil import HashingIO, atomic_open
 
 LOCK_SUFFIX = ".lock"
 PART_SUFFIX = ".tmp"  # atomic_open's temp files: .<name>.<random>.tmp

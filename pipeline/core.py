@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ringfeed.formats.manifest import Manifest
+from ringfeed.fsutil import parse_size
 from ringfeed.pipeline.background import BackgroundIterator
 from ringfeed.pipeline.batch import collate
 from ringfeed.pipeline.cache import ShardCache
@@ -40,9 +43,6 @@ from ringfeed.pipeline.source import (
 from ringfeed.pipeline.state import PipelineState
 from ringfeed.pipeline.stats import PipelineStats
 from ringfeed.pipeline.stream import ON_ERROR_POLICIES, Booked, StreamContext, WorkerStream
-
-from ringfeed.formats.manifest import Manifest
-from ringfeed.fsutil import parse_size
 
 DECODE_DEVICES = ("cpu", "cuda")
 # decoded_cache="auto" turns the cache on when the split's decoded samples fit cache_limit,

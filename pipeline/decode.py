@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from ringfeed.pipeline.codecs import decode_image
 
 from ringfeed.formats.kinds import kind_of
+from ringfeed.pipeline.codecs import decode_image
 
 # numpy parses a .npy header with ast.literal_eval, and CPython 3.11's AST construction is not
 # thread-safe (python/cpython#106905): two decode threads at once sporadically raised

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ringfeed.pipeline.cache import LOCK_SUFFIX, evict_lru_sized, remove_stale_temporaries
 
 from ringfeed.fsutil import publish
+from ringfeed.pipeline.cache import LOCK_SUFFIX, evict_lru_sized, remove_stale_temporaries
 
 MAGIC = b"RFDEC001"
 SUFFIX = ".rfd"

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
 from ringfeed.pipeline import codecs
 
 EXTRA = "gpu-decode"  # the pyproject.toml extra that installs torchvision

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ringfeed.fsutil import atomic_write_bytes
 from ringfeed.pipeline.cache import ShardHandle
 from ringfeed.pipeline.source import ShardRef, is_local_url, local_path
-
-from ringfeed.fsutil import atomic_write_bytes
 
 if TYPE_CHECKING:
     from ringfeed.formats.tarindex import TarIndex

@@ -20,10 +20,10 @@ from typing import Any
 import braceexpand
 import fsspec
 import numpy as np
-from ringfeed.pipeline.errors import PipelineError
 
 from ringfeed.formats.manifest import Manifest, ManifestError
 from ringfeed.formats.manifest_index import SplitIndex, index_of_bytes, load_index
+from ringfeed.pipeline.errors import PipelineError
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 

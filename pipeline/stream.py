@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
+
 from ringfeed.pipeline import malloc
 from ringfeed.pipeline.batch import collate, gather, stack
 from ringfeed.pipeline.cache import Prefetcher, ShardCache

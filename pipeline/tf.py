@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+
 from ringfeed.pipeline.core import ShardPipeline
 from ringfeed.pipeline.errors import PipelineError
 

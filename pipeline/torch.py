@@ -33,11 +33,12 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
 from ringfeed.pipeline.core import ShardPipeline
 from ringfeed.pipeline.errors import PipelineDataError
 from ringfeed.pipeline.plan import Planner, Segment
 from ringfeed.pipeline.stream import Booked, StreamContext, WorkerStream
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 _STATE_BYTES = 1 << 16
 # per-sample arrays small enough to travel from worker processes as lists (see _StreamDataset)

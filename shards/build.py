@@ -20,6 +20,11 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from ringfeed.errors import UserError
+from ringfeed.formats.manifest import Manifest, ShardInfo, Split
+from ringfeed.formats.tarindex import build_index
+from ringfeed.formats.tarwrite import index_name
+from ringfeed.fsutil import atomic_write_bytes, sha256_file
 from ringfeed.shards.journal import JOURNAL, Journal
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.packing import PlannedShard, fingerprint, plan_shards
@@ -28,12 +33,6 @@ from ringfeed.shards.progress import Progress
 from ringfeed.shards.sources import Source, open_source
 from ringfeed.shards.sources.text import WORK_DIR
 from ringfeed.shards.write import publish_shard, write_shard
-
-from ringfeed.errors import UserError
-from ringfeed.formats.manifest import Manifest, ShardInfo, Split
-from ringfeed.formats.tarindex import build_index
-from ringfeed.formats.tarwrite import index_name
-from ringfeed.fsutil import atomic_write_bytes, sha256_file
 
 SHARD_FILE = re.compile(r"^\w+-\d{6}\.tar(\.idx)?$")  # a shard or its index sidecar
 TEMP_FILE = re.compile(

@@ -6,9 +6,8 @@ import argparse
 import math
 from pathlib import Path
 
-from ringfeed.shards.options import DEFAULT_MAX_SIZE, FORMATS, TABLE_FORMATS, ShardOptions
-
 from ringfeed.errors import UserError
+from ringfeed.shards.options import DEFAULT_MAX_SIZE, FORMATS, TABLE_FORMATS, ShardOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ringfeed.shards.parallel import parallel_map
-from ringfeed.shards.progress import human_bytes
-from ringfeed.shards.verify import load_manifest
 
 from ringfeed.formats.kinds import kind_of
 from ringfeed.formats.manifest import Manifest
 from ringfeed.formats.tarread import read_ints, scan_tar, shard_url
+from ringfeed.shards.parallel import parallel_map
+from ringfeed.shards.progress import human_bytes
+from ringfeed.shards.verify import load_manifest
 
 PREVIEW_CHARS = 60
 

@@ -12,12 +12,12 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
-from ringfeed.shards.options import ShardOptions
-from ringfeed.shards.sources import Source
-from ringfeed.shards.split import draw_val
 
 from ringfeed.errors import UserError
 from ringfeed.formats.tarblocks import END, RECORD, tar_file_bytes
+from ringfeed.shards.options import ShardOptions
+from ringfeed.shards.sources import Source
+from ringfeed.shards.split import draw_val
 
 SPLIT_ORDER = ("train", "val", "test")
 PLAN_VERSION = 1

@@ -6,12 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ringfeed.shards.parallel import parallel_map
-
 from ringfeed.errors import UserError
 from ringfeed.formats.manifest import Manifest, ManifestError, ShardInfo
 from ringfeed.formats.tarindex import TarIndex, build_index
 from ringfeed.formats.tarread import TarReadError, open_shard, scan_tar, shard_url
+from ringfeed.shards.parallel import parallel_map
 
 
 @dataclass

@@ -24,11 +24,6 @@ from collections import Counter
 from pathlib import Path
 
 import braceexpand
-from ringfeed.shards.build import ShardRun, created_by
-from ringfeed.shards.options import ShardOptions
-from ringfeed.shards.packing import SPLIT_ORDER
-from ringfeed.shards.parallel import parallel_map
-from ringfeed.shards.sources.base import SPLIT_NAMES, class_record
 
 from ringfeed.errors import UserError
 from ringfeed.formats.kinds import kind_of
@@ -36,6 +31,11 @@ from ringfeed.formats.manifest import INDEX_SUFFIX, Manifest, ShardInfo, Split
 from ringfeed.formats.tarindex import build_index
 from ringfeed.formats.tarread import TarReadError, TarScan, read_ints, scan_tar
 from ringfeed.fsutil import atomic_write_bytes
+from ringfeed.shards.build import ShardRun, created_by
+from ringfeed.shards.options import ShardOptions
+from ringfeed.shards.packing import SPLIT_ORDER
+from ringfeed.shards.parallel import parallel_map
+from ringfeed.shards.sources.base import SPLIT_NAMES, class_record
 
 _SPLIT_PREFIX = re.compile(r"^([a-z]+)[-_.]", re.IGNORECASE)
 

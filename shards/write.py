@@ -8,13 +8,12 @@ import io
 from collections.abc import Callable
 from pathlib import Path
 
-from ringfeed.shards.packing import PlannedShard
-from ringfeed.shards.sources import Source
-
 from ringfeed.errors import UserError
 from ringfeed.formats.manifest import ShardInfo
 from ringfeed.formats.tarwrite import SampleTarWriter, index_name
 from ringfeed.fsutil import HashingIO, publish, temp_open
+from ringfeed.shards.packing import PlannedShard
+from ringfeed.shards.sources import Source
 
 WRITE_BUFFER = 1 << 20  # headers are 512 bytes: collect them into few large writes
 

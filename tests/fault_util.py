@@ -33,11 +33,12 @@ class Forked:
 def preload_torch_trainer() -> None:
     """Import once, in the parent, what every forked torch run needs (torch's optimizers load
     torch._dynamo lazily: 2 s each time otherwise)."""
+    import torch._dynamo  # noqa: F401
+    import webdataset  # noqa: F401
+
     import ringfeed.train.cli  # noqa: F401
     import ringfeed.train.loop  # noqa: F401
     import ringfeed.train.torch_backend  # noqa: F401
-    import torch._dynamo  # noqa: F401
-    import webdataset  # noqa: F401
 
 
 def ringfeed_forked(argv: list[str], log: Path, timeout: float = 120,

@@ -163,6 +163,7 @@ def hvd_main(argv: list[str]) -> int:
     batch, and write what this rank saw to <out>/rank<r>.json."""
     import horovod.torch as hvd
     import torch
+
     from ringfeed.pipeline import ShardPipeline
 
     hvd.init()

@@ -8,6 +8,7 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+
 from ringfeed.train.cli import main as ringfeed_main
 
 

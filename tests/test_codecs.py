@@ -11,6 +11,7 @@ import warnings
 import numpy as np
 import pytest
 from PIL import Image, ImageFile
+
 from ringfeed.pipeline import codecs, gpu_decode
 
 SIZES = [(1, 1), (7, 13), (16, 16), (33, 47), (64, 64), (97, 130)]

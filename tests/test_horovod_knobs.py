@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 from helpers import BIN, horovodrun, run
+from train_util import toy_config, write_config, write_toy_shards
+
+from ringfeed.errors import UserError
 from ringfeed.train.cli import main
 from ringfeed.train.config import HorovodSection
 from ringfeed.train.horovod_env import (
@@ -19,9 +22,6 @@ from ringfeed.train.horovod_env import (
     horovod_env,
     launch_problem,
 )
-from train_util import toy_config, write_config, write_toy_shards
-
-from ringfeed.errors import UserError
 
 RINGFEED = BIN / "ringfeed"
 MIB = 1024 * 1024

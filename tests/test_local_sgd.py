@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import BIN, REPO, horovodrun
-from ringfeed.train.cli import main
 from train_util import toy_config, write_config, write_toy_shards
+
+from ringfeed.train.cli import main
 
 RINGFEED = BIN / "ringfeed"
 DEMO_CONFIG = REPO / "examples" / "configs" / "digits.yaml"

@@ -9,11 +9,11 @@ import pickle
 import numpy as np
 import pytest
 from pipeline_util import collect, http_server, write_shards
-from ringfeed.pipeline import PipelineError, ShardPipeline
-from ringfeed.pipeline.source import ShardRefs
 
 from ringfeed.formats import manifest_index as mi
 from ringfeed.formats.manifest import Manifest, ManifestError, ShardInfo, Split
+from ringfeed.pipeline import PipelineError, ShardPipeline
+from ringfeed.pipeline.source import ShardRefs
 
 pytestmark = pytest.mark.integration  # real files, a server on 127.0.0.1, loader workers
 SIZES = [5, 0, 7, 3]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import webdataset as wds
 from pipeline_util import collect, valid_ids, write_shards
+
 from ringfeed.pipeline import PipelineDataError, PipelineError, ShardPipeline
 
 UNEVEN = [1, 23, 3, 17, 2, 9, 5]  # 60 samples; one shard far bigger than the others

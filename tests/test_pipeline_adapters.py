@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from helpers import REPO
 from pipeline_util import collect, write_shards
+
 from ringfeed.pipeline import ShardPipeline
 
 # servers on 127.0.0.1 / loader worker processes (tests/conftest.py: tiers)
@@ -49,6 +50,7 @@ def test_import_pipeline_loads_neither_torch_nor_tf():
 @pytest.mark.system
 def test_torch_and_tf_yield_the_same_samples_in_the_same_order(shard_dir, workers):
     import torch
+
     from ringfeed.pipeline.tf import make_dataset
     from ringfeed.pipeline.torch import make_loader
 
@@ -202,10 +204,11 @@ def test_booked_survives_dataloader_conversion_and_pinning(monkeypatch):
     """What DataLoader does to each item (default_convert, then pin_memory with CUDA) keeps a
     Booked a Booked and a worker error a worker error (Tensor.pin_memory stubbed: no GPU)."""
     import torch
-    from ringfeed.pipeline.stream import Booked
-    from ringfeed.pipeline.torch import _WorkerError
     from torch.utils.data._utils.collate import default_convert
     from torch.utils.data._utils.pin_memory import pin_memory
+
+    from ringfeed.pipeline.stream import Booked
+    from ringfeed.pipeline.torch import _WorkerError
 
     pinned = []
     monkeypatch.setattr(torch.Tensor, "pin_memory",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from pipeline_util import collect, http_server, write_shards
+
 from ringfeed.pipeline import PipelineDataError, ShardPipeline
 from ringfeed.pipeline.cache import ShardCache
 from ringfeed.pipeline.source import ShardRef

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pipeline_util import png_bytes, write_shards
-from ringfeed.pipeline import PipelineError, ShardPipeline
 
 from ringfeed.formats.manifest import Manifest
 from ringfeed.fsutil import sha256_file
+from ringfeed.pipeline import PipelineError, ShardPipeline
 
 SIZES = [10, 23, 7, 14]
 B = 4
@@ -298,6 +298,7 @@ def test_remote_sidecars_are_fetched_once_and_used(tmp_path):
     once into its index cache (no tar scan) and reads exactly what local reading gives."""
     from PIL import Image
     from pipeline_util import http_server
+
     from ringfeed.train.cli import main as ringfeed
 
     src = tmp_path / "images"

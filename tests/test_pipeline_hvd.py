@@ -9,6 +9,7 @@ import json
 import pytest
 from helpers import REPO, horovodrun
 from pipeline_util import write_shards
+
 from ringfeed.pipeline import ShardPipeline
 
 pytestmark = pytest.mark.system

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from helpers import ringfeed
 from PIL import Image
-from ringfeed.pipeline import ShardPipeline
 
 from ringfeed.formats.manifest import Manifest
+from ringfeed.pipeline import ShardPipeline
 
 pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 

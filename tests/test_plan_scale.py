@@ -10,6 +10,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+
 from ringfeed.pipeline import plan as P
 from ringfeed.pipeline import plan_reference as R
 

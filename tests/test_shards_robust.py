@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 from helpers import BIN, ringfeed, run, test_env
-from ringfeed.shards.journal import JOURNAL, Journal
 from shards_util import cli, make_images, manifest, tree_bytes
 
 from ringfeed.formats.manifest import ShardInfo
+from ringfeed.shards.journal import JOURNAL, Journal
 
 
 @pytest.fixture(scope="module")

@@ -334,6 +334,7 @@ def test_trainer_infers_input_classes_task_and_scaling(capsys, tmp_path):
 
 def test_wds_index_records_classes_and_the_trainer_infers_them(capsys, tmp_path):
     import webdataset as wds
+
     from ringfeed.train.data import _num_classes
 
     shards = tmp_path / "wds"

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ringfeed.train.cli import main as ringfeed_main
 from shards_util import cli, make_images, manifest
 
 from ringfeed.formats.manifest import Manifest, ShardInfo
 from ringfeed.formats.tarindex import MAGIC, TarIndex, build_index
 from ringfeed.formats.tarwrite import TAR_MODE, TAR_MTIME, TAR_OWNER, SampleTarWriter
+from ringfeed.train.cli import main as ringfeed_main
 
 # -- helpers --------------------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import yaml
 from helpers import BIN, REPO, horovodrun, run, test_env
-from ringfeed.train.cli import main
 from train_util import (
     finish,
     rank_process,
@@ -27,6 +26,8 @@ from train_util import (
     write_config,
     write_toy_shards,
 )
+
+from ringfeed.train.cli import main
 
 pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 

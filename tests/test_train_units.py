@@ -9,6 +9,9 @@ import struct
 from pathlib import Path
 
 import pytest
+from train_util import toy_config, write_config, write_toy_shards
+
+from ringfeed.errors import UserError
 from ringfeed.train.backend import StepResult, choose_gpu, gpu_for_rank
 from ringfeed.train.checkpoint import (
     find_resume_point,
@@ -23,9 +26,6 @@ from ringfeed.train.data import LM, infer_spec, make_pipeline, split_batch
 from ringfeed.train.loop import micro_batch_groups
 from ringfeed.train.metrics import RunLogger, bottleneck_line
 from ringfeed.train.schedule import LRSchedule, scaled_peak_lr
-from train_util import toy_config, write_config, write_toy_shards
-
-from ringfeed.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ringfeed.train import faults
-
 from ringfeed.errors import UserError
 from ringfeed.fsutil import fsync_path, sha256_file
+from ringfeed.train import faults
 
 PREFIX = "ckpt-"
 META = "meta.json"

@@ -29,12 +29,12 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
-from ringfeed.train.horovod_env import launch_problem
 
 from ringfeed.errors import UserError
 from ringfeed.formats.manifest import ManifestError
 from ringfeed.formats.manifest_index import ManifestIndex, load_index
 from ringfeed.fsutil import parse_size
+from ringfeed.train.horovod_env import launch_problem
 
 BUILTIN_MODELS = ("mlp", "cnn", "gpt")
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

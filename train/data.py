@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from ringfeed.train.userhooks import load_callable
 
 from ringfeed.errors import UserError
+from ringfeed.train.userhooks import load_callable
 
 CLASSIFY, LM, REGRESS = "classify", "lm", "regress"
 TARGET_NAMES = ("y", "label", "labels", "target", "targets", "cls")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
 from ringfeed.train.data import DataSpec
 
 Fn = Callable[[Any, Any], Any]

@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from peer import batch, model_args, parse_args, report, spec, time_steps
-from ringfeed.train.models import build_model
 from torch.nn.parallel import DistributedDataParallel
+
+from ringfeed.train.models import build_model
 
 
 def main() -> None:

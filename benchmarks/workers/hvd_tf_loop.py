@@ -9,6 +9,7 @@ import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
 from peer import batch, model_args, parse_args, report, spec, time_steps
+
 from ringfeed.train.models import build_model
 
 

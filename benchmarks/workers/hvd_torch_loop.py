@@ -8,6 +8,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 from peer import batch, model_args, parse_args, report, spec, time_steps
+
 from ringfeed.train.models import build_model
 
 

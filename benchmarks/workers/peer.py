@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
 from ringfeed.train.data import CLASSIFY, DataSpec
 
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from peer import parse_args, report
+
 from ringfeed.train.config import DataSection, RunConfig
 from ringfeed.train.loop import SignalRequests, Trainer
 

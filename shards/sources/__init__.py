@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from ringfeed.errors import UserError
 from ringfeed.shards.options import FORMATS, ShardOptions
 from ringfeed.shards.sources.base import Part, Source, require_exists
-
-from ringfeed.errors import UserError
 
 
 def open_source(opts: ShardOptions) -> Source:

@@ -13,6 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ringfeed.errors import UserError
+from ringfeed.formats.kinds import kind_of
+from ringfeed.formats.members import encode
+from ringfeed.formats.tarblocks import member_tar_bytes
 from ringfeed.shards.keys import NumberedKeys, check_ext, safe_key
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.sources.base import (
@@ -23,11 +28,6 @@ from ringfeed.shards.sources.base import (
     source_splits,
     visible,
 )
-
-from ringfeed.errors import UserError
-from ringfeed.formats.kinds import kind_of
-from ringfeed.formats.members import encode
-from ringfeed.formats.tarblocks import member_tar_bytes
 
 
 class Arrays(Source):

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ringfeed.shards.options import ShardOptions
 
 from ringfeed.errors import UserError
+from ringfeed.shards.options import ShardOptions
 
 # Source-provided split names (file or folder stems) -> the split name used in shard names.
 SPLIT_NAMES = {"train": "train", "training": "train", "val": "val", "valid": "val",

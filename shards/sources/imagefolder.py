@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from ringfeed.shards.keys import check_unique, safe_key
-from ringfeed.shards.options import ShardOptions
-from ringfeed.shards.parallel import parallel_map
-from ringfeed.shards.sources.base import Part, Source, int_sizes, source_splits, visible
 
 from ringfeed.errors import UserError
 from ringfeed.formats.kinds import IMAGE_EXTENSIONS
 from ringfeed.formats.tarblocks import member_tar_bytes
+from ringfeed.shards.keys import check_unique, safe_key
+from ringfeed.shards.options import ShardOptions
+from ringfeed.shards.parallel import parallel_map
+from ringfeed.shards.sources.base import Part, Source, int_sizes, source_splits, visible
 
 # PIL format name -> member extension; also the spelling used for a file's own extension.
 PIL_EXTS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "GIF": "gif", "BMP": "bmp",

@@ -24,10 +24,9 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+from ringfeed.errors import UserError
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.sources.tabular import TableSource
-
-from ringfeed.errors import UserError
 
 # pyarrow's default memory pool (mimalloc) keeps freed pages for a while; a scan frees a batch of
 # rows every few milliseconds: reading a 300 MB table batch by batch peaked at 245 MB RSS with

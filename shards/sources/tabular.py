@@ -39,6 +39,11 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+
+from ringfeed.errors import UserError
+from ringfeed.formats.kinds import kind_of
+from ringfeed.formats.members import encode, json_bytes, npy_bytes
+from ringfeed.formats.tarblocks import member_tar_bytes
 from ringfeed.shards.keys import NumberedKeys, check_ext, check_unique, safe_key
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.sources.base import (
@@ -51,11 +56,6 @@ from ringfeed.shards.sources.base import (
     source_splits,
     visible,
 )
-
-from ringfeed.errors import UserError
-from ringfeed.formats.kinds import kind_of
-from ringfeed.formats.members import encode, json_bytes, npy_bytes
-from ringfeed.formats.tarblocks import member_tar_bytes
 
 SUFFIXES = {"jsonl": (".jsonl", ".ndjson"), "csv": (".csv",), "parquet": (".parquet", ".pq")}
 REST = "json"  # the member holding the columns no other member names

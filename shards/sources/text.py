@@ -20,16 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ringfeed.errors import UserError
+from ringfeed.formats.members import npy_bytes
+from ringfeed.formats.tarblocks import member_tar_bytes
 from ringfeed.shards.keys import NumberedKeys
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.parallel import parallel_map
 from ringfeed.shards.sources.base import WORK_DIR, Part, Source, WorkDir, int_sizes, source_splits
 from ringfeed.shards.split import draw_val
 from ringfeed.shards.tokenizers import Tokenizer, load_tokenizer
-
-from ringfeed.errors import UserError
-from ringfeed.formats.members import npy_bytes
-from ringfeed.formats.tarblocks import member_tar_bytes
 
 MEMBER = "tokens.npy"
 READ_CHUNK = 1 << 24

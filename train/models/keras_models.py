@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import keras
 from keras import layers
+
 from ringfeed.train.data import DataSpec
 
 

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from ringfeed.train.data import DataSpec
 from torch import nn
+
+from ringfeed.train.data import DataSpec
 
 
 class MLP(nn.Module):
