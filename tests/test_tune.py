@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import yaml
 from helpers import BIN, REPO, ringfeed, test_env
-from ringfeed.train.cli import main
 from train_util import finish, start
+
+from ringfeed.train.cli import main
 
 LAUNCH = f"{BIN / 'horovodrun'} -np 2 -H localhost:2 --gloo {BIN / 'ringfeed'} train {{config}}"
 
@@ -121,7 +122,7 @@ def test_bad_search_file_is_one_line_naming_the_field(tmp_path, shards, capsys, 
 
 
 def test_space_syntax_and_keys_into_the_config():
-    from ringfeed.train.tune_spec import check_config_key, parse_param
+    from ringfeed.train.tune.spec import check_config_key, parse_param
 
     lr = parse_param("optim.lr", "loguniform(1e-4, 1e-1)")
     assert (lr.kind, lr.low, lr.high) == ("loguniform", 1e-4, 1e-1)
@@ -144,7 +145,7 @@ def test_example_search_files_are_valid(tmp_path, shards, monkeypatch, name):
     (tmp_path / "demo-out" / "digits-shards").symlink_to(shards)
     (tmp_path / "examples").symlink_to(REPO / "examples")
     monkeypatch.chdir(tmp_path)
-    from ringfeed.train.tune_spec import load_search
+    from ringfeed.train.tune.spec import load_search
 
     search = load_search(REPO / "examples" / "tune" / name)
     assert search.params and search.out_dir.parent == tmp_path / "demo-out" / "tune"

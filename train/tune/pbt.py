@@ -34,17 +34,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ringfeed.train.tune import (
-    TrialFailed,
-    TuneInterrupted,
-    launch_trial,
-    outcome_value,
-    say,
-)
-from ringfeed.train.tune_spec import Search, get_dotted
-from ringfeed.train.tune_trial import adopt_checkpoint, kill_tree, newest_checkpoint, process_alive
-
 from ringfeed.errors import UserError
+from ringfeed.train.tune.launch import launch_trial, outcome_value
+from ringfeed.train.tune.report import trial_line, write_tables
+from ringfeed.train.tune.spec import Search, get_dotted
+from ringfeed.train.tune.study import TrialFailed, TuneInterrupted, say
+from ringfeed.train.tune.trial import adopt_checkpoint, kill_tree, newest_checkpoint, process_alive
 
 
 def run_pbt(search: Search, study, stop: threading.Event) -> None:
@@ -88,8 +83,6 @@ class PBT:
         return self.search.out_dir / "pbt" / f"member-{m:02d}"
 
     def run(self) -> None:
-        from ringfeed.train import tune_report
-
         self.fail_leftovers()
         population = self.cfg.population
         say(f"ringfeed tune: PBT study {self.search.study_name!r} ({self.search.storage_url}): "
@@ -103,7 +96,7 @@ class PBT:
                     f"members {', '.join(map(str, todo))}")
                 with ThreadPoolExecutor(self.search.spec.parallel) as pool:
                     list(pool.map(lambda m, g=g: self.segment(m, g), todo))
-            tune_report.write_tables(self.search, self.study)
+            write_tables(self.search, self.study)
             if self.stop.is_set():
                 raise TuneInterrupted
             if len(self.finished(g)) < population:  # out of time before every member ran
@@ -155,7 +148,6 @@ class PBT:
     # -- one member, one interval -------------------------------------------------------------
     def segment(self, m: int, g: int) -> None:
         from optuna.trial import TrialState
-        from ringfeed.train import tune_report
 
         if self.stop.is_set() or (self.deadline and time.monotonic() > self.deadline):
             return
@@ -195,7 +187,7 @@ class PBT:
             self.study.tell(trial, state=TrialState.FAIL)
         frozen = next(t for t in self.study.get_trials(deepcopy=False)
                       if t.number == trial.number)
-        say(f"member {m} interval {g}: " + tune_report.trial_line(frozen, self.search.spec.metric))
+        say(f"member {m} interval {g}: " + trial_line(frozen, self.search.spec.metric))
 
     # -- exploit and explore ------------------------------------------------------------------
     def prepare(self, g: int) -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from ringfeed.train.tune_spec import Search
 
 from ringfeed.fsutil import atomic_write_text
+from ringfeed.train.tune.spec import Search
 
 PBT_COLUMNS = ("member", "generation", "start_step", "end_step", "parent_member",
                "parent_trial", "exploited")

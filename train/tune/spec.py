@@ -42,10 +42,10 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
-from ringfeed.train.config import read_yaml_mapping
 
 from ringfeed.errors import UserError
 from ringfeed.fsutil import atomic_write_text
+from ringfeed.train.config import read_yaml_mapping
 
 # Keys the tuner owns: every trial gets its own run dir, checkpoints inside it, and its resume.
 MANAGED_KEYS = ("output.dir", "checkpoint.dir", "checkpoint.resume")
@@ -249,6 +249,7 @@ def _flow_yaml(value: Any) -> str:
 def check_config_key(key: str) -> str | None:
     """Why `key` (dotted) is not a leaf key of the trainer config, or None if it is one."""
     from pydantic import BaseModel as _Model
+
     from ringfeed.train.config import RunConfig
 
     model: type[_Model] | None = RunConfig
