@@ -1,19 +1,24 @@
 """Streaming shard pipeline: shards (local or remote) -> local cache -> balanced, shuffled,
 decoded, batched, resumable batches for every Horovod rank; adapters for PyTorch
-(`pipeline.torch.make_loader`) and tf.data (`pipeline.tf.make_dataset`).
+(`ringfeed.pipeline.torch.make_loader`) and tf.data (`ringfeed.pipeline.tf.make_dataset`).
 
-Importing this package imports neither torch nor TensorFlow. Guarantees: pipeline/README.md.
-Its names load on first use, so `shards/` can import `pipeline.tarindex` without the rest.
+`ShardPipeline(source, PipelineConfig(...))`, or keyword options. Importing this package imports
+neither torch nor TensorFlow. Guarantees: pipeline/README.md. Its names load on first use, so
+the train config can read `PipelineConfig` without loading the reader.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ShardPipeline", "PipelineDataError", "PipelineError", "horovod_rank_and_size"]
+__all__ = ["ShardPipeline", "PipelineConfig", "PipelineDataError", "PipelineError",
+           "horovod_rank_and_size"]
 
-_HOMES = {"ShardPipeline": "ringfeed.pipeline.core", "horovod_rank_and_size": "ringfeed.pipeline.core",
-          "PipelineDataError": "ringfeed.pipeline.errors", "PipelineError": "ringfeed.pipeline.errors"}
+_HOMES = {"ShardPipeline": "ringfeed.pipeline.core",
+          "horovod_rank_and_size": "ringfeed.pipeline.core",
+          "PipelineConfig": "ringfeed.pipeline.config",
+          "PipelineDataError": "ringfeed.pipeline.errors",
+          "PipelineError": "ringfeed.pipeline.errors"}
 
 
 def __getattr__(name: str) -> Any:

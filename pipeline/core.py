@@ -17,14 +17,14 @@ from typing import Any
 import numpy as np
 
 from ringfeed.formats.manifest import Manifest
-from ringfeed.fsutil import parse_size
 from ringfeed.pipeline.background import BackgroundIterator
 from ringfeed.pipeline.batch import collate
 from ringfeed.pipeline.cache import ShardCache
-from ringfeed.pipeline.decode import Decoder, SampleFn, as_pair
+from ringfeed.pipeline.config import PipelineConfig, pipeline_config
+from ringfeed.pipeline.decode import Decoder, as_pair
 from ringfeed.pipeline.decoded_cache import DecodedStore, layout_of
 from ringfeed.pipeline.errors import PipelineDataError, PipelineError
-from ringfeed.pipeline.plan import BALANCE_POLICIES, Layout, SegmentConfig, SegmentPlan
+from ringfeed.pipeline.plan import Layout, SegmentConfig, SegmentPlan
 from ringfeed.pipeline.shardread import (
     COMPRESSED_SUFFIXES,
     BadSample,
@@ -42,9 +42,9 @@ from ringfeed.pipeline.source import (
 )
 from ringfeed.pipeline.state import PipelineState
 from ringfeed.pipeline.stats import PipelineStats
-from ringfeed.pipeline.stream import ON_ERROR_POLICIES, Booked, StreamContext, WorkerStream
+from ringfeed.pipeline.stream import Booked, StreamContext, WorkerStream
+from ringfeed.userhooks import load_callable
 
-DECODE_DEVICES = ("cpu", "cuda")
 # decoded_cache="auto" turns the cache on when the split's decoded samples fit cache_limit,
 # or, with no limit, this share of the free space where the cache lives (also the decoded
 # cache's bound when there is no cache_limit)
@@ -78,48 +78,13 @@ class ShardPipeline:
     decoded-sample cache (decoded_cache.py), the decoder (decode.py), the worker streams that
     batch (stream.py) and the background threads that run them (background.py)."""
 
-    def __init__(
-        self,
-        source: str | os.PathLike | Sequence[str],
-        split: str = "train",
-        batch_size: int = 32,
-        seed: int = 0,
-        shuffle: bool = True,
-        shuffle_buffer: int = 1000,
-        rank: int | None = None,
-        world_size: int | None = None,
-        num_workers: int = 0,
-        balance: str = "drop",
-        decode: SampleFn | None = None,
-        transform: SampleFn | None = None,
-        image_size: int | tuple[int, int] | None = None,
-        normalize: tuple[Any, Any] | None = None,
-        on_error: str = "skip",
-        cache_dir: str | os.PathLike | None = None,
-        cache_limit: int | str | None = None,
-        prefetch: int = 2,
-        allow_pipe: bool = False,
-        storage_options: dict[str, Any] | None = None,
-        fields: dict[str, str] | None = None,
-        retries: int = 3,
-        read_ahead: bool = False,
-        decoded_cache: bool | str | os.PathLike = False,
-        decode_device: str = "cpu",
-        decode_threads: int = 0,
-        indexed: bool = True,
-    ) -> None:
-        if batch_size < 1:
-            raise PipelineError(f"batch_size must be >= 1 (got {batch_size})")
-        if balance not in BALANCE_POLICIES:
-            raise PipelineError(f"balance must be one of {BALANCE_POLICIES} (got {balance!r})")
-        if on_error not in ON_ERROR_POLICIES:
-            raise PipelineError(f"on_error must be one of {ON_ERROR_POLICIES} (got {on_error!r})")
-        if min(num_workers, shuffle_buffer, prefetch, decode_threads) < 0:
-            raise PipelineError("num_workers, shuffle_buffer, prefetch and decode_threads must "
-                                "be >= 0")
-        if decode_device not in DECODE_DEVICES:
-            raise PipelineError(f"decode_device must be one of {DECODE_DEVICES} "
-                                f"(got {decode_device!r})")
+    def __init__(self, source: str | os.PathLike | Sequence[str],
+                 config: PipelineConfig | None = None, *, rank: int | None = None,
+                 world_size: int | None = None, **options: Any) -> None:
+        """Batches of `source` (a shard dir/URL with manifest.json, or shard URLs / a brace
+        pattern) for `rank` of `world_size` (default: Horovod's, if initialised, else 0 of 1),
+        read as `config` says; keyword `options` (PipelineConfig's fields) fill or override it."""
+        self.config = c = pipeline_config(config, options)
         if rank is None or world_size is None:
             hvd_rank, hvd_size = horovod_rank_and_size()
             rank = hvd_rank if rank is None else rank
@@ -127,48 +92,46 @@ class ShardPipeline:
         if not 0 <= rank < world_size:
             raise PipelineError(f"rank {rank} is not in [0, world_size={world_size})")
         self.rank, self.world_size = int(rank), int(world_size)
-        self.batch_size, self.seed, self.shuffle = int(batch_size), int(seed), bool(shuffle)
-        self.shuffle_buffer = int(shuffle_buffer) if shuffle else 0
-        self.num_workers, self.balance, self.prefetch = int(num_workers), balance, int(prefetch)
-        self.decode_device = decode_device
-        if decode_device == "cuda":
+        if c.decode_device == "cuda":
             from ringfeed.pipeline.gpu_decode import check_available
 
             try:
-                check_available(decode_device)
+                check_available(c.decode_device)
             except (ValueError, ImportError, RuntimeError) as e:
                 raise PipelineError(str(e)) from None
-        self.storage_options = dict(storage_options or {})
-        limit = parse_size(cache_limit) if cache_limit is not None else None
-        self.cache = ShardCache(str(cache_dir) if cache_dir is not None else None, limit,
-                                self.storage_options, retries=retries)
-        self.indexes = (IndexStore(self.cache.cache_dir, self.storage_options) if indexed
+        self.cache = ShardCache(c.cache_dir, c.cache_limit, c.storage_options, retries=c.retries)
+        self.indexes = (IndexStore(self.cache.cache_dir, c.storage_options) if c.indexed
                         else None)
-        self.manifest, refs = self._resolve(source, split, allow_pipe)
+        self.manifest, refs = self._resolve(source, c.split, c.allow_pipe)
         self.refs = refs
         self.layout = Layout(sample_counts(refs))
-        self.config = SegmentConfig(self.world_size, self.num_workers, self.batch_size,
-                                    self.shuffle_buffer, balance)
-        self.progress = PipelineState(self.layout, self.seed, self.shuffle, self.config)
+        shuffle_buffer = c.shuffle_buffer if c.shuffle else 0
+        self.progress = PipelineState(self.layout, c.seed, c.shuffle, SegmentConfig(
+            self.world_size, c.num_workers, c.batch_size, shuffle_buffer, c.balance))
         if self.batches_per_epoch == 0:
             raise PipelineError(
                 f"{self.layout.num_samples} samples over {self.world_size} ranks give no full "
-                f"batch of {self.batch_size} with balance='drop' (use balance='pad' or a smaller "
+                f"batch of {c.batch_size} with balance='drop' (use balance='pad' or a smaller "
                 "batch_size)")
         kinds = dict(self.manifest.fields) if self.manifest else {}
-        kinds.update(fields or {})
-        decoder = Decoder(kinds, as_pair(image_size), normalize, decode, transform,
-                          decode_images=decode_device == "cpu", threads=int(decode_threads))
-        self.context = StreamContext(refs, self.layout, decoder, self.cache, on_error, self.prefetch,
-                               self.indexes, self._decoded_store(decoded_cache, limit, decoder))
+        kinds.update(c.fields or {})
+        hooks = {name: load_callable(fn, name) if isinstance(fn, str) else fn
+                 for name, fn in (("decode", c.decode), ("transform", c.transform))}
+        decoder = Decoder(kinds, as_pair(c.image_size), c.normalize, hooks["decode"],
+                          hooks["transform"], decode_images=c.decode_device == "cpu",
+                          threads=c.decode_threads)
+        self.context = StreamContext(refs, self.layout, decoder, self.cache, c.on_error,
+                                     c.prefetch, self.indexes,
+                                     self._decoded_store(c.decoded_cache, c.cache_limit, decoder))
         self._stats = PipelineStats()
         # threads already reading the pass expected next
         self._ahead: tuple[tuple, StreamReader] | None = None
-        # a trainer turns this off for its last epoch: nothing reads past the end of the run
-        self.read_ahead = bool(read_ahead)
-        # whether this process's threads read the passes; False while a torch DataLoader's
+        # whether the consumer will take the epoch after this one (a trainer says no for its
+        # last epoch: nothing reads past the end of the run)
+        self._next_epoch_expected = True
+        # whether this process's threads read the passes; False once a torch DataLoader's
         # worker processes do (a read-ahead here would decode an epoch nobody takes)
-        self.reads_here = True
+        self._reads_here = True
 
     # -- sizes --------------------------------------------------------------------------
     @property
@@ -190,6 +153,10 @@ class ShardPipeline:
         return self.progress.segments
 
     @property
+    def batch_size(self) -> int:
+        return self.config.batch_size
+
+    @property
     def decoded_cache(self) -> bool:
         """Whether decoded samples are cached (decoded_cache=True/path, or "auto" chose it)."""
         return self.context.decoded is not None
@@ -198,6 +165,16 @@ class ShardPipeline:
         return self.batches_per_epoch
 
     # -- epochs and state ---------------------------------------------------------------
+    def expect_next_epoch(self, expected: bool) -> None:
+        """Whether the consumer will take the epoch after the current one: with read_ahead on,
+        its reading starts as the last batch of this one goes out only if it will."""
+        self._next_epoch_expected = bool(expected)
+
+    def read_in_workers(self) -> None:
+        """Worker processes (a torch DataLoader's) read the passes from now on, not this
+        process's threads: nothing is read ahead here."""
+        self._reads_here = False
+
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` afresh; the current epoch keeps its progress (so a resumed run may
         call set_epoch with the epoch it resumed into)."""
@@ -269,7 +246,8 @@ class ShardPipeline:
                                     "start a new iteration")
             return False
         self._stats.consumed(samples)
-        if last_of_pass and self.read_ahead and self.reads_here:
+        if (last_of_pass and self.config.read_ahead and self._next_epoch_expected
+                and self._reads_here):
             self._read_ahead()
         return True
 
@@ -317,7 +295,7 @@ class ShardPipeline:
     def _reader(self, plan: SegmentPlan, t0: int, key: tuple) -> StreamReader | None:
         """The threads that read this pass (None: read in the consumer's thread): the ones
         started ahead for it when it is the pass that was expected, else new ones."""
-        if self.num_workers == 0 and self.prefetch == 0:
+        if self.config.num_workers == 0 and self.config.prefetch == 0:
             return None
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
@@ -329,7 +307,7 @@ class ShardPipeline:
     def _start_reader(self, plan: SegmentPlan, t0: int) -> StreamReader:
         streams = [WorkerStream.resuming(self.context, plan, self.rank, w, t0)
                    for w in range(plan.config.streams)]
-        return StreamReader(streams, t0, plan.batches, max(1, self.prefetch))
+        return StreamReader(streams, t0, plan.batches, max(1, self.config.prefetch))
 
     def _read_ahead(self) -> None:
         """The last batch of a pass went out: start reading the next epoch now (its first
@@ -384,7 +362,7 @@ class ShardPipeline:
         else:
             location = os.fspath(source)
             check_pipe_allowed([location], allow_pipe)
-            manifest, refs = manifest_refs(location, split, self.storage_options,
+            manifest, refs = manifest_refs(location, split, self.config.storage_options,
                                            Path(self.cache.cache_dir) / "manifests")
             check_pipe_allowed(refs.urls_starting_with("pipe:"), allow_pipe)
         if not len(refs) or not sample_counts(refs).any():

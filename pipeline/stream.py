@@ -44,7 +44,6 @@ from ringfeed.pipeline.stats import StreamCounters
 
 log = logging.getLogger("ringfeed.pipeline")
 
-ON_ERROR_POLICIES = ("skip", "fail")
 FILL_ROWS = 256  # samples decoded and written per step while filling a decoded-cache entry
 
 

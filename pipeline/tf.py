@@ -67,7 +67,7 @@ def _to_tf(batch: dict[str, Any], spec: dict[str, tf.TensorSpec]) -> dict[str, A
 
 def make_dataset(pipe: ShardPipeline, prefetch: int | None = None) -> tf.data.Dataset:
     """A tf.data.Dataset over the pipeline; `prefetch` batches (default tf.data.AUTOTUNE)."""
-    if pipe.decode_device != "cpu":
+    if pipe.config.decode_device != "cpu":
         raise PipelineError("decode_device='cuda' decodes on the GPU in the torch adapter; "
                             "tf.data needs decode_device='cpu'")
     spec = signature(pipe)

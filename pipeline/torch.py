@@ -158,12 +158,12 @@ class TorchLoader:
 
     def __init__(self, pipe: ShardPipeline, **loader_kwargs: Any) -> None:
         self.pipe = pipe
-        workers = pipe.num_workers
+        workers = pipe.config.num_workers
         dataset: IterableDataset = _PassDataset(pipe)
         if workers > 0:  # worker processes learn each pass from shared memory
-            pipe.reads_here = False  # and read the next epoch when it is asked for
+            pipe.read_in_workers()  # and read the next epoch when it is asked for
             self._state = _PassState()
-            dataset = _StreamDataset(pipe.context, Planner(pipe.layout, pipe.seed, pipe.shuffle),
+            dataset = _StreamDataset(pipe.context, Planner(pipe.layout, pipe.config.seed, pipe.config.shuffle),
                                      pipe.rank, self._state)
         options: dict[str, Any] = {
             "batch_size": None,  # the streams batch themselves
@@ -172,7 +172,7 @@ class TorchLoader:
             "persistent_workers": workers > 0,
         }
         if workers > 0:
-            options["prefetch_factor"] = max(1, pipe.prefetch)
+            options["prefetch_factor"] = max(1, pipe.config.prefetch)
         options.update(loader_kwargs)
         if workers > 0:
             options["worker_init_fn"] = _WorkerInit(options.get("worker_init_fn"))
@@ -197,7 +197,7 @@ class TorchLoader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         batches = self._batches()
-        if self.pipe.decode_device == "cuda":
+        if self.pipe.config.decode_device == "cuda":
             batches = (self._decoded_on_gpu(batch) for batch in batches)
         return batches
 
@@ -220,7 +220,7 @@ class TorchLoader:
 
     def _batches(self) -> Iterator[dict[str, Any]]:
         pipe = self.pipe
-        if pipe.num_workers == 0:
+        if pipe.config.num_workers == 0:
             for booked in self.loader:  # tensors now (pinned with CUDA); counters booked
                 pipe.mark_consumed(booked.tag, len(booked.batch["__index__"]), strict=True)
                 yield booked.batch
@@ -249,7 +249,7 @@ class TorchLoader:
 
 
 def make_loader(pipe: ShardPipeline, **loader_kwargs: Any) -> TorchLoader:
-    """A DataLoader-backed iterable with `pipe.num_workers` workers, pin_memory when CUDA is
+    """A DataLoader-backed iterable with `pipe.config.num_workers` workers, pin_memory when CUDA is
     available and persistent workers; extra keyword arguments go to DataLoader (timeout,
     multiprocessing_context, ...). Yields dict[str, torch.Tensor | list]."""
     if "num_workers" in loader_kwargs or "batch_size" in loader_kwargs:

@@ -16,7 +16,7 @@ import pytest
 import webdataset as wds
 from pipeline_util import collect, valid_ids, write_shards
 
-from ringfeed.pipeline import PipelineDataError, PipelineError, ShardPipeline
+from ringfeed.pipeline import PipelineConfig, PipelineDataError, PipelineError, ShardPipeline
 
 UNEVEN = [1, 23, 3, 17, 2, 9, 5]  # 60 samples; one shard far bigger than the others
 B = 4
@@ -399,6 +399,24 @@ def test_pipe_urls_refused_unless_allowed(uneven):
         make(urls, cache_dir=uneven / "cache")
     allowed = make(urls, allow_pipe=True, cache_dir=uneven.parent / "pipe-cache", shuffle=False)
     assert valid_ids(collect(allowed)) == list(range(sum(UNEVEN) // B * B))
+
+
+def test_a_config_and_keywords_build_the_same_pipeline(uneven):
+    config = PipelineConfig(batch_size=B, shuffle_buffer=7, seed=5, balance="pad")
+    from_config = ShardPipeline(uneven, config, rank=1, world_size=2)
+    assert from_config.config is config  # taken as it is, not copied
+    assert collect(from_config) == collect(make(uneven, balance="pad", rank=1, world_size=2))
+    # keywords override the config's values; the config itself is left as it was
+    over = ShardPipeline(uneven, config, rank=0, world_size=1, batch_size=3)
+    assert (over.config.batch_size, over.config.balance, config.batch_size) == (3, "pad", B)
+    with pytest.raises(PipelineError, match="batch_sise: Extra inputs are not permitted"):
+        ShardPipeline(uneven, batch_sise=3)
+    with pytest.raises(PipelineError, match="decode: decode must be an import path"):
+        make(uneven, decode="not a path")
+    with pytest.raises(ValueError, match="decode must be an import path"):  # pydantic's own
+        PipelineConfig(decode="not a path")
+    with pytest.raises(PipelineError, match="batch_size: Input should be greater than 0"):
+        make(uneven, batch_size=0)
 
 
 def test_rank_out_of_range_and_bad_options(uneven):

@@ -183,7 +183,7 @@ def test_bookkeeping_travels_beside_batches_and_is_counted_once(shard_dir, path)
     assert pipe.state_dict()["segments"][0]["batches_consumed"] == len(batches)
     # the counters crossed over once too: every sample read was read for a batch handed out
     assert stats["samples_read"] + stats["cached_samples"] == stats["samples"]
-    assert collect(batches) == collect(make(shard_dir, num_workers=pipe.num_workers))
+    assert collect(batches) == collect(make(shard_dir, num_workers=pipe.config.num_workers))
 
 
 def test_uncounted_iteration_yields_batches_beside_their_tags(shard_dir):

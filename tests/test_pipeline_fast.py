@@ -289,7 +289,7 @@ def test_gpu_decode_without_a_gpu_is_one_clear_error(shard_dir, tmp_path):
     with pytest.raises(PipelineError, match="decode_device") as err:
         make(shard_dir, tmp_path / "c", decode_device="cuda")
     assert "\n" not in str(err.value)
-    with pytest.raises(PipelineError, match="decode_device must be one of"):
+    with pytest.raises(PipelineError, match="decode_device: Input should be 'cpu' or 'cuda'"):
         make(shard_dir, tmp_path / "c", decode_device="tpu")
 
 

@@ -9,6 +9,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import yaml
 from train_util import toy_config, write_config, write_toy_shards
 
 from ringfeed.errors import UserError
@@ -280,3 +281,25 @@ def test_choose_gpu_gathers_except_in_elastic_runs():
     assert choose_gpu((0, ("GPU-a", "GPU-b"), 2), 1, 1, 2, False, None) == 1
     with pytest.raises(UserError, match="2 ranks on one host share 1 visible GPU"):
         choose_gpu((0, ("GPU-a",), 1), 1, 1, 2, False, None)
+
+
+def test_the_data_section_is_the_pipelines_config(tmp_path, shards):
+    """The pipeline's options are declared once (PipelineConfig); the data section adds a run's
+    keys, and a key the run sets elsewhere is one line naming where."""
+    from ringfeed.pipeline import PipelineConfig
+    from ringfeed.train.config import RUN_OWNED_DATA_KEYS, DataSection, template
+
+    assert issubclass(DataSection, PipelineConfig)
+    cfg_file = write_config(tmp_path / "c.yaml", **toy_config(
+        shards, tmp_path / "out", data={"train": str(shards), "batch_size": 4,
+                                        "cache_dir": str(tmp_path / "cache")}))
+    cfg = load_config(cfg_file, ["data.retries=5", "data.shuffle_buffer=9", "train.seed=7"])
+    pipe = make_pipeline(cfg, "train", 0, 1)
+    assert (pipe.config.retries, pipe.config.shuffle_buffer, pipe.config.seed) == (5, 9, 7)
+    assert pipe.config.read_ahead and not make_pipeline(cfg, "val", 0, 1).config.read_ahead
+    for key in RUN_OWNED_DATA_KEYS:
+        with pytest.raises(UserError, match=f"data.{key}: not a key of a run's data section"):
+            load_config(cfg_file, [f"data.{key}=1"])
+        assert key not in yaml.safe_load(template())["data"]
+    with pytest.raises(UserError, match=r"data.retriez: unknown key \(did you mean 'retries'\?\)"):
+        load_config(cfg_file, ["data.retriez=1"])

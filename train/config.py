@@ -33,7 +33,7 @@ from pydantic import (
 from ringfeed.errors import UserError
 from ringfeed.formats.manifest import ManifestError
 from ringfeed.formats.manifest_index import ManifestIndex, load_index
-from ringfeed.fsutil import parse_size
+from ringfeed.pipeline.config import PipelineConfig
 from ringfeed.train.horovod_env import launch_problem
 
 BUILTIN_MODELS = ("mlp", "cnn", "gpt")
@@ -72,57 +72,31 @@ class NormalizeSection(_Section):
     std: list[float]
 
 
-class DataSection(_Section):
+# PipelineConfig's keys that a run sets from elsewhere, and where
+RUN_OWNED_DATA_KEYS = {"split": "data.train_split and data.val_split",
+                       "seed": "train.seed (one seed for the model and the data order)",
+                       "read_ahead": "nothing: the loop reads ahead while the run goes on"}
+
+
+class DataSection(PipelineConfig):
+    """The pipeline's options (ringfeed.pipeline.PipelineConfig: every key declared there) plus
+    what a run adds: where train and val data are, the global batch and the model's fields."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
     train: str  # a shard dir/URL with manifest.json, or a list/brace pattern of shard URLs
     val: str | None = None  # default: the same source as `train` (its `val_split`)
     train_split: str = "train"
     val_split: str | None = "val"  # null: no validation
-    batch_size: PositiveInt = 32  # per rank, per micro-batch
     global_batch_size: PositiveInt | None = None  # if set: batch_size = this / (ranks * accumulate)
-    num_workers: NonNegativeInt = 0
-    shuffle: bool = True
-    shuffle_buffer: NonNegativeInt = 1000
     input_key: str | None = None  # default: inferred from the manifest's fields
     target_key: str | None = None
-    image_size: tuple[PositiveInt, PositiveInt] | None = None  # (height, width)
+    # A run's defaults differ from a bare pipeline's for these two:
     # images: {mean, std} per channel of x / 255; "auto": a table's features are standardised
     # with the train split's mean/std from the manifest (images are left as they are); null: off
     normalize: NormalizeSection | Literal["auto"] | None = "auto"
-    decode: str | None = None  # "module:function", called on each raw sample dict
-    transform: str | None = None  # "module:function", called on each decoded sample
-    on_error: Literal["skip", "fail"] = "skip"
-    balance: Literal["drop", "pad"] = "drop"
-    cache_dir: str | None = None
-    cache_limit: int | str | None = None  # bytes or '20GB'
-    prefetch: NonNegativeInt = 2
-    allow_pipe: bool = False
-    # Decoded fixed-shape samples cached as memory-mapped arrays under the cache dir, so later
-    # epochs skip reading and decoding: true, false, a directory, or "auto" (on when the
-    # split's decoded samples fit cache_limit; the pipeline decides).
+    # "auto": on when the split's decoded samples fit cache_limit (the pipeline decides)
     decoded_cache: bool | str = "auto"
-    # "cuda": JPEGs decoded on the GPU (nvJPEG via torchvision), for data too large for the
-    # decoded cache; framework torch only.
-    decode_device: Literal["cpu", "cuda"] = "cpu"
-    # > 1: each batch's images decode in this many threads of the reading process (the JPEG
-    # and PIL decoders release the GIL): cores used without loader worker processes.
-    decode_threads: NonNegativeInt = 0
-
-    @field_validator("decode", "transform")
-    @classmethod
-    def _hook(cls, v: str | None, info) -> str | None:
-        return _import_path_or_none(v, f"data.{info.field_name}")
-
-    @field_validator("decoded_cache")
-    @classmethod
-    def _decoded_cache(cls, v: bool | str) -> bool | str:
-        if isinstance(v, str) and not v.strip():
-            raise ValueError('expected true, false, "auto" or a directory')
-        return v
-
-    @field_validator("cache_limit")
-    @classmethod
-    def _size(cls, v: int | str | None) -> int | None:
-        return None if v is None else parse_size(v)
 
 
 class OptimSection(_Section):
@@ -255,7 +229,8 @@ class RunConfig(_Section):
         return self.data.val or self.data.train
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        dumped = self.model_dump(mode="json", exclude={"data": set(RUN_OWNED_DATA_KEYS)})
+        return yaml.safe_dump(dumped, sort_keys=False)
 
 
 def launcher_world_size() -> int:
@@ -285,6 +260,10 @@ def load_config(path: str | Path, overrides: list[str] = (), resume: str | None 
         if not isinstance(raw["checkpoint"], dict):
             raise UserError(f"{path}: checkpoint: expected a mapping")
         raw["checkpoint"]["resume"] = resume
+    data = raw.get("data")
+    for key, instead in RUN_OWNED_DATA_KEYS.items():
+        if isinstance(data, dict) and key in data:
+            raise UserError(f"{path}: data.{key}: not a key of a run's data section: set {instead}")
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as e:

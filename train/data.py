@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from ringfeed.errors import UserError
-from ringfeed.train.userhooks import load_callable
 
 CLASSIFY, LM, REGRESS = "classify", "lm", "regress"
 TARGET_NAMES = ("y", "label", "labels", "target", "targets", "cls")
@@ -53,39 +52,23 @@ class DataSpec:
 
 
 def make_pipeline(cfg, split: str, rank: int, world_size: int):
-    """The ShardPipeline for `split` ("train" or "val") of this rank."""
+    """The ShardPipeline for `split` ("train" or "val") of this rank: the data section's
+    options, with what differs between training and validation."""
     from ringfeed.pipeline import ShardPipeline
 
     d = cfg.data
     training = split == "train"
-    hooks = {name: load_callable(getattr(d, name), f"data.{name}") if getattr(d, name) else None
-             for name in ("decode", "transform")}
     return ShardPipeline(
-        d.train if training else cfg.val_source,
+        d.train if training else cfg.val_source, d, rank=rank, world_size=world_size,
         split=d.train_split if training else d.val_split,
-        batch_size=d.batch_size,
         seed=cfg.train.seed,
         shuffle=d.shuffle and training,
-        shuffle_buffer=d.shuffle_buffer,
-        rank=rank,
-        world_size=world_size,
-        num_workers=d.num_workers,
         # Validation pads instead of dropping: every sample is scored once, the padding is
         # masked out by __valid__, and all ranks still run the same number of batches.
         balance=d.balance if training else "pad",
-        image_size=d.image_size,
         # (auto: tables are standardised by split_batch; images are left as they are)
         normalize=None if d.normalize in (None, "auto") else (d.normalize.mean, d.normalize.std),
-        on_error=d.on_error,
-        cache_dir=d.cache_dir,
-        cache_limit=d.cache_limit,
-        prefetch=d.prefetch,
-        allow_pipe=d.allow_pipe,
-        read_ahead=training,  # the loop turns it off for the last epoch
-        decoded_cache=d.decoded_cache,
-        decode_device=d.decode_device,
-        decode_threads=d.decode_threads,
-        **hooks,
+        read_ahead=training,  # the loop says when no next epoch is coming
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from ringfeed.errors import UserError
 from ringfeed.train.config import BUILTIN_MODELS
 from ringfeed.train.data import DataSpec
-from ringfeed.train.userhooks import call_with_optional, load_callable
+from ringfeed.userhooks import call_with_optional, load_callable
 
 
 def build_model(framework: str, name: str, args: dict[str, Any], spec: DataSpec) -> Any:

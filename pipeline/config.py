@@ -1,0 +1,123 @@
+"""`PipelineConfig`: every option of a `ShardPipeline`, declared once.
+
+`ShardPipeline(source, PipelineConfig(...))` or `ShardPipeline(source, **options)` (the keywords
+fill a PipelineConfig); `ringfeed train`'s `data:` section is a subclass of it, so the YAML keys
+are these names. A new option is a field here plus the one stage that reads it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+)
+
+from ringfeed.fsutil import parse_size
+from ringfeed.pipeline.errors import PipelineError
+
+SampleFn = Callable[[dict[str, Any]], dict[str, Any]]
+IMPORT_PATH_HELP = "a function, or an import path 'module:function'"
+
+
+def _fspath(value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+PathStr = Annotated[str, BeforeValidator(_fspath)]
+
+
+class PipelineConfig(BaseModel):
+    """How a pipeline reads, decodes and batches; see pipeline/README.md for the guarantees."""
+
+    # Unknown keys are errors: a typo must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True,
+                              arbitrary_types_allowed=True)
+
+    split: str = Field("train", description="the manifest's split to read")
+    batch_size: PositiveInt = Field(32, description="samples per batch, per rank")
+    seed: int = Field(0, description="shuffle seed: the order is a function of (seed, epoch)")
+    shuffle: bool = Field(True, description="shuffle shards and samples each epoch")
+    shuffle_buffer: NonNegativeInt = Field(1000, description="samples in the shuffle buffer")
+    num_workers: NonNegativeInt = Field(0, description="worker streams (DataLoader workers)")
+    balance: Literal["drop", "pad"] = Field(
+        "drop", description="the epoch's tail: drop it, or pad with repeats (__valid__ False)")
+    decode: SampleFn | str | None = Field(
+        None, description=f"user decode of each raw sample dict: {IMPORT_PATH_HELP}")
+    transform: SampleFn | str | None = Field(
+        None, description=f"user transform of each decoded sample: {IMPORT_PATH_HELP}")
+    image_size: PositiveInt | tuple[PositiveInt, PositiveInt] | None = Field(
+        None, description="resize images to (height, width)")
+    normalize: tuple[Any, Any] | None = Field(
+        None, description="(mean, std) per channel of x / 255; None: uint8 pixels")
+    on_error: Literal["skip", "fail"] = Field(
+        "skip", description="a bad sample: replaced by a repeat and counted, or an error")
+    cache_dir: PathStr | None = Field(None, description="local shard cache (default: a temp dir)")
+    cache_limit: int | str | None = Field(None, description="cache bound, bytes or '20GB'")
+    prefetch: NonNegativeInt = Field(2, description="batches each stream reads ahead")
+    allow_pipe: bool = Field(False, description="allow `pipe:` shard URLs (runs a command)")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options for remote shards")
+    fields: dict[str, str] | None = Field(
+        None, description="extension -> kind, over the manifest's")
+    retries: NonNegativeInt = Field(3, description="download attempts per shard")
+    read_ahead: bool = Field(
+        False, description="start reading the next epoch when the last batch of one goes out")
+    decoded_cache: bool | PathStr = Field(
+        False, description='cache decoded samples: true, false, a directory or "auto"')
+    decode_device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="cuda: JPEGs decoded on the GPU by the torch adapter")
+    decode_threads: NonNegativeInt = Field(
+        0, description="> 1: a batch's images decode in this many threads")
+    indexed: bool = Field(True, description="read shards through their tar index")
+
+    @field_validator("decode", "transform")
+    @classmethod
+    def _hook(cls, v: SampleFn | str | None, info) -> SampleFn | str | None:
+        if isinstance(v, str) and not _is_import_path(v):
+            raise ValueError(f"{info.field_name} must be an import path 'module:function', "
+                             f"got {v!r}")
+        return v
+
+    @field_validator("decoded_cache")
+    @classmethod
+    def _decoded_cache(cls, v: bool | str) -> bool | str:
+        if isinstance(v, str) and not v.strip():
+            raise ValueError('expected true, false, "auto" or a directory')
+        return v
+
+    @field_validator("cache_limit")
+    @classmethod
+    def _size(cls, v: int | str | None) -> int | None:
+        return None if v is None else parse_size(v)
+
+
+def _is_import_path(value: str) -> bool:
+    module, sep, attr = value.partition(":")
+    return bool(sep) and all(p.isidentifier() for p in module.split(".")) and attr.isidentifier()
+
+
+def pipeline_config(config: PipelineConfig | None, options: dict[str, Any]) -> PipelineConfig:
+    """`config` with `options` over it (ShardPipeline's keywords); a bad value is one
+    PipelineError line naming the option."""
+    try:
+        if config is None:
+            return PipelineConfig(**options)
+        if not options and type(config) is PipelineConfig:
+            return config
+        # (a subclass, such as the train config's data section, carries keys of its own)
+        base = {k: getattr(config, k) for k in PipelineConfig.model_fields}
+        return PipelineConfig(**{**base, **options})
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "options"
+        raise PipelineError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
