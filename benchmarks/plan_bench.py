@@ -14,9 +14,9 @@ count), batch 32, 2 loader workers, shuffle buffer 1,000, balance drop, seed 0, 
   and its binary index `manifest.bin`, both written directly: no tar files), i.e. mapping the
   index, the shard table and the sample-count layout. "json" is the path it replaces (parse
   manifest.json into a Manifest, a ShardRef per shard, the counts array).
-- "old" is `pipeline.plan_reference` (the planner before issue 17), where it is feasible
-  (<= 10^7 samples; and 10^8 at 4,096 ranks in full mode); both plans' arrays are hashed and
-  compared ("same" in the JSON).
+- "old" is tests/plan_reference.py (the planner before issue 17, the tests' specification),
+  where it is feasible (<= 10^7 samples; and 10^8 at 4,096 ranks in full mode); both plans'
+  arrays are hashed and compared ("same" in the JSON).
 Every point runs in a fresh Python process (`plan_bench.py --point JSON`): seconds is the wall
 time of the planning alone; rss_mb is the process's peak resident set (VmHWM: interpreter,
 numpy and the layout included, what the goals are judged on); plan_mb is that
@@ -59,6 +59,7 @@ from common import (  # noqa: E402
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # plan_reference: the tests' oracle, not installed
 
 NAME = "plan_bench"
 SHARD_SIZE, BATCH, WORKERS, BUFFER, RESUME_AFTER = 1000, 32, 2, 1000, 50
@@ -145,7 +146,7 @@ def plan_rank(layout, point: dict[str, Any]) -> tuple[int, str]:
 
     module = P
     if point["planner"] == "old":
-        from ringfeed.pipeline import plan_reference as module  # type: ignore[no-redef]
+        import plan_reference as module  # type: ignore[no-redef]
     ranks = point["ranks"]
     config = P.SegmentConfig(ranks, WORKERS, BATCH, BUFFER, "drop")
     segments, rank = [P.Segment(config)], ranks - 1
@@ -179,10 +180,10 @@ def json_manifest_load(directory: Path) -> int:
 
 def measure(point: dict[str, Any]) -> dict[str, Any]:
     """Run one point in this (fresh) process."""
-    from ringfeed.pipeline import (
-        ShardPipeline,  # noqa: F401 - imported before the clock starts
-        plan_reference,  # noqa: F401
-    )
+    # both imported before the clock starts
+    import plan_reference  # noqa: F401
+
+    from ringfeed.pipeline import ShardPipeline
     from ringfeed.pipeline import plan as P
 
     if point["kind"] == "load":

@@ -1,5 +1,5 @@
 """The plan at internet scale (issue 17). `pipeline.plan` must give exactly the batches of the
-earlier whole-epoch planner (`pipeline.plan_reference`, kept as the specification), and keep the
+earlier whole-epoch planner (tests/plan_reference.py, kept as the specification), and keep the
 guarantees on its own: an exact partition of the epoch, determinism, every remaining sample
 once after resumes across 3 -> 2 -> 5 ranks, while a rank materialises only its own share.
 Sizes are small (or virtual: counts only); nothing here is timed."""
@@ -9,10 +9,10 @@ from __future__ import annotations
 import tracemalloc
 
 import numpy as np
+import plan_reference as R
 import pytest
 
 from ringfeed.pipeline import plan as P
-from ringfeed.pipeline import plan_reference as R
 
 UNEVEN = [1, 23, 3, 17, 2, 9, 5]  # tests/test_pipeline.py's layout
 

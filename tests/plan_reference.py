@@ -1,6 +1,7 @@
 """The planner as it was before issue 17, kept as the executable specification of the plan.
 
-Not used by the pipeline. `pipeline.plan` computes the same batches from shard-level prefix
+A test oracle, not part of the installed package (the pipeline never uses it): imported as
+`plan_reference` with tests/ on sys.path. `ringfeed.pipeline.plan` computes the same batches from shard-level prefix
 sums, materialising only one rank's ids; this version materialises the whole epoch order on
 every rank and replays every old (rank, worker) stream on a resume at another world size. The
 tests compare the two sample for sample (tests/test_plan_scale.py), and
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from ringfeed.pipeline.plan import (
     Layout,
     Segment,
