@@ -62,10 +62,13 @@ class Decoder:
         # image field: every batch then has the same fields.
         image_fields = [name for name, kind in self.fields.items() if kind == "image"]
         self._image_field = image_fields[0] if len(image_fields) > 1 else None
-        if self.normalize is not None:  # (x / 255 - mean) / std == x * scale - shift
+        # (x / 255 - mean) / std == x * scale - shift, float32 per channel: the one definition
+        # of normalized pixels, on the CPU (finish, finish_batch) and the GPU (the torch adapter)
+        self.pixel_scale: np.ndarray | None = None
+        self.pixel_shift: np.ndarray | None = None
+        if self.normalize is not None:
             mean, std = (np.asarray(v, dtype=np.float32) for v in self.normalize)
-            self._scale = 1.0 / (255.0 * std)
-            self._shift = mean / std
+            self.pixel_scale, self.pixel_shift = 1.0 / (255.0 * std), mean / std
 
     def kind(self, extension: str) -> str:
         kind = self._kinds.get(extension)
@@ -155,7 +158,7 @@ class Decoder:
                 and not isinstance(sample[name], (bytes, bytearray))]
 
     def _normalized(self, pixels: np.ndarray) -> np.ndarray:
-        return pixels.astype(np.float32) * self._scale - self._shift
+        return pixels.astype(np.float32) * self.pixel_scale - self.pixel_shift
 
     def decode_field(self, name: str, data: bytes) -> Any:
         kind = self.kind(name)

@@ -212,8 +212,8 @@ class TorchLoader:
         for name in decoder.image_fields_encoded(batch):
             pixels = decode_jpeg_batch(list(batch[name]), decoder.image_size, device)
             if decoder.normalize is not None:
-                scale = torch.as_tensor(decoder._scale, device=device)
-                shift = torch.as_tensor(decoder._shift, device=device)
+                scale = torch.as_tensor(decoder.pixel_scale, device=device)
+                shift = torch.as_tensor(decoder.pixel_shift, device=device)
                 pixels = pixels.float() * scale - shift
             batch[name] = pixels
         return batch
