@@ -443,7 +443,7 @@ def _runs_by_definition(needed, shard_of, pos_of):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_vectorised_runs_match_their_definition(seed):
-    from ringfeed.pipeline.stream import _runs
+    from ringfeed.pipeline.readplan import _runs
 
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 60))
