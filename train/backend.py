@@ -2,7 +2,10 @@
 
 A backend owns the model, the optimizer, the loss scaler and Horovod for one framework. The
 loop (train/loop.py) never touches tensors; it calls these methods with pipeline batches and
-plain Python numbers.
+plain Python numbers. `Backend` is the union of one small protocol per concern: StepBackend
+(the model and its train/eval steps), CheckpointBackend (payload and resume), Collectives
+(plain values across ranks), ReplicaSync (local SGD and allreduce traffic) and ElasticBackend
+(Horovod Elastic).
 """
 
 from __future__ import annotations
@@ -13,10 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ringfeed.errors import UserError
 from ringfeed.train.data import DataSpec
 from ringfeed.train.horovod_env import apply_horovod_env, check_controller
-
-from ringfeed.errors import UserError
 
 # Per-step agreement vector, allreduced with op=Average on every step. Any rank's request
 # makes the average > 0 on all ranks, so every rank takes the same decision at the same step.
@@ -87,7 +89,9 @@ class StepResult:
         return math.isfinite(self.loss)
 
 
-class Backend(Protocol):
+class StepBackend(Protocol):
+    """The model and its steps: build it, feed it, train and evaluate it."""
+
     name: str
     dist: Dist
 
@@ -105,8 +109,12 @@ class Backend(Protocol):
     def eval_batch(self, batch: dict[str, Any]) -> dict[str, float]:
         """Sums over the batch's valid samples: "count", "loss" and each metric."""
 
-    def allreduce_sum(self, values: dict[str, float]) -> dict[str, float]:
-        """Element-wise sum across ranks (same keys on every rank)."""
+    def weights(self) -> list[Any]:
+        """The model's parameters as numpy arrays (tests, equivalence checks)."""
+
+
+class CheckpointBackend(Protocol):
+    """Checkpoints (train/checkpoint.py writes the directory, the backend its payload)."""
 
     def rng_states(self) -> Any:
         """Collective: every rank's RNG state, gathered on rank 0 (None elsewhere)."""
@@ -121,16 +129,36 @@ class Backend(Protocol):
         """Collective: all ranks take rank 0's state (weights; after a resume also optimizer,
         scaler and, at the same world size, each rank's own RNG state)."""
 
+
+class Collectives(Protocol):
+    """Plain Python values across ranks: the loop's agreements, metrics and sample log."""
+
+    def allreduce_sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Element-wise sum across ranks (same keys on every rank)."""
+
     def broadcast_object(self, obj: Any) -> Any:
         """Collective: rank 0's `obj` on every rank."""
-
-    def weights(self) -> list[Any]:
-        """The model's parameters as numpy arrays (tests, equivalence checks)."""
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Collective: every rank's `obj`, in rank order, on every rank."""
 
-    # Elastic (train/elastic.py) --------------------------------------------------------------
+
+class ReplicaSync(Protocol):
+    """How the replicas stay one model (a gradient allreduce every step, or local SGD's
+    averaging every train.sync_every steps) and what that costs."""
+
+    def sync_replicas(self) -> None:
+        """Collective: average the replicas now if local SGD steps were taken since the last
+        sync (no-op for sync_every: 1, or right after a sync). Call before validation, every
+        checkpoint and the end of training, so they see one model, not rank 0's own."""
+
+    def comm_stats(self) -> dict[str, float]:
+        """This rank's gradient/parameter allreduce payload so far: CommStats.as_dict()."""
+
+
+class ElasticBackend(Protocol):
+    """Horovod Elastic for the framework (train/elastic.py)."""
+
     def refresh_dist(self) -> Dist:
         """Rank and size again, after Horovod was re-initialised at another world size."""
 
@@ -143,14 +171,10 @@ class Backend(Protocol):
     def after_rollback(self) -> None:
         """Drop what a step cut short by a failure left behind (partial gradients)."""
 
-    # Local SGD (train.sync_every) and communication -----------------------------------------
-    def sync_replicas(self) -> None:
-        """Collective: average the replicas now if local SGD steps were taken since the last
-        sync (no-op for sync_every: 1, or right after a sync). Call before validation, every
-        checkpoint and the end of training, so they see one model, not rank 0's own."""
 
-    def comm_stats(self) -> dict[str, float]:
-        """This rank's gradient/parameter allreduce payload so far: CommStats.as_dict()."""
+class Backend(StepBackend, CheckpointBackend, Collectives, ReplicaSync, ElasticBackend,
+              Protocol):
+    """Everything the loop needs from one framework (torch_backend.py, tf_backend.py)."""
 
 
 class StepCounting:

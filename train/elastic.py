@@ -24,16 +24,17 @@ from the pipeline's position. Checkpoints are still written to disk every
 `checkpoint.every_steps` for restarts of the whole job.
 
 `ElasticRun` is a strategy the loop (train/loop.py) holds and calls: `run()` in place of the
-loop's start/train/wrap_up, `after_step()` after every step.
+loop's start/train/wrap_up, `after_step()` after every step. It owns Horovod's elastic State;
+the trainer's own state changes only through the trainer's methods (`progress()` for a commit,
+`rejoin()` after a reset, `count_elastic_reset()`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ringfeed.train.runstate import Recovery, SignalRequests, TrainState
+from ringfeed.train.runstate import Recovery, SignalRequests
 
 if TYPE_CHECKING:  # (type hints only: the loop imports this module)
     from ringfeed.train.loop import Trainer
@@ -62,17 +63,16 @@ class ElasticRun:
         """One stretch of training at one world size; runs again after every reset."""
         t = self.trainer
         first = state.progress is None
-        self._adopt(state)
+        # the committed state (synced from rank 0) at this worker's rank and size
+        t.rejoin(t.backend.refresh_dist(), Recovery(**state.recovery), state.progress)
         if first:  # the checkpoint on disk, if any; errors agreed across ranks
             t.start(note=f"; elastic, commit every {t.cfg.elastic.commit_every_steps} steps")
         else:
             # Rank 0 lived through the reset (Horovod keeps the oldest hosts first); a worker
             # that just joined learns from it what the reset cost.
             lost = t.backend.broadcast_object(self.lost_steps)
+            t.count_elastic_reset(lost)
             r = t.recovery
-            r.elastic_resets += 1
-            r.rollbacks += int(lost > 0)
-            r.steps_redone += lost
             rolled = f"rolled back {lost} step(s); " if lost else ""
             t.start(resume=False, note=(
                 f"\nelastic: {t.dist.size} rank(s) from step {t.state.step} (epoch "
@@ -84,21 +84,6 @@ class ElasticRun:
         stopped = t.train(signals)
         t.wrap_up(stopped)
         return stopped
-
-    def _adopt(self, state: Any) -> None:
-        """Take the committed state (synced from rank 0) at this worker's rank and size."""
-        t = self.trainer
-        before = t.dist
-        t.dist = t.backend.refresh_dist()
-        if (before.rank, before.size) != (t.dist.rank, t.dist.size):
-            t.build_pipelines()
-        t.recovery = Recovery(**state.recovery)
-        if state.progress is not None:
-            progress = dict(state.progress)
-            t.train_pipe.load_state_dict(progress.pop("pipeline"))
-            checkpoint = progress.pop("last_checkpoint")
-            t.state = TrainState(**progress,
-                                 last_checkpoint=Path(checkpoint) if checkpoint else None)
 
     def _on_reset(self) -> None:
         """After a failure (the state already restored to the last commit) or a host change.
@@ -117,10 +102,6 @@ class ElasticRun:
         Horovod keeps references to the committed values)."""
         t = self.trainer
         t.flush_sample_log()  # samples.jsonl holds every committed step
-        progress = asdict(t.state)
-        progress["last_checkpoint"] = (str(t.state.last_checkpoint)
-                                       if t.state.last_checkpoint else None)
-        progress["pipeline"] = t.train_pipe.state_dict()
-        self.state.progress = progress
+        self.state.progress = t.progress()
         self.state.recovery = asdict(t.recovery)
         self.state.commit()

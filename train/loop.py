@@ -16,7 +16,8 @@
 validation and checkpoints are functions of it; the pipeline's own state (epoch, batches
 consumed) travels in every checkpoint so a resumed run sees exactly the batches it would have.
 Elastic runs (train/elastic.py) wrap train() and wrap_up() in Horovod Elastic's retry loop and
-commit every N steps: a strategy the loop calls, not a subclass.
+commit every N steps: a strategy the loop calls, not a subclass, which changes the trainer only
+through its methods (progress() to commit, rejoin() after a reset, count_elastic_reset()).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ringfeed.errors import UserError
+from ringfeed.fsutil import atomic_write_text
 from ringfeed.train import faults
 from ringfeed.train.backend import Backend, Dist, StepResult
 from ringfeed.train.checkpoint import (
@@ -50,9 +54,6 @@ from ringfeed.train.metrics import RunLogger, SampleLog, Throughput
 from ringfeed.train.runstate import Recovery, SignalRequests, TrainState
 from ringfeed.train.schedule import LRSchedule, make_schedule
 from ringfeed.train.supervise import RESTART_ENV
-
-from ringfeed.errors import UserError
-from ringfeed.fsutil import atomic_write_text
 
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # what a shell reports for a job ended by SIGTERM
 
@@ -102,7 +103,7 @@ class Trainer:
 
     cfg: RunConfig
     backend: Backend
-    dist: Dist  # this rank and the world size (changes in elastic runs)
+    dist: Dist  # this rank and the world size (rejoin() changes it in elastic runs)
     elastic: ElasticRun | None
     state: TrainState
     recovery: Recovery
@@ -406,6 +407,39 @@ class Trainer:
             return
         state.last_checkpoint = checkpoint_path(cfg.checkpoint_dir, state.step)
         state.saved_step = state.step
+
+    # -- elastic resets (train/elastic.py calls these) ----------------------------------------
+    def progress(self) -> dict[str, Any]:
+        """The run's position as plain values, what an elastic commit holds: the TrainState
+        (the checkpoint path as text) and the train pipeline's state."""
+        progress = asdict(self.state)
+        progress["last_checkpoint"] = (str(self.state.last_checkpoint)
+                                       if self.state.last_checkpoint else None)
+        progress["pipeline"] = self.train_pipe.state_dict()
+        return progress
+
+    def rejoin(self, dist: Dist, recovery: Recovery, progress: dict[str, Any] | None) -> None:
+        """Go on after Horovod (re-)formed the ring: as `dist` (pipelines rebuilt if the rank
+        or world size changed), with the commit's recovery counts and its progress (what
+        progress() returned on rank 0; None before the first commit)."""
+        before, self.dist = self.dist, dist
+        if (before.rank, before.size) != (dist.rank, dist.size):
+            self.build_pipelines()
+        self.recovery = recovery
+        if progress is not None:
+            progress = dict(progress)
+            self.train_pipe.load_state_dict(progress.pop("pipeline"))
+            checkpoint = progress.pop("last_checkpoint")
+            self.state = TrainState(**progress,
+                                    last_checkpoint=Path(checkpoint) if checkpoint else None)
+
+    def count_elastic_reset(self, lost_steps: int) -> None:
+        """Count an elastic reset; the `lost_steps` trained past the last commit are redone (a
+        rollback when there are any)."""
+        r = self.recovery
+        r.elastic_resets += 1
+        r.rollbacks += int(lost_steps > 0)
+        r.steps_redone += lost_steps
 
     # -- logs and teardown -------------------------------------------------------------------
     def open_logs(self) -> None:
