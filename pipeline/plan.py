@@ -27,7 +27,7 @@ a position of L maps to its id through prefix sums of the shard counts in epoch 
 (rank, worker) stream consumed is a count known from arithmetic, so a position of L_{k+1}
 maps to the one old stream range it falls in, and only the shuffle buffers of the old streams
 the rank's positions fall in are re-simulated (to learn which of their slots are still
-resident). `pipeline.plan_reference` is the earlier whole-epoch implementation; both give the
+resident). `tests/plan_reference.py` is the earlier whole-epoch implementation (a test oracle); both give the
 same batches (tests/test_plan_scale.py).
 """
 
@@ -172,7 +172,7 @@ def shuffle_order(n: int, buffer: int, rng: np.random.Generator | None,
     function of (n, buffer, rng). `limit` stops after that many emissions (for replay); the
     first `limit` emissions need only the first `limit` draws, so a replay costs O(limit + K).
     Vectorised while slots still enter (see `_fill_phase`); the final drain of <= `buffer`
-    slots is a Python loop. Same order, draw for draw, as `plan_reference.shuffle_order`.
+    slots is a Python loop. Same order, draw for draw, as tests/plan_reference.py:shuffle_order.
     """
     limit = n if limit is None else max(0, min(limit, n))
     if rng is None or buffer <= 0 or n <= 1:

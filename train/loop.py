@@ -202,7 +202,7 @@ class Trainer:
             pipe.set_epoch(pipe.epoch + 1)
         state.epoch = pipe.epoch
         # read the next epoch ahead only if the run goes on into it
-        pipe.read_ahead = state.step + pipe.batches_remaining // k < self.total_steps
+        pipe.expect_next_epoch(state.step + pipe.batches_remaining // k < self.total_steps)
         for micro, waited in micro_batch_groups(self.loader, k):
             if self.step(micro, waited, signals):
                 return True

@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
+
 from ringfeed.train.backend import (
     STATS_LOSS,
     CommStats,
@@ -45,7 +46,7 @@ from ringfeed.train.backend import (
 from ringfeed.train.data import REGRESS, DataSpec, split_batch
 from ringfeed.train.losses import regression_fns
 from ringfeed.train.models import build_model
-from ringfeed.train.userhooks import load_callable
+from ringfeed.userhooks import load_callable
 
 CHECKPOINT_PREFIX = "tf_checkpoint"
 POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}

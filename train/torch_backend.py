@@ -25,6 +25,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
+
 from ringfeed.train.backend import (
     CommStats,
     Dist,
@@ -38,7 +39,7 @@ from ringfeed.train.checkpoint import open_for_write
 from ringfeed.train.data import REGRESS, DataSpec, split_batch
 from ringfeed.train.losses import regression_fns
 from ringfeed.train.models import build_model
-from ringfeed.train.userhooks import load_callable
+from ringfeed.userhooks import load_callable
 
 STATE_FILE = "state.pt"
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
