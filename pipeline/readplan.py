@@ -9,10 +9,20 @@ arithmetic, vectorised: a rank's share of a 10^6-shard epoch may be 10^5+ runs.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 
 from ringfeed.pipeline.plan import Layout, WorkerPlan
+
+
+class Chunk(NamedTuple):
+    """The slots of one batch (or the stream's last, shorter one) and the runs they read."""
+
+    first: int  # emission index of its first slot
+    slots: np.ndarray
+    runs: np.ndarray  # the run of each slot
+    used: list[int]  # the distinct runs, ascending
 
 
 class ReadPlan:
@@ -28,11 +38,13 @@ class ReadPlan:
         self.last_use = np.full(len(self.run_shard), -1, dtype=np.int64)
         np.maximum.at(self.last_use, self.run_of[needed], np.arange(len(needed)))
 
-    def chunks(self) -> Iterator[tuple[int, np.ndarray]]:
-        """(emission index of its first slot, slots): the needed slots a batch at a time."""
+    def chunks(self) -> Iterator[Chunk]:
+        """The needed slots a batch at a time."""
         b = self.batch_size
         for first in range(0, len(self.needed), b):
-            yield first, self.needed[first:first + b]
+            slots = self.needed[first:first + b]
+            runs = self.run_of[slots]
+            yield Chunk(first, slots, runs, np.unique(runs).tolist())
 
     def run_positions(self, run: int) -> set[int]:
         """The positions run `run` reads in its shard."""

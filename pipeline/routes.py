@@ -27,7 +27,7 @@ from ringfeed.pipeline.batch import collate, gather, stack
 from ringfeed.pipeline.decode import Decoder
 from ringfeed.pipeline.decoded_cache import CachedShard
 from ringfeed.pipeline.errors import PipelineDataError
-from ringfeed.pipeline.readplan import ReadPlan
+from ringfeed.pipeline.readplan import Chunk, ReadPlan
 from ringfeed.pipeline.shardread import BadSample, IndexedSamples
 from ringfeed.pipeline.stats import StreamCounters
 
@@ -72,30 +72,28 @@ class DecodedBatches:
                  counters: StreamCounters) -> None:
         self.decoder, self.reads, self.good, self.counters = decoder, reads, good, counters
 
-    def applies(self, chunk: np.ndarray, sources: Sources) -> bool:
+    def applies(self, chunk: Chunk, sources: Sources) -> bool:
         """A full batch, no transform (it must see every sample), and all its shards decoded
         entries of one layout that has the stream's fields."""
-        if len(chunk) < self.reads.batch_size or self.decoder.transform is not None:
+        if len(chunk.slots) < self.reads.batch_size or self.decoder.transform is not None:
             return False
-        entries = [sources[r] for r in np.unique(self.reads.run_of[chunk]).tolist()]
+        entries = [sources[r] for r in chunk.used]
         if not all(isinstance(e, CachedShard) for e in entries):
             return False
         layout = entries[0].layout
         return all(e.layout == layout for e in entries) and self.good.matches(layout)
 
-    def read(self, chunk: np.ndarray, sources: Sources) -> Assembled:
-        reads, counts = self.reads, self.counters.counts
-        runs = reads.run_of[chunk]
-        used = np.unique(runs).tolist()
+    def read(self, chunk: Chunk, sources: Sources) -> Assembled:
+        reads, counts, used, runs = self.reads, self.counters.counts, chunk.used, chunk.runs
         entries = [sources[r] for r in used]
-        positions = reads.pos_of[chunk]
+        positions = reads.pos_of[chunk.slots]
         arrays, keys = gather(entries, positions, np.searchsorted(used, runs))
-        valid = reads.valid[chunk]
+        valid = reads.valid[chunk.slots]
         counts["padded"] += int(len(valid) - valid.sum())
-        counts["cached_samples"] += len(chunk)
+        counts["cached_samples"] += len(chunk.slots)
         last = entries[used.index(int(runs[-1]))]
         self.good.accept(self.decoder.finish(last.sample(int(positions[-1]))), keys[-1])
-        return Assembled(self.decoder.finish_batch(arrays), keys, reads.ids[chunk], valid)
+        return Assembled(self.decoder.finish_batch(arrays), keys, reads.ids[chunk.slots], valid)
 
 
 class ColumnBatches:
@@ -103,20 +101,19 @@ class ColumnBatches:
                  counters: StreamCounters) -> None:
         self.decoder, self.reads, self.good, self.counters = decoder, reads, good, counters
 
-    def applies(self, chunk: np.ndarray, sources: Sources) -> bool:
+    def applies(self, chunk: Chunk, sources: Sources) -> bool:
         """A full batch from indexed shards, and no user decode or transform (they must see
         every sample)."""
         decoder = self.decoder
-        if len(chunk) < self.reads.batch_size or decoder.transform is not None \
+        if len(chunk.slots) < self.reads.batch_size or decoder.transform is not None \
                 or decoder.decode is not None:
             return False
-        return all(type(sources[r]) is IndexedSamples
-                   for r in np.unique(self.reads.run_of[chunk]).tolist())
+        return all(type(sources[r]) is IndexedSamples for r in chunk.used)
 
-    def read(self, chunk: np.ndarray, sources: Sources) -> Assembled:
+    def read(self, chunk: Chunk, sources: Sources) -> Assembled:
         """Raises Fallback when a sample is unreadable, undecodable or has other fields."""
         reads = self.reads
-        runs, positions = reads.run_of[chunk].tolist(), reads.pos_of[chunk].tolist()
+        runs, positions = chunk.runs.tolist(), reads.pos_of[chunk.slots].tolist()
         raws: list[Any] = []
         i = 0
         while i < len(runs):  # stretches of the batch from one shard: read together
@@ -136,10 +133,10 @@ class ColumnBatches:
         keys = [raw["__key__"] for raw in raws]
         self.good.accept({name: values[-1] for name, values in columns.items()}, keys[-1])
         self.counters.counts["samples_read"] += len(raws)
-        valid = reads.valid[chunk]
+        valid = reads.valid[chunk.slots]
         self.counters.counts["padded"] += int(len(valid) - valid.sum())
         fields = self.decoder.finish_batch({name: stack(v) for name, v in columns.items()})
-        return Assembled(fields, keys, reads.ids[chunk], valid)
+        return Assembled(fields, keys, reads.ids[chunk.slots], valid)
 
 
 class SampleBatches:
@@ -161,11 +158,11 @@ class SampleBatches:
         """Nothing held back: the next batch may take another route."""
         return not self.items and not self.pending
 
-    def add(self, chunk: np.ndarray, sources: Sources) -> Iterator[Assembled]:
+    def add(self, chunk: Chunk, sources: Sources) -> Iterator[Assembled]:
         """Read `chunk`'s samples, yielding each batch as it completes."""
-        b, run_of = self.reads.batch_size, self.reads.run_of
-        for slot in chunk.tolist():
-            self._add(slot, sources[run_of[slot]])
+        b = self.reads.batch_size
+        for slot, run in zip(chunk.slots.tolist(), chunk.runs.tolist(), strict=True):
+            self._add(slot, sources[run])
             while not self.pending and len(self.items) >= b:
                 yield self._assemble(self.items[:b])
                 del self.items[:b]

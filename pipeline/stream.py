@@ -32,7 +32,7 @@ from ringfeed.pipeline.decode import Decoder
 from ringfeed.pipeline.decoded_cache import DecodedStore
 from ringfeed.pipeline.opener import ShardOpener
 from ringfeed.pipeline.plan import Layout, SegmentPlan, WorkerPlan, consumed_by_worker
-from ringfeed.pipeline.readplan import ReadPlan
+from ringfeed.pipeline.readplan import Chunk, ReadPlan
 from ringfeed.pipeline.routes import (
     Assembled,
     ColumnBatches,
@@ -107,18 +107,18 @@ class WorkerStream:
                                 f"worker stream {self.w} of this rank")
         local_batch = self.skip
         try:
-            for first, chunk in reads.chunks():
-                sources = shards.open_through(int(reads.run_of[chunk].max()))
+            for chunk in reads.chunks():
+                sources = shards.open_through(chunk.used[-1])
                 for assembled in self._assemble(chunk, sources, whole_batch_routes, samples):
                     yield self._booked(assembled, local_batch)
                     local_batch += 1
-                shards.close_finished(first + len(chunk) - 1)
+                shards.close_finished(chunk.first + len(chunk.slots) - 1)
             samples.finish()
         finally:
             shards.close()
 
     @staticmethod
-    def _assemble(chunk: np.ndarray, sources: dict[int, Any],
+    def _assemble(chunk: Chunk, sources: dict[int, Any],
                   whole_batch_routes: tuple[DecodedBatches, ColumnBatches],
                   samples: SampleBatches) -> Iterator[Assembled]:
         """The first whole-batch route that applies (none while samples are held back), else
