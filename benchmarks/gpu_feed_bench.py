@@ -6,7 +6,7 @@ for the same number of steps on 64x64 JPEG shards fed by each contender, in one 
   a. in-memory bound: one uint8 batch already on the GPU (what the model alone can eat);
   b. bare webdataset: `WebDataset(urls).shuffle(1000).decode("rgb8").to_tuple("jpg", "cls")
      .batched(b)` + torch DataLoader (W workers, pin_memory), batches moved with non_blocking;
-  c. ringfeed: `ShardPipeline` + `pipeline.torch.make_loader` (W workers, decode threads),
+  c. ringfeed: `ShardPipeline` + `ringfeed.pipeline.torch.make_loader` (W workers, decode threads),
      decoded cache off, and warm (epochs after the one that filled it).
 
 Every contender converts the uint8 NHWC batch to float and normalises it on the device, then

@@ -1,6 +1,6 @@
 """Pipeline benchmark: ringfeed's ShardPipeline against its peers, in the same run.
 
-1. Decoded samples/s: ringfeed (`pipeline.torch.make_loader`) vs bare `webdataset.WebDataset`
+1. Decoded samples/s: ringfeed (`ringfeed.pipeline.torch.make_loader`) vs bare `webdataset.WebDataset`
    (+ DataLoader), same shards, same work (PNG -> uint8 HWC array, class int, shuffle buffer,
    batches of 32), for W = 1 and 2 loader workers. Goal: ratio >= 0.95.
 2. Raw shard bytes/s: ringfeed reading every sample without decoding (fields as bytes) vs

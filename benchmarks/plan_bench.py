@@ -7,7 +7,7 @@ resumed at another world size, and of loading the manifest, by simulation (no la
 Layouts are synthetic: shards of ~1,000 samples (500-1,500, summing exactly to the sample
 count), batch 32, 2 loader workers, shuffle buffer 1,000, balance drop, seed 0, epoch 0.
 - fresh: the plan of the last rank (every worker's slots, validity and emission order), what a
-  rank computes before its first batch (`pipeline.plan.plan_segments` + `SegmentPlan.worker`).
+  rank computes before its first batch (`ringfeed.pipeline.plan.plan_segments` + `SegmentPlan.worker`).
 - resume: the epoch ran min(50, B/2) batches on N ranks and resumes on N/2 (4 for 8); the plan
   of the new last rank.
 - manifest load: a `ShardPipeline` built over a synthetic manifest of S shards (manifest.json

@@ -2,7 +2,7 @@
 webdataset's ShardWriter, tarp, ...) a manifest, so the pipeline can balance and verify them.
 
 Each tar is read: samples counted as webdataset groups them, sha256, size, and the member
-extensions seen (-> fields), and its tar index (`pipeline.tarindex`) built. The class ids in
+extensions seen (-> fields), and its tar index (`ringfeed.formats.tarindex`) built. The class ids in
 `cls` members are counted (-> the manifest's `classes`, so the trainer infers num_classes). A shard's split comes
 from its name (`train-000.tar`, `val_3.tar`, ...), else `train`, or `--split` for all. Shard names
 in the manifest are relative to OUT (OUT defaults to SRC, so the manifest sits beside the shards).

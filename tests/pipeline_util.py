@@ -1,6 +1,6 @@
 """Shard fixtures and local servers for the pipeline tests (real tars, real servers, 127.0.0.1).
 
-Shards are written with webdataset.TarWriter and described by a shards.manifest.Manifest, as
+Shards are written with webdataset.TarWriter and described by a ringfeed.formats.manifest.Manifest, as
 `ringfeed shard` does. Sample `g` (global id, manifest order) has key `s{shard}_{pos}`,
 `cls` = g % 10 and `npy` = [g, 2g] (int64), so every decoded value names its sample.
 

@@ -1,4 +1,4 @@
-"""The plan at internet scale (issue 17). `pipeline.plan` must give exactly the batches of the
+"""The plan at internet scale (issue 17). `ringfeed.pipeline.plan` must give exactly the batches of the
 earlier whole-epoch planner (tests/plan_reference.py, kept as the specification), and keep the
 guarantees on its own: an exact partition of the epoch, determinism, every remaining sample
 once after resumes across 3 -> 2 -> 5 ranks, while a rank materialises only its own share.

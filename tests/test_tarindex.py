@@ -1,4 +1,4 @@
-"""pipeline.tarindex: the index yields what webdataset's tar iterator yields (ringfeed's own shards
+"""ringfeed.formats.tarindex: the index yields what webdataset's tar iterator yields (ringfeed's own shards
 and foreign ones with pax/GNU long names, subdirectories, multi-dot and upper-case extensions,
 directories and meta files), from any sample on; the writer's sidecars are build_index's;
 intact_samples catches truncation, overwritten headers and indexes of other shards; damaged

@@ -36,7 +36,7 @@ counts (`num_classes` = largest id + 1, or the number of class names). Both are 
 unknown.
 
 `index` (optional; null or absent in manifests written before indexes, and for shards without
-one) names the shard's tar index sidecar (`pipeline.tarindex`), relative to the manifest like
+one) names the shard's tar index sidecar (`tarindex.py`), relative to the manifest like
 `name`: `ringfeed shard` writes `<shard name>.idx` beside each shard; `--format wds-index`
 writes `<shard path relative to OUT>.idx`, or `index/<sha256[:16]>-<file name>.idx` under OUT
 when that path leaves OUT (`..`).

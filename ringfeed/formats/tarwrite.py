@@ -7,7 +7,7 @@ starting with `_` left out), in the same tar format, but not through TarWriter:
 - TarWriter opens tarfile's stream mode, which copies each member in 10 KB records. Here each
   member's bytes go to the 1 MB-buffered file in one write.
 
-Beside each shard goes its index sidecar (`train-000000.tar.idx`, `pipeline.tarindex`): every
+Beside each shard goes its index sidecar (`train-000000.tar.idx`, `tarindex.py`): every
 sample's key and every member's data offset and size, recorded while the tar is written.
 
 Fixed mtime, owner and mode make a shard's bytes a function of its samples alone, so any
@@ -31,7 +31,7 @@ TAR_MODE = 0o444
 
 class SampleTarWriter:
     """Samples (`{"__key__": KEY, EXT: bytes, ...}`) -> tar members `KEY.EXT`, fixed headers,
-    and the tar's index (`pipeline.tarindex`): each member's data offset is known as it is
+    and the tar's index (`tarindex.py`): each member's data offset is known as it is
     written, so the index needs no second pass over the tar.
 
     The bytes are those of tarfile's `addfile` + `close` (the header from `TarInfo.tobuf`, the
