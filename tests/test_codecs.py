@@ -490,7 +490,7 @@ def test_jpeg_channels_without_simplejpeg_agrees(monkeypatch):
 def test_importing_the_modules_needs_no_torch():
     import subprocess
 
-    code = ("import sys; import pipeline.codecs, pipeline.gpu_decode; "
+    code = ("import sys; import ringfeed.pipeline.codecs, ringfeed.pipeline.gpu_decode; "
             "assert 'torch' not in sys.modules and 'torchvision' not in sys.modules")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=str(__import__("pathlib").Path(__file__).parent.parent))

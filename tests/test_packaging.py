@@ -3,6 +3,7 @@ pipeline.py and shards.py beside their script shadow nothing of it."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import zipfile
@@ -11,9 +12,23 @@ from pathlib import Path
 import pytest
 from helpers import BIN, REPO, test_env
 
-pytestmark = pytest.mark.system  # builds a wheel, runs the CLI
+# A statement `import pipeline` / `from train.cli import main`, in code or in a command string,
+# or `python -m` of one of the folders: from the repository root these still import the
+# folders, as other modules than ringfeed's
+BARE_IMPORT = re.compile(r"(?:^[ \t]*|[\"';][ \t]*)(?:from|import)[ \t]+(?:pipeline|train|shards)"
+                         r"(?:[.\s]|$)|-m[ \t]+(?:pipeline|train|shards)\b", re.M)
 
 
+def test_nothing_imports_the_folders_as_top_level_packages() -> None:
+    skip = {".venv", ".git", "build", "demo-out", "runs"}
+    files = [p for p in REPO.rglob("*") if p.suffix in (".py", ".sh", ".sbatch", ".def")
+             and not skip.intersection(p.relative_to(REPO).parts) and p.is_file()]
+    bad = [f"{p.relative_to(REPO)}: {m.group(0).strip()}" for p in files
+           for m in BARE_IMPORT.finditer(p.read_text(errors="replace"))]
+    assert len(files) > 100 and not bad, bad
+
+
+@pytest.mark.system  # builds a wheel
 def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                           "-q", "-w", str(tmp_path), str(REPO)], capture_output=True, text=True,
@@ -28,6 +43,7 @@ def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
         assert f"ringfeed/{sub}" in names, sub
 
 
+@pytest.mark.system  # runs Python and the CLI
 def test_a_users_own_modules_shadow_nothing(tmp_path: Path) -> None:
     for name in ("train", "pipeline", "shards"):
         (tmp_path / f"{name}.py").write_text("raise ImportError('the user file was imported')\n")

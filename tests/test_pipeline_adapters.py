@@ -39,7 +39,8 @@ def tf_batches(dataset) -> list[dict]:
 
 @pytest.mark.system
 def test_import_pipeline_loads_neither_torch_nor_tf():
-    code = ("import sys, pipeline; bad = [m for m in ('torch', 'tensorflow') if m in sys.modules];"
+    code = ("import sys; from ringfeed.pipeline import ShardPipeline, PipelineConfig; "
+            "bad = [m for m in ('torch', 'tensorflow') if m in sys.modules];"
             " print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=60)

@@ -339,7 +339,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, images):
 @pytest.mark.system
 def test_sharding_does_not_import_torch(tmp_path, images):
     # importing webdataset imports torch: ~2 s of CPU per process, for a job that needs none
-    code = ("import sys; from train.cli import main; "
+    code = ("import sys; from ringfeed.train.cli import main; "
             f"code = main(['shard', {str(images)!r}, {str(tmp_path / 'out')!r}, "
             "'--format', 'imagefolder', '--no-progress']); "
             "print(code, sorted(m for m in ('torch', 'tensorflow', 'webdataset') if m in sys.modules))")

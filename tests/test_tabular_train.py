@@ -196,7 +196,7 @@ def test_readme_recipes_run_as_written(tmp_path):
 # -- bounded memory ------------------------------------------------------------------------
 # The child's own peak RSS: VmHWM of its address space (getrusage's ru_maxrss would carry the
 # parent's peak across fork + exec).
-PEAK = ("import re, sys; from train.cli import main; code = main(sys.argv[1:]); "
+PEAK = ("import re, sys; from ringfeed.train.cli import main; code = main(sys.argv[1:]); "
         "status = open('/proc/self/status').read(); "
         "print('maxrss_kb', re.search(r'VmHWM:\\s*(\\d+)', status).group(1)); sys.exit(code)")
 BUDGET_MB = 120  # over the interpreter's own peak (imports, a tiny table)
