@@ -116,16 +116,37 @@ def test_decoded_cache_batches_equal_a_fresh_decode(shard_dir, tmp_path, workers
         assert stats["cached_samples"] > 0
 
 
+@pytest.mark.system  # torch loader worker processes; importing TensorFlow starts a subprocess
 def test_decoded_cache_through_torch_workers_and_tf(shard_dir, tmp_path):
+    """The decoded cache filled by one epoch serves the next ones through both adapters - read
+    from it (decoded_hits counted, nothing read from the tars) and equal to decoding afresh."""
+    from ringfeed.pipeline.tf import make_dataset
     from ringfeed.pipeline.torch import make_loader
 
-    reference = epoch(make(shard_dir, tmp_path / "plain", num_workers=2), 1)
+    def as_numpy(batch: dict) -> dict:
+        return {k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in batch.items()}
+
+    plain = make(shard_dir, tmp_path / "plain", num_workers=2)
+    reference = {e: epoch(plain, e) for e in (1, 2)}
     warm = make(shard_dir, tmp_path / "c", num_workers=2, decoded_cache=True)
     epoch(warm, 0)
+    assert warm.stats()["decoded_cache_writes"] == len(SIZES)
+    before = warm.stats()
     warm.set_epoch(1)
-    got = [{k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in b.items()}
-           for b in make_loader(warm)]
-    assert_same(got, reference)
+    assert_same([as_numpy(b) for b in make_loader(warm)], reference[1])
+    hits = warm.stats()
+    assert hits["decoded_cache_hits"] > before["decoded_cache_hits"]
+    assert hits["samples_read"] == before["samples_read"]  # no tar read: all from the cache
+    warm.set_epoch(2)
+    got = []
+    for batch in make_dataset(warm):
+        batch = as_numpy(batch)
+        batch["__key__"] = [k.decode() for k in batch["__key__"]]
+        got.append(batch)
+    assert_same(got, reference[2])
+    after = warm.stats()
+    assert after["decoded_cache_hits"] > hits["decoded_cache_hits"]
+    assert after["samples_read"] == before["samples_read"]
 
 
 def test_transform_runs_every_epoch_on_cached_pixels(shard_dir, tmp_path):
