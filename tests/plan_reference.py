@@ -11,28 +11,53 @@ benchmarks/plan_bench.py measures both where this one is still feasible.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ringfeed.pipeline.plan import (
-    Layout,
-    Segment,
-    SegmentConfig,
-    WorkerPlan,
-    batches_for,
-    consumed_by_worker,
-    worker_batches,
-)
+# Nothing is imported from the planner this checks: the arithmetic below is written out again,
+# the plain way. It reads only the sample counts of a layout and the settings of a segment
+# (config: world_size, streams, batch_size, shuffle_buffer, balance; batches_consumed).
 
 
-def epoch_order(layout: Layout, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+def batches_for(n: int, world_size: int, batch_size: int, balance: str) -> int:
+    """drop: whole batches of the floor share; pad: batches covering the ceiling share."""
+    if balance == "drop":
+        return (n // world_size) // batch_size
+    per_rank = n // world_size + (1 if n % world_size else 0)
+    return per_rank // batch_size + (1 if per_rank % batch_size else 0)
+
+
+def worker_batches(total: int, streams: int, w: int) -> int:
+    """The rank's batches go round-robin: batch t to worker t % streams."""
+    return len(range(w, total, streams))
+
+
+def consumed_by_worker(t: int, streams: int, w: int) -> int:
+    """Of the rank's first t batches, those worker w made."""
+    return len(range(w, t, streams))
+
+
+@dataclass(frozen=True)
+class ReferenceWorkerPlan:
+    ids: np.ndarray
+    valid: np.ndarray
+    order: np.ndarray
+    num_batches: int
+    batch_size: int
+
+
+def epoch_order(layout: Any, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     """L: every global id of the epoch, shards in (shuffled) order, tar order within a shard."""
-    n_shards = len(layout.counts)
+    counts = [int(c) for c in layout.counts]
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    n_shards = len(counts)
     order = (np.random.default_rng([seed, epoch]).permutation(n_shards) if shuffle
              else np.arange(n_shards))
     if n_shards == 0:
         return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(layout.offsets[s], layout.offsets[s + 1]) for s in order])
+    return np.concatenate([np.arange(starts[s], starts[s] + counts[s], dtype=np.int64)
+                           for s in order])
 
 
 def shuffle_order(n: int, buffer: int, rng: np.random.Generator | None,
@@ -67,7 +92,7 @@ def shuffle_order(n: int, buffer: int, rng: np.random.Generator | None,
 @dataclass(frozen=True)
 class ReferenceSegmentPlan:
     index: int
-    config: SegmentConfig
+    config: Any  # the segment's settings
     remaining: np.ndarray  # L_k, materialised
     batches: int
     seed: int
@@ -90,7 +115,7 @@ class ReferenceSegmentPlan:
         return (np.concatenate([own, pad]),
                 np.concatenate([np.ones(len(own), dtype=bool), np.zeros(short, dtype=bool)]))
 
-    def worker(self, rank: int, w: int, limit: int | None = None) -> WorkerPlan:
+    def worker(self, rank: int, w: int, limit: int | None = None) -> ReferenceWorkerPlan:
         c = self.config
         ids, valid = self.rank_slots(rank)
         first = sum(worker_batches(self.batches, c.streams, v) for v in range(w))
@@ -100,7 +125,7 @@ class ReferenceSegmentPlan:
         rng = (np.random.default_rng([self.seed, self.epoch, self.index, rank, w])
                if c.shuffle_buffer > 0 else None)
         order = shuffle_order(len(ids), c.shuffle_buffer, rng, limit)
-        return WorkerPlan(ids, valid, order, count, c.batch_size)
+        return ReferenceWorkerPlan(ids, valid, order, count, c.batch_size)
 
     def consumed_ids(self, batches_consumed: int) -> np.ndarray:
         """Valid ids every rank together consumed in this segment's first batches."""
@@ -117,8 +142,8 @@ class ReferenceSegmentPlan:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def plan_segments(layout: Layout, seed: int, epoch: int, shuffle: bool,
-                  segments: list[Segment]) -> list[ReferenceSegmentPlan]:
+def plan_segments(layout: Any, seed: int, epoch: int, shuffle: bool,
+                  segments: list[Any]) -> list[ReferenceSegmentPlan]:
     """Replay the epoch's segments: each one partitions what the previous ones left."""
     remaining = epoch_order(layout, seed, epoch, shuffle)
     plans = []
