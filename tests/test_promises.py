@@ -11,12 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import BIN, horovodrun, ringfeed, test_env
+from helpers import BIN, REPO, horovodrun, ringfeed, test_env
 from train_util import (
+    AUDIT_ENV,
+    audited_rows,
     finish,
     rank_process,
     start,
     toy_config,
+    toy_row_ids,
+    train_steps,
     wait_for_step,
     write_config,
     write_toy_shards,
@@ -40,6 +44,64 @@ def config(tmp_path: Path, shards: Path, name: str, **overrides) -> Path:
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+# -- a restart at another world size -------------------------------------------------------------
+@pytest.mark.parametrize("before, after, workers", [(3, 2, 2), (2, 3, 0)])
+@pytest.mark.timeout(600)
+def test_a_restart_at_another_world_size_feeds_every_remaining_sample_once(
+        tmp_path, shards, before, after, workers):
+    """A job stopped (SIGTERM, checkpoint) on `before` ranks and relaunched with --resume auto on
+    `after` (a requeue onto another node count): audited at the model's input, outside the
+    trainer, every sample of the epoch reaches the model once - the first run's consumed ones,
+    then exactly the rest (less the < after x batch tail the drop policy leaves) - and the step
+    count continues."""
+    b, total = 2, 480
+    cfg = config(tmp_path, shards, "run", model={"name": "train_util:recording_mlp",
+                                                "args": {"num_classes": 3, "hidden": [16]}},
+                 data={"batch_size": b, "num_workers": workers},
+                 train={"epochs": 1, "log_every": 1}, checkpoint={"every_steps": None})
+    audit = {}
+    for part in ("first", "second"):
+        audit[part] = tmp_path / f"audit-{part}"
+        audit[part].mkdir()
+
+    def env(part: str) -> dict[str, str]:
+        return test_env(**{AUDIT_ENV: str(audit[part]),
+                           "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+
+    job = start([HOROVODRUN, "-np", str(before), "-H", f"localhost:{before}", "--gloo", RINGFEED,
+                 "train", cfg], env=env("first"))
+    try:
+        assert wait_for_step(tmp_path / "run" / "metrics.jsonl", 8, job, timeout=240)
+        rank0 = rank_process(job, 0)
+        assert rank0 is not None
+        rank0.send_signal(signal.SIGTERM)
+    finally:
+        code, output = finish(job, timeout=240)
+    assert code != 0 and "Exit code: 143" in output, output[-4000:]
+    stopped = summary(tmp_path / "run")
+    s = stopped["step"]
+    assert stopped["status"] == "stopped by SIGTERM" and s >= 8, stopped
+
+    res = horovodrun(after, [RINGFEED, "train", cfg, "--resume", "auto"], timeout=400,
+                     env=env("second"))
+    assert res.returncode == 0, res.output[-4000:]
+    assert f"at step {s}" in res.output, res.output[-3000:]
+    left = total - before * b * s
+    done = summary(tmp_path / "run")
+    assert done["world_size"] == after and done["step"] == s + left // (after * b), done
+    steps = train_steps(tmp_path / "run" / "metrics.jsonl")
+    assert steps == list(range(1, done["step"] + 1)), steps  # continued, not restarted
+
+    ids = toy_row_ids(total)
+    first = [ids[h] for h in audited_rows(audit["first"])]
+    second = [ids[h] for h in audited_rows(audit["second"])]
+    assert len(first) == before * b * s  # what the checkpoint counts as consumed, no more
+    assert len(set(first)) == len(first) and not set(first) & set(second)
+    assert len(set(second)) == len(second) == left - left % (after * b)
+    missing = set(range(total)) - set(first) - set(second)
+    assert len(missing) == left % (after * b) < after * b
 
 
 # -- SIGUSR1: save and carry on ----------------------------------------------------------------

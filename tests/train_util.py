@@ -429,3 +429,53 @@ if __name__ == "__main__":
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     steps_main(args.framework, args.out)
+
+
+# -- an independent audit of the samples that reach the model --------------------------------
+AUDIT_ENV = "RINGFEED_TEST_AUDIT_DIR"
+
+
+def recording_mlp(spec, num_classes: int, hidden: list[int]):
+    """The built-in torch MLP, wrapped: every training forward appends a hash of each input row
+    to `$RINGFEED_TEST_AUDIT_DIR/rows-<pid>.txt`. What reached the model, counted outside the
+    trainer (its own samples.jsonl is rewound at a rollback; this is not)."""
+    import hashlib
+
+    import torch
+
+    from ringfeed.train.models import torch_models
+
+    inner = torch_models.build("mlp", spec, num_classes=num_classes, hidden=hidden)
+    out = Path(os.environ[AUDIT_ENV]) / f"rows-{os.getpid()}.txt"
+
+    class Recording(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            if self.training:
+                rows = x.detach().float().cpu().numpy()
+                with open(out, "a") as f:
+                    f.writelines(row_hash(r) + "\n" for r in rows)
+            return self.inner(x)
+
+    def row_hash(row: np.ndarray) -> str:
+        return hashlib.blake2b(np.ascontiguousarray(row, np.float32).tobytes(),
+                               digest_size=8).hexdigest()
+
+    return Recording()
+
+
+def audited_rows(audit_dir: Path) -> list[str]:
+    return [line for f in sorted(audit_dir.glob("rows-*.txt"))
+            for line in f.read_text().splitlines()]
+
+
+def toy_row_ids(n: int = 480) -> dict[str, int]:
+    """Row hash -> sample id for write_toy_shards' train split."""
+    import hashlib
+
+    x, _ = toy_arrays(n, 0)
+    return {hashlib.blake2b(np.ascontiguousarray(r, np.float32).tobytes(),
+                            digest_size=8).hexdigest(): i for i, r in enumerate(x)}
