@@ -6,6 +6,9 @@ and munged, started as root from a private config (tests/slurm_util.py), not the
    job, the second run (SLURM_RESTART_COUNT=1) resumes from that checkpoint with
    `--resume auto` and finishes, and its final weights and optimizer state equal an
    uninterrupted run's bit for bit (the same samples in the same steps too).
+2. docker/slurm/srun_mpi.sbatch, the same with `--signal=B:USR1@60`: srun starts the 2 ranks
+   through Slurm's PMIx plugin, Horovod runs on MPI (needs Horovod built with MPI: `mpicxx` at
+   `make setup` time), the script's SIGTERM goes to the ranks through `scancel --signal=TERM`.
 
 Measured here (2 cores): Slurm checks time limits every 30 s (slurmctld's PERIODIC_TIMEOUT), so
 the signal asked for @N seconds before the limit comes between N and N + 30 s before it; with
@@ -21,6 +24,7 @@ import json
 import os
 import re
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +37,7 @@ from slurm_util import (
     Cluster,
     Node,
     missing_prerequisite,
+    slurm_mpi_plugins,
     start_cluster,
     stop_cluster,
 )
@@ -153,3 +158,54 @@ def test_time_limit_checkpoints_requeues_and_resumes_bit_identical(cluster, shar
     assert "time limit near" not in second[1]
     assert_same_as_reference(run_dir, reference)
 
+
+# -- 2. srun + PMIx + Horovod on MPI, with the same time-limit requeue ------------------------
+def _srun_mpi_missing(cluster: Cluster) -> str | None:
+    """Why srun_mpi.sbatch cannot run here (None when it can)."""
+    probe = subprocess.run([str(BIN / "python"), "-c",
+                            "import horovod.torch as h; print(h.mpi_built())"],
+                           capture_output=True, text=True, timeout=120, env=test_env())
+    if probe.stdout.strip() != "True":
+        return ("Horovod is built without MPI (no `mpicxx` at `make setup` time: apt-get "
+                "install openmpi-bin libopenmpi-dev, then make setup again)")
+    plugins = slurm_mpi_plugins(cluster.env)
+    if "pmix" not in plugins:
+        return f"this Slurm has no PMIx plugin (srun --mpi=list: {plugins})"
+    return None
+
+
+def test_srun_mpi_time_limit_requeue_and_resume_bit_identical(cluster, shards, reference,
+                                                              tmp_path):
+    reason = _srun_mpi_missing(cluster)
+    if reason:
+        pytest.skip(reason)
+    cfg = job_config(tmp_path, shards, "job")
+    run_dir, out = tmp_path / "job", tmp_path / "job.out"
+    started = time.monotonic()
+    # The ranks are srun's tasks (PMIx wires up MPI); on the signal the script sends them
+    # SIGTERM with `scancel --signal=TERM` (its "steps" mode). horovod.controller=mpi makes
+    # the trainer fail unless Horovod really runs MPI.
+    job = cluster.sbatch([*ONE_NODE, "--time=2", "--signal=B:USR1@60", f"--output={out}",
+                          str(SRUN_MPI_SBATCH), str(cfg), "--set", "horovod.controller=mpi"],
+                         env=job_env(**{PACE: str(PACE_S)}), cwd=tmp_path)
+    cluster.wait_job(
+        job, lambda i: i.get("Restarts") == "1" and i.get("JobState") == "PENDING",
+        timeout=120, what="the requeue")
+    _timed(f"job {job} requeued", started)
+    output = job_output(out)
+    assert f"restart 0: srun --mpi=pmix --kill-on-bad-exit=1 ringfeed train {cfg}" in output
+    stop = re.search(r"ringfeed train: stopped by SIGTERM at step (\d+)", output)
+    assert stop, output[-4000:]
+    stopped_at = int(stop.group(1))
+    assert 0 < stopped_at < STEPS and f"ckpt-{stopped_at:09d} (signal)" in output, output[-4000:]
+    cluster.release(job)
+    done = cluster.wait_job(job, lambda i: i.get("JobState") == "COMPLETED", timeout=120,
+                            what="the second run to complete")
+    _timed(f"job {job} completed", started)
+    assert done["Restarts"] == "1" and done["ExitCode"] == "0:0", done
+    second = job_output(out).split("restart 1: srun --mpi=pmix", 1)
+    assert len(second) == 2
+    ckpt = run_dir / "checkpoints" / f"ckpt-{stopped_at:09d}"
+    assert f"resumed from {ckpt} at step {stopped_at}" in second[1], second[1][-4000:]
+    assert f"ringfeed train: finished at step {STEPS}" in second[1], second[1][-4000:]
+    assert_same_as_reference(run_dir, reference)
