@@ -2,7 +2,9 @@
 webdataset's ShardWriter, tarp, ...) a manifest, so the pipeline can balance and verify them.
 
 Each tar is read: samples counted as webdataset groups them, sha256, size, and the member
-extensions seen (-> fields), and its tar index (`ringfeed.formats.tarindex`) built. The class ids in
+extensions seen (-> fields), and its tar index (`ringfeed.formats.tarindex`) built. Compressed
+tars (`.tar.gz`, `.tgz`, `.tar.bz2`, `.tar.xz`, as webdataset writes and reads them) are counted
+and hashed the same way but get no index: the pipeline streams them from start to end. The class ids in
 `cls` members are counted (-> the manifest's `classes`, so the trainer infers num_classes). A shard's split comes
 from its name (`train-000.tar`, `val_3.tar`, ...), else `train`, or `--split` for all. Shard names
 in the manifest are relative to OUT (OUT defaults to SRC, so the manifest sits beside the shards).
@@ -10,7 +12,7 @@ in the manifest are relative to OUT (OUT defaults to SRC, so the manifest sits b
 Each shard's index goes to a sidecar under OUT, named in the manifest's `index`: `<shard path
 relative to OUT>.idx` (beside the shard) when that path stays inside OUT, else
 `index/<sha256[:16]>-<file name>.idx`. A tar that cannot be indexed whole (corrupt, truncated,
-compressed) is an error naming it. Sidecars are written (atomically) after every shard was read
+not a tar at all) is an error naming it. Sidecars are written (atomically) after every shard was read
 and before the manifest.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import tarfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -29,7 +32,14 @@ from ringfeed.errors import UserError
 from ringfeed.formats.kinds import kind_of
 from ringfeed.formats.manifest import INDEX_SUFFIX, Manifest, ShardInfo, Split
 from ringfeed.formats.tarindex import build_index
-from ringfeed.formats.tarread import TarReadError, TarScan, read_ints, scan_tar
+from ringfeed.formats.tarread import (
+    COMPRESSED_TAR_SUFFIXES,
+    TAR_SUFFIXES,
+    TarReadError,
+    TarScan,
+    read_ints,
+    scan_tar,
+)
 from ringfeed.fsutil import atomic_write_bytes
 from ringfeed.shards.build import ShardRun, created_by
 from ringfeed.shards.options import ShardOptions
@@ -41,17 +51,20 @@ _SPLIT_PREFIX = re.compile(r"^([a-z]+)[-_.]", re.IGNORECASE)
 
 
 def find_tars(src: str) -> list[Path]:
-    """SRC is a folder of .tar files, one .tar, or a brace/glob pattern of them."""
+    """SRC is a folder of tar shards (.tar, or compressed: .tar.gz, .tgz, ...), one of them, or
+    a brace/glob pattern of them."""
     path = Path(src)
     if path.is_dir():
-        files = [p for p in path.iterdir() if p.name.endswith(".tar") and not p.name.startswith(".")]
+        files = [p for p in path.iterdir()
+                 if p.name.endswith(TAR_SUFFIXES) and not p.name.startswith(".")]
     elif path.is_file():
         files = [path]
     else:
         files = [Path(f) for pattern in braceexpand.braceexpand(src) for f in glob.glob(pattern)]
     if not files:
-        raise UserError(f"{src}: no .tar shards found (give a folder, a file or a pattern "
-                        "like 'data/shard-{000000..000099}.tar')")
+        raise UserError(f"{src}: no tar shards found (.tar, .tar.gz, .tgz, .tar.bz2, .tar.xz; "
+                        "give a folder, a file or a pattern like "
+                        "'data/shard-{000000..000099}.tar')")
     return sorted(set(files), key=_natural)
 
 
@@ -64,15 +77,20 @@ def split_of(path: Path) -> str:
     return SPLIT_NAMES.get(m.group(1).lower(), "train") if m else "train"
 
 
-def _scan(_shared: None, path: Path) -> tuple[TarScan, bytes, Counter] | str:
-    """(the shard's scan, its index as bytes, counts of its class ids), or what is wrong."""
+def _scan(_shared: None, path: Path) -> tuple[TarScan, bytes | None, Counter] | str:
+    """(the shard's scan, its index as bytes (None: compressed), counts of its class ids), or
+    what is wrong."""
     try:
         scan = scan_tar(str(path))
+        classes = read_ints(str(path), "cls") if "cls" in scan.fields else Counter()
+        if path.name.endswith(COMPRESSED_TAR_SUFFIXES):
+            return scan, None, classes
         with open(path, "rb") as f:
             index, reason = build_index(f)
-        classes = read_ints(str(path), "cls") if "cls" in scan.fields else Counter()
     except (TarReadError, OSError) as e:
         return str(e)
+    except tarfile.TarError as e:
+        return f"not a readable tar ({e})"
     except ValueError as e:  # int() of a cls member
         return f"a cls member is not a class index ({e})"
     if reason is not None:
@@ -115,8 +133,9 @@ def index_shards(opts: ShardOptions) -> ShardRun:
             raise UserError(f"{path}: sample key {scan.duplicate_keys[0]!r} appears more than "
                             "once; the pipeline would see two samples")
         name = os.path.relpath(path.resolve(), out.resolve())
-        sidecar = sidecar_name(name, scan.sha256)
-        if sidecars.setdefault(sidecar, index) != index:  # same sha256 prefix and file name
+        sidecar = None if index is None else sidecar_name(name, scan.sha256)
+        if sidecar is not None and sidecars.setdefault(sidecar, index) != index:
+            # same sha256 prefix and file name
             raise UserError(f"{path}: its index sidecar {sidecar} would be another shard's")
         split = opts.split or split_of(path)
         splits.setdefault(split, Split()).shards.append(

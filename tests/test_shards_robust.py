@@ -373,6 +373,48 @@ def test_non_images_are_skipped_counted_and_listed(capsys, tmp_path, images):
     assert sum(s["num_samples"] for s in m["splits"]["train"]["shards"]) == 51
 
 
+def test_wds_index_of_compressed_webdataset_shards_reads_every_sample(capsys, tmp_path):
+    """webdataset writes and reads .tar.gz / .tgz shards: they get a manifest (counted and
+    hashed, no tar index: they are streamed), verify, and the pipeline reads each sample once.
+    Something that only has a tar's name is one line naming it, not a traceback."""
+    import numpy as np
+    import webdataset as wds
+
+    from ringfeed.pipeline import ShardPipeline
+
+    shards = tmp_path / "gz"
+    shards.mkdir()
+    ids = iter(range(1000))
+    for name, n in (("train-0000.tar.gz", 9), ("train-0001.tgz", 7), ("val-0000.tar.gz", 4)):
+        with wds.TarWriter(str(shards / name), compress=True) as sink:
+            for _ in range(n):
+                i = next(ids)
+                sink.write({"__key__": f"s{i:04d}", "cls": i % 3, "x.npy": np.array([i])})
+    assert (shards / "train-0001.tgz").read_bytes()[:2] == b"\x1f\x8b"  # gzip, really
+    code, _, err = cli(capsys, "shard", shards, "--format", "wds-index", "--no-progress")
+    assert code == 0, err
+    m = manifest(shards)
+    train = m["splits"]["train"]["shards"]
+    assert [(s["name"], s["num_samples"], s.get("index")) for s in train] == [
+        ("train-0000.tar.gz", 9, None), ("train-0001.tgz", 7, None)]
+    assert m["classes"]["counts"] and m["fields"] == {"cls": "int", "x.npy": "npy"}
+    assert cli(capsys, "verify", shards)[0] == 0
+    pipe = ShardPipeline(shards, batch_size=4, balance="pad", cache_dir=tmp_path / "cache")
+    seen = [int(x[0]) for batch in pipe
+            for x, valid in zip(batch["x.npy"], batch["__valid__"], strict=True) if valid]
+    assert sorted(seen) == list(range(16))
+
+    (shards / "train-0002.tar.gz").write_bytes(b"not gzip at all" * 40)
+    code, _, err = cli(capsys, "shard", shards, "--format", "wds-index", "--overwrite",
+                       "--no-progress")
+    assert code == 2 and "train-0002.tar.gz: not a readable tar" in err, err
+    assert "Traceback" not in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = cli(capsys, "shard", empty, "--format", "wds-index")
+    assert code == 2 and "no tar shards found (.tar, .tar.gz, .tgz" in err
+
+
 def test_wds_index_of_webdataset_shardwriter_output(capsys, tmp_path):
     import webdataset as wds
 

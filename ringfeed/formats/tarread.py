@@ -62,13 +62,21 @@ def scan_tar(url: str, keep_first: int = 0) -> TarScan:
     return scan
 
 
+# Compressed tars webdataset reads (its tar iterator opens them with tarfile's "r|*"): no tar
+# index for these (no random access into the stream); they are read from start to end.
+COMPRESSED_TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
+TAR_SUFFIXES = (".tar", *COMPRESSED_TAR_SUFFIXES)
+
+
 def read_ints(url: str, ext: str) -> Counter:
     """Counts of the integer values of every `KEY.ext` member (e.g. class indices), reading
-    only those members: tar headers let it seek past everything else."""
+    only those members: in a plain tar, headers let it seek past everything else; a compressed
+    one is streamed."""
     from webdataset.tariterators import base_plus_ext
 
     counts: Counter = Counter()
-    with open_shard(url) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+    mode = "r|*" if url.endswith(COMPRESSED_TAR_SUFFIXES) else "r:"
+    with open_shard(url) as f, tarfile.open(fileobj=f, mode=mode) as tar:
         for member in tar:
             if member.isfile() and (base_plus_ext(member.name)[1] or "").lower() == ext:
                 counts[int(tar.extractfile(member).read())] += 1
