@@ -224,15 +224,17 @@ def evict_lru(entries: list[Path], limit: int) -> int:
     return evict_lru_sized(entries, limit)[0]
 
 
-def evict_lru_sized(entries: list[Path], limit: int) -> tuple[int, int]:
-    """evict_lru, and the bytes the entries hold after it: (freed, left)."""
+def evict_lru_sized(entries: list[Path], limit: int, by_atime: bool = False
+                    ) -> tuple[int, int]:
+    """evict_lru, and the bytes the entries hold after it: (freed, left). `by_atime`: recency
+    is the atime (for files whose mtime must say when their bytes last changed)."""
     stats = []
     for p in entries:
         try:
             st = p.stat()
         except FileNotFoundError:
             continue
-        stats.append((st.st_mtime, st.st_size, p))
+        stats.append((st.st_atime if by_atime else st.st_mtime, st.st_size, p))
     total = sum(size for _, size, _ in stats)
     freed = 0
     for _, size, path in sorted(stats):

@@ -7,7 +7,14 @@ instead of reading and decoding. Normalization and `transform` still run per pas
 An entry is keyed by the shard's identity (manifest sha256; else path, size and mtime) and the
 decode settings, so a changed shard or other settings never meet an old entry. File layout:
 the field arrays, each 64-byte aligned, then the keys (utf-8 blob + int64 ends), then a JSON
-footer describing them, its length (8 bytes) and a magic (8 bytes).
+footer describing them (with a crc32 of each field's bytes and of the keys), its length (8
+bytes) and a magic (8 bytes).
+
+Integrity: a process verifies an entry's checksums the first time it maps it, and again when
+the file's size or mtime changes (a writer touched it); recency for eviction is the atime, so
+reading leaves the mtime alone. A mismatch is `DamagedEntry`: the entry is removed (the caller
+reads the shard and writes the entry again) and never served. crc32 runs at ~7 GB/s here, so a
+check costs a few ms per 100 MB once per process.
 
 Several processes share a directory (ranks and loader workers of one host): an entry is written
 to a temp file under an exclusive non-blocking lock and renamed into place (one writer; the
@@ -25,7 +32,9 @@ import json
 import mmap
 import os
 import tempfile
+import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +43,7 @@ import numpy as np
 from ringfeed.fsutil import publish
 from ringfeed.pipeline.cache import LOCK_SUFFIX, evict_lru_sized, remove_stale_temporaries
 
-MAGIC = b"RFDEC001"
+MAGIC = b"RFDEC002"  # 002: checksums in the footer (001 entries are never opened)
 SUFFIX = ".rfd"
 # How stale this process's view of the cache's size may get (other ranks and loader workers
 # write entries too): the directory is scanned again at least this often while writing.
@@ -44,6 +53,15 @@ ALIGN = 64
 
 class Uncacheable(Exception):
     """This shard's decoded samples cannot be stored as fixed-shape arrays."""
+
+
+class DamagedEntry(Exception):
+    """An entry whose bytes are not the ones written (it has been removed)."""
+
+
+# (device, inode, size, mtime) of the entries this process has verified
+_verified: set[tuple[int, int, int, int]] = set()
+_verified_lock = threading.Lock()
 
 
 def _scalar_dtype(value: Any) -> np.dtype | None:
@@ -90,24 +108,33 @@ class DecodedStore:
         return self.directory / f"{stem}-{digest}-{self.settings_key}{SUFFIX}"
 
     def open(self, path: Path) -> CachedShard | None:
-        """The entry at `path`, locked for reading, or None when there is none (or it is
-        damaged: then it is removed)."""
+        """The entry at `path`, locked for reading and verified (see the module's doc), or None
+        when there is none. Raises DamagedEntry (after removing it) for an entry that is not
+        what was written: unreadable, or its bytes changed."""
         try:
             f = open(path, "rb")
         except FileNotFoundError:
             return None
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_SH)
-            if os.fstat(f.fileno()).st_nlink == 0:  # evicted between open and lock
+            st = os.fstat(f.fileno())
+            if st.st_nlink == 0:  # evicted between open and lock
                 f.close()
                 return None
             shard = CachedShard(f)
-        except (ValueError, OSError):
+            identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            with _verified_lock:
+                known = identity in _verified
+            if not known:
+                shard.verify()
+                with _verified_lock:
+                    _verified.add(identity)
+        except (ValueError, OSError) as e:
             f.close()
             _unlink(path)
-            return None
+            raise DamagedEntry(f"{path.name}: {e}") from None
         try:
-            os.utime(path)  # LRU recency
+            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))  # LRU recency (the atime)
         except OSError:  # a read-only cache is still readable
             pass
         return shard
@@ -148,7 +175,7 @@ class DecodedStore:
             if self._bytes <= self.limit and now - self._scanned_at < RESCAN_S:
                 return 0
         remove_stale_temporaries(self.directory)
-        freed, self._bytes = evict_lru_sized(self.entries(), self.limit)
+        freed, self._bytes = evict_lru_sized(self.entries(), self.limit, by_atime=True)
         self._scanned_at = now
         return freed
 
@@ -166,6 +193,7 @@ class EntryWriter:
         self._fields: list[dict[str, Any]] = []
         self._layout: dict[str, tuple[np.dtype, tuple[int, ...], bool]] = {}
         self._offsets: dict[str, int] = {}
+        self._crc: dict[str, int] = {}  # running crc32 of each field's bytes, in file order
         self._fd: int | None = None
 
     def _start(self, first: dict[str, Any]) -> None:
@@ -204,6 +232,7 @@ class EntryWriter:
         first = self.count
         for name, block in rows:
             data = memoryview(np.ascontiguousarray(block)).cast("B")
+            self._crc[name] = zlib.crc32(data, self._crc.get(name, 0))
             at = self._offsets[name] + first * (data.nbytes // len(keys))
             done = 0
             while done < len(data):
@@ -219,16 +248,22 @@ class EntryWriter:
         try:
             ends = np.cumsum([len(k) for k in self.keys], dtype=np.int64)
             blob = b"".join(self.keys)
-            footer = {"num_samples": self.n, "fields": self._fields,
+            ends_bytes = ends.tobytes()
+            footer = {"num_samples": self.n,
+                      "fields": [{**f, "crc32": self._crc[f["name"]]} for f in self._fields],
                       "keys": {"offset": self._data_bytes, "bytes": len(blob),
-                               "ends_offset": self._data_bytes + len(blob)}}
+                               "ends_offset": self._data_bytes + len(blob),
+                               "crc32": zlib.crc32(ends_bytes, zlib.crc32(blob))}}
             text = json.dumps(footer).encode()
-            tail = blob + ends.tobytes() + text + len(text).to_bytes(8, "little") + MAGIC
+            tail = blob + ends_bytes + text + len(text).to_bytes(8, "little") + MAGIC
             with os.fdopen(self._fd, "r+b") as f:
                 self._fd = None
                 f.seek(self._data_bytes)
                 f.write(tail)
             publish(self.tmp, self.path)
+            st = os.stat(self.path)
+            with _verified_lock:  # the checksums were taken of the very bytes written
+                _verified.add((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
         except OSError:
             self.abort()
             return None
@@ -260,7 +295,7 @@ class CachedShard:
         if mm[size - 8:] != MAGIC:
             raise ValueError("not a decoded-cache entry")
         length = int.from_bytes(mm[size - 16:size - 8], "little")
-        footer = json.loads(mm[size - 16 - length:size - 16])
+        footer = self._footer = json.loads(mm[size - 16 - length:size - 16])
         n = self.num_samples = int(footer["num_samples"])
         self.arrays: dict[str, np.ndarray] = {}
         self.scalars: set[str] = set()
@@ -276,6 +311,19 @@ class CachedShard:
         self.keys = [blob[a:b].decode() for a, b in zip([0, *ends[:-1]], ends, strict=True)]
         # field -> (dtype, sample shape): entries with equal layouts gather into one batch
         self.layout = {name: (a.dtype.str, a.shape[1:]) for name, a in self.arrays.items()}
+
+    def verify(self) -> None:
+        """Raises ValueError naming what differs from what was written."""
+        for field in self._footer["fields"]:
+            data = memoryview(self.arrays[field["name"]]).cast("B")
+            if zlib.crc32(data) != field["crc32"]:
+                raise ValueError(f"field {field['name']!r} changed since it was written "
+                                 "(checksum)")
+        keys = self._footer["keys"]
+        n = self.num_samples
+        region = self._mm[keys["offset"]:keys["ends_offset"] + 8 * n]
+        if zlib.crc32(region) != keys["crc32"]:
+            raise ValueError("the keys changed since they were written (checksum)")
 
     def sample(self, position: int) -> dict[str, Any]:
         """One decoded sample (copies, as the decoder would return: numbers as Python ones)."""

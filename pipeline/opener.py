@@ -6,6 +6,7 @@ decoded whole into a new entry as it opens (`fill_decoded`), so later passes gat
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import numpy as np
 
 from ringfeed.pipeline.cache import Prefetcher
 from ringfeed.pipeline.decode import Decoder
-from ringfeed.pipeline.decoded_cache import CachedShard, DecodedStore, Uncacheable
+from ringfeed.pipeline.decoded_cache import CachedShard, DamagedEntry, DecodedStore, Uncacheable
 from ringfeed.pipeline.readplan import ReadPlan
 from ringfeed.pipeline.shardread import (
     BadSample,
@@ -26,6 +27,8 @@ from ringfeed.pipeline.shardread import (
 )
 from ringfeed.pipeline.source import ShardRef
 from ringfeed.pipeline.stats import StreamCounters
+
+log = logging.getLogger("ringfeed.pipeline")
 
 FILL_ROWS = 256  # samples decoded and written per step while filling a decoded-cache entry
 
@@ -113,14 +116,20 @@ class ShardOpener:
         ref, path = context.refs[int(self.reads.run_shard[r])], lookup.paths.pop(r)
         counts["shards_opened"] += 1
         if lookup.cached[r]:
-            entry = context.decoded.open(path)
+            try:
+                entry = context.decoded.open(path)
+            except DamagedEntry as e:  # removed: read the shard and write the entry again
+                entry = None
+                counts["decoded_damaged"] += 1
+                log.warning("decoded cache: %s; removed, reading %s and caching it again", e,
+                            ref.url)
             if entry is not None and entry.num_samples == ref.num_samples:
                 entry.url = ref.url
                 counts["decoded_hits"] += 1
                 return entry
             if entry is not None:
                 entry.close()
-            handle = context.cache.open(ref)  # evicted meanwhile: read the shard
+            handle = context.cache.open(ref)  # evicted meanwhile or damaged: read the shard
         else:
             handle = next(self._handles)
         if not ref.is_local:

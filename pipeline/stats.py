@@ -93,6 +93,8 @@ class PipelineStats:
                 "padded": c["padded"],
                 "decoded_cache_hits": c["decoded_hits"],  # shards served from decoded arrays
                 "decoded_cache_writes": c["decoded_writes"],
+                # entries found changed since written: removed, never served, written again
+                "decoded_cache_damaged": c["decoded_damaged"],
                 "cached_samples": c["cached_samples"],  # samples gathered from those arrays
                 "data_wait_s": self.data_wait_s,
                 "data_wait_fraction": self.data_wait_s / elapsed if elapsed > 0 else 0.0,

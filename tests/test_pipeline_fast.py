@@ -5,6 +5,7 @@ the GPU decode option's error path. Every comparison is bit for bit against the 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +164,58 @@ def test_transform_runs_every_epoch_on_cached_pixels(shard_dir, tmp_path):
     epoch(cached, 1)
     assert flip_by_epoch.calls == 2 * calls_first  # every sample again, from the cache
     assert cached.stats()["cached_samples"] > 0
+
+
+def test_a_changed_byte_in_a_decoded_entry_is_never_served(shard_dir, tmp_path, caplog):
+    """Bit rot or a stray writer inside an entry's arrays: the checksum taken when the entry
+    was written no longer matches, so the entry is removed, counted, reported and written
+    again - the batches are those of a fresh decode. Checked when a process first maps an
+    entry and whenever its size or mtime changes."""
+    from ringfeed.pipeline import decoded_cache
+
+    cache = tmp_path / "c"
+
+    def cached_epoch(e: int) -> tuple[list[dict], dict]:
+        pipe = make(shard_dir, cache, decoded_cache=True, shuffle=False, prefetch=0)
+        return epoch(pipe, e), pipe.stats()
+
+    reference = epoch(make(shard_dir, tmp_path / "plain", shuffle=False), 0)
+    cached_epoch(0)  # fills the cache
+    entries = sorted((cache / "decoded").glob("*.rfd"))
+    assert len(entries) == len(SIZES)
+
+    def flip(entry: Path, delta: int) -> None:  # one byte inside the images' array
+        data = entry.read_bytes()
+        length = int.from_bytes(data[-16:-8], "little")
+        footer = json.loads(data[-16 - length:-16])
+        offset = next(f["offset"] for f in footer["fields"] if f["name"] == "png") + delta
+        with open(entry, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x5A]))
+
+    # 1. written in place: the mtime changes, so this process checks the entry again
+    flip(entries[0], 100)
+    with caplog.at_level("WARNING", logger="ringfeed.pipeline"):
+        got, stats = cached_epoch(0)
+    assert_same(got, reference)
+    assert stats["decoded_cache_damaged"] == 1 and stats["decoded_cache_writes"] == 1, stats
+    assert "changed since it was written (checksum)" in caplog.text
+    assert len(list((cache / "decoded").glob("*.rfd"))) == len(SIZES)  # written again
+    # 2. changed behind the file's back (the mtime put back, as bit rot leaves it), met by a
+    #    process that has not mapped the entry yet (this one forgets what it verified)
+    victim = sorted((cache / "decoded").glob("*.rfd"))[1]
+    st = victim.stat()
+    flip(victim, 7)
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    decoded_cache._verified.clear()
+    got, stats = cached_epoch(0)
+    assert_same(got, reference)
+    assert stats["decoded_cache_damaged"] == 1, stats
+    got, stats = cached_epoch(0)  # healthy again: all from the cache, nothing rewritten
+    assert stats["decoded_cache_damaged"] == 0 and stats["decoded_cache_writes"] == 0, stats
+    assert stats["decoded_cache_hits"] == len(SIZES)
 
 
 def test_decoded_cache_is_invalidated_by_a_changed_shard_or_settings(shard_dir, tmp_path):
