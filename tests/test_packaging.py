@@ -4,6 +4,7 @@ pipeline.py and shards.py beside their script shadow nothing of it."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -30,8 +31,14 @@ def test_nothing_imports_the_folders_as_top_level_packages() -> None:
 
 @pytest.mark.system  # builds a wheel
 def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
+    source = tmp_path / "source"  # a copy: building in the checkout leaves build/ behind
+    for name in ("pyproject.toml", "README.md", "ringfeed", "pipeline", "train", "shards"):
+        source.mkdir(exist_ok=True)
+        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
+        copy(REPO / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                            if (REPO / name).is_dir() else {}))
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                          "-q", "-w", str(tmp_path), str(REPO)], capture_output=True, text=True,
+                          "-q", "-w", str(tmp_path), str(source)], capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     (wheel,) = tmp_path.glob("ringfeed-*.whl")

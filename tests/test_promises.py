@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -203,3 +204,55 @@ def test_validation_metrics_are_the_same_on_1_2_and_3_ranks_with_padding(tmp_pat
                                                                                results)
     # accuracy is a count over 96: equal, not merely close
     assert len({round(r["accuracy"] * val_samples, 6) for r in results.values()}) == 1, results
+
+
+# -- signals before the first step ---------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_sigterm_before_the_first_step_stops_at_once_with_143(tmp_path, shards):
+    """While `ringfeed train` is still starting (here: its shards' server accepts connections
+    and never answers), SIGTERM ends it within seconds with the status a scheduler's requeue and
+    `ringfeed run` expect."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts, never answers
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}/shards"
+    try:
+        cfg = config(tmp_path, shards, "hang", data={"train": url, "batch_size": 2})
+        job = start([RINGFEED, "train", cfg], env=test_env())
+        time.sleep(8)  # imports done; waiting on the server
+        assert job.poll() is None, "it should still be waiting for its shards"
+        job.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        code, output = finish(job, timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        silent.close()
+    assert code == 143, output[-3000:]
+    assert took < 5, took
+    assert "SIGTERM before the first step: stopping (exit 143" in output
+    assert "Traceback" not in output
+
+
+@pytest.mark.timeout(300)
+def test_sigusr1_before_the_first_step_saves_at_the_first_step(tmp_path, shards):
+    cfg = config(tmp_path, shards, "early", data={"batch_size": 2},
+                 train={"max_steps": 6, "epochs": None, "log_every": 1},
+                 checkpoint={"every_steps": None})
+    job = start([RINGFEED, "train", cfg], env=test_env())
+    time.sleep(1.0)  # still importing
+    job.send_signal(signal.SIGUSR1)
+    code, output = finish(job, timeout=240)
+    assert code == 0, output[-3000:]
+    saved = sorted(p.name for p in (tmp_path / "early" / "checkpoints").glob("ckpt-*"))
+    assert saved == ["ckpt-000000001", "ckpt-000000006"], saved  # the first step's, the end's
+    meta = json.loads((tmp_path / "early" / "checkpoints" / saved[0] / "meta.json").read_text())
+    assert meta["reason"] == "signal"
+
+
+@pytest.mark.timeout(120)
+def test_ringfeed_run_reports_a_job_killed_by_a_signal_as_a_shell_would():
+    res = ringfeed("run", "--max-restarts", "0", "--", "sh", "-c", "kill -KILL $$", timeout=60)
+    assert res.returncode == 137, res.output  # 128 + SIGKILL, not Popen's -9 (= 247)
+    assert "job failed (exit 137); giving up after 0 restart(s)" in res.output

@@ -23,7 +23,6 @@ through its methods (progress() to commit, rejoin() after a reset, count_elastic
 from __future__ import annotations
 
 import os
-import signal
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -51,11 +50,9 @@ from ringfeed.train.data import DataSpec, infer_spec, make_pipeline
 from ringfeed.train.elastic import ElasticRun
 from ringfeed.train.frameworks import make_backend
 from ringfeed.train.metrics import RunLogger, SampleLog, Throughput
-from ringfeed.train.runstate import Recovery, SignalRequests, TrainState
+from ringfeed.train.runstate import EXIT_PREEMPTED, Recovery, SignalRequests, TrainState
 from ringfeed.train.schedule import LRSchedule, make_schedule
 from ringfeed.train.supervise import RESTART_ENV
-
-EXIT_PREEMPTED = 128 + signal.SIGTERM  # what a shell reports for a job ended by SIGTERM
 
 
 class TrainingDiverged(UserError):
@@ -152,17 +149,20 @@ class Trainer:
 
     # -- the run ------------------------------------------------------------------------------
     def run(self) -> int:
-        signals = SignalRequests(self.cfg.checkpoint.save_on_signal)
+        signals = None  # until the first step, StartupSignals (train/main.py) handle signals
         try:
             self.prepare()
             if self.elastic is not None:
+                signals = SignalRequests(self.cfg.checkpoint.save_on_signal)
                 stopped = self.elastic.run(signals)
             else:
                 self.start()
+                signals = SignalRequests(self.cfg.checkpoint.save_on_signal)
                 stopped = self.train(signals)
                 self.wrap_up(stopped)
         finally:
-            signals.restore()
+            if signals is not None:
+                signals.restore()
             self.close()
         return EXIT_PREEMPTED if stopped else 0
 

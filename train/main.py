@@ -44,6 +44,9 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ringfeed.train.runstate import StartupSignals
+
+    StartupSignals.install()  # before anything slow: a scheduler's SIGTERM may come any time
     from ringfeed.train.config import load_config, template
 
     if args.config is None:

@@ -39,13 +39,43 @@ class Recovery:
         return text
 
 
+EXIT_PREEMPTED = 128 + signal.SIGTERM  # what a shell reports for a job ended by SIGTERM
+
+
+class StartupSignals:
+    """Until the first step (imports, Horovod, planning, waiting for shards, restoring): SIGTERM
+    stops the process at once with exit 143 - nothing new to save, the newest checkpoint is
+    where a relaunch resumes - and SIGUSR1 is remembered, so the first step saves. Installed by
+    `ringfeed train` before anything slow; SignalRequests takes over at the first step."""
+
+    save_requested = False
+
+    @classmethod
+    def install(cls) -> None:
+        cls.save_requested = False
+        signal.signal(signal.SIGTERM, cls._on_term)
+        signal.signal(signal.SIGUSR1, cls._on_usr1)
+
+    @staticmethod
+    def _on_term(signum, frame) -> None:
+        print("ringfeed train: SIGTERM before the first step: stopping (exit 143; a relaunch "
+              "resumes from the newest checkpoint)", flush=True)
+        raise SystemExit(EXIT_PREEMPTED)
+
+    @classmethod
+    def _on_usr1(cls, signum, frame) -> None:
+        cls.save_requested = True
+
+
 class SignalRequests:
     """SIGTERM (what schedulers send before killing a job): save, then stop. SIGUSR1: save and
     carry on. The handlers only set flags; the loop agrees on them across ranks at the next
-    step, so a signal that reaches one rank stops all of them at the same step."""
+    step, so a signal that reaches one rank stops all of them at the same step. A SIGUSR1 that
+    came during start-up is a save request for the first step."""
 
     def __init__(self, enabled: bool):
-        self.save = self.stop = False
+        self.save, self.stop = StartupSignals.save_requested, False
+        StartupSignals.save_requested = False
         self._previous: dict[int, Any] = {}
         if enabled:
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)

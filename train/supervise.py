@@ -72,7 +72,10 @@ class Supervisor:
             sys.stdout.write(line)
             sys.stdout.flush()
             fatal = fatal or NO_RESTART_MARKER in line
-        return self.proc.wait(), fatal
+        code = self.proc.wait()
+        # a job killed by signal N: the status a shell gives it (128 + N), which is what this
+        # process exits with (Popen's -N would become 256 - N)
+        return (128 - code if code < 0 else code), fatal
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
