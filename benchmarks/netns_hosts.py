@@ -2,8 +2,10 @@
 
 Both ends are named eth0 (Horovod needs one interface name on every host) and carry the given
 addresses inside the namespaces only: the machine's own network is never touched. Used by
-tests/test_multinode.py (sshd in each host) and benchmarks/local_sgd_bench.py (a rate-limited
-link). Needs root and iproute2.
+tests/test_multinode.py (sshd in each host), benchmarks/local_sgd_bench.py (a rate-limited
+link) and tests/test_slurm.py (a slurmd in each host, which needs host names: `names` gives
+each namespace an /etc/hosts of its own, which `ip netns exec` mounts over /etc/hosts for what
+it starts). Needs root and iproute2.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` bind-mounts /etc/netns/NS/* over /etc/*
 
 
 def missing_prerequisite(prefix: str, tools: tuple[str, ...] = ("ip",)) -> str | None:
@@ -47,6 +51,16 @@ def teardown(namespace: str) -> None:
         except ProcessLookupError:
             pass
     subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+    shutil.rmtree(NETNS_ETC / namespace, ignore_errors=True)
+
+
+def write_hosts_file(namespace: str, entries: dict[str, str]) -> None:
+    """/etc/hosts as seen by what `ip netns exec NAMESPACE` starts: the machine's own, then
+    `address name` for each entry (removed with the namespace by teardown)."""
+    own = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else ""
+    lines = [f"{address} {name}" for name, address in entries.items()]
+    (NETNS_ETC / namespace).mkdir(parents=True, exist_ok=True)
+    (NETNS_ETC / namespace / "hosts").write_text(own.rstrip("\n") + "\n" + "\n".join(lines) + "\n")
 
 
 def remove_stale(prefix: str) -> None:
@@ -60,9 +74,11 @@ def remove_stale(prefix: str) -> None:
 
 
 @contextmanager
-def two_hosts(prefix: str, addresses: tuple[str, str]) -> Iterator[tuple[str, str]]:
+def two_hosts(prefix: str, addresses: tuple[str, str],
+              names: tuple[str, str] | None = None) -> Iterator[tuple[str, str]]:
     """Namespaces (A, B): eth0 with addresses[0] / [1] (/24), one veth link, lo up. Removed,
-    with everything still running in them, on exit."""
+    with everything still running in them, on exit. `names`: host names for the two addresses,
+    resolvable inside both namespaces (write_hosts_file)."""
     remove_stale(prefix)
     pair = (f"{prefix}{os.getpid()}a", f"{prefix}{os.getpid()}b")
     try:
@@ -74,6 +90,9 @@ def two_hosts(prefix: str, addresses: tuple[str, str]) -> Iterator[tuple[str, st
             ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
             ip("-n", ns, "link", "set", "eth0", "up")
             ip("-n", ns, "link", "set", "lo", "up")
+        if names is not None:
+            for ns in pair:
+                write_hosts_file(ns, dict(zip(names, addresses, strict=True)))
         yield pair
     finally:
         for ns in pair:

@@ -233,7 +233,7 @@ def start_cluster(nodes: list[Node], ctld_netns: str | None = None,
 
     def daemon(name: str, cmd: list[str], netns: str | None) -> None:
         log = open(root / "log" / f"{name}.out", "w")
-        full = ["ip", "netns", "exec", netns, *cmd] if netns else cmd
+        full = in_netns(netns, cmd) if netns else cmd
         cluster.procs[name] = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT,
                                                stdin=subprocess.DEVNULL, env=env,
                                                start_new_session=True)
@@ -261,6 +261,17 @@ def start_cluster(nodes: list[Node], ctld_netns: str | None = None,
         stop_cluster(cluster)
         raise
     return cluster
+
+
+def in_netns(netns: str, cmd: list[str]) -> list[str]:
+    """`cmd` in network namespace `netns` with that namespace's /etc/hosts (/etc/netns/NS/hosts,
+    when there is one) in a mount namespace of its own. Not `ip netns exec`, which also mounts
+    a fresh /sys without /sys/fs/cgroup: slurmd 22.05 then stops even with proctrack/linuxproc
+    and task/none ("No filesystem mounted on /sys/fs/cgroup", "Unable to initialize cgroup
+    plugin", "slurmd initialization failed")."""
+    script = 'if [ -f "$1" ]; then mount --bind "$1" /etc/hosts; fi; shift; exec "$@"'
+    return ["nsenter", f"--net=/run/netns/{netns}", "unshare", "--mount", "--propagation",
+            "private", "sh", "-c", script, "sh", f"/etc/netns/{netns}/hosts", *cmd]
 
 
 def _wait(predicate, timeout: float, what: str, cluster: Cluster) -> None:
