@@ -209,6 +209,9 @@ def write_config(root: Path, nodes: list[Node], ctld_host: str, ctld_address: st
     ]
     conf = root / "slurm.conf"
     conf.write_text("\n".join(lines) + "\n")
+    # srun --mpi=pmix: where a node's slurmstepd makes its PMIx client directories (start_cluster
+    # mounts a directory of the node's own there).
+    (root / "mpi.conf").write_text(f"PMIxCliTmpDirBase={root / 'pmix' / 'node'}\n")
     return conf
 
 
@@ -219,10 +222,9 @@ def start_cluster(nodes: list[Node], ctld_netns: str | None = None,
     # munged wants every directory above its socket searchable by all, and its key private.
     root = Path(tempfile.mkdtemp(prefix="ringfeed-slurm-"))
     root.chmod(0o711)
-    for sub in ("munge", "state", "spool", "run", "log", "jobs"):
-        (root / sub).mkdir()
+    for sub in ("munge", "state", "spool", "run", "log", "pmix/node"):
+        (root / sub).mkdir(parents=True)
     (root / "munge").chmod(0o711)
-    (root / "jobs").chmod(0o777)
     key = root / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
@@ -248,8 +250,12 @@ def start_cluster(nodes: list[Node], ctld_netns: str | None = None,
         _wait(lambda: (munge_dir / "munge.socket").exists(), 20, "munged's socket", cluster)
         daemon("slurmctld", [_binary("slurmctld"), "-D", "-f", str(conf)], ctld_netns)
         for node in nodes:
-            daemon(f"slurmd-{node.name}", [_binary("slurmd"), "-D", "-f", str(conf),
-                                            "-N", node.name], node.netns)
+            # Each node's PMIx client directories (TMPDIR/spmix_appdir_UID_JOB.STEP) in a
+            # directory of its own: nodes on one machine would share them.
+            own = root / "pmix" / node.name
+            own.mkdir(parents=True)
+            daemon(f"slurmd-{node.name}", with_bind(own, root / "pmix" / "node", [
+                _binary("slurmd"), "-D", "-f", str(conf), "-N", node.name]), node.netns)
 
         def all_idle() -> bool:
             res = cluster.run(["sinfo", "-h", "-N", "-o", "%N %T"], timeout=15)
@@ -272,6 +278,12 @@ def in_netns(netns: str, cmd: list[str]) -> list[str]:
     script = 'if [ -f "$1" ]; then mount --bind "$1" /etc/hosts; fi; shift; exec "$@"'
     return ["nsenter", f"--net=/run/netns/{netns}", "unshare", "--mount", "--propagation",
             "private", "sh", "-c", script, "sh", f"/etc/netns/{netns}/hosts", *cmd]
+
+
+def with_bind(source: Path, target: Path, cmd: list[str]) -> list[str]:
+    """`cmd` with `source` bind-mounted on `target`, in a mount namespace of its own."""
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount --bind "$1" "$2"; shift 2; exec "$@"', "sh", str(source), str(target), *cmd]
 
 
 def _wait(predicate, timeout: float, what: str, cluster: Cluster) -> None:

@@ -9,9 +9,9 @@ and munged, started as root from a private config (tests/slurm_util.py), not the
 2. docker/slurm/srun_mpi.sbatch, the same: srun starts the 2 ranks through Slurm's PMIx plugin,
    Horovod runs on MPI (needs Horovod built with MPI: `mpicxx` at `make setup` time), and the
    script's SIGTERM reaches the ranks through `scancel --signal=TERM`.
-3. horovodrun.sbatch on two Slurm nodes, one task each: a slurmd in each of two
-   network-namespace hosts (benchmarks/netns_hosts.py, as tests/test_multinode.py makes them),
-   sshd in each for horovodrun's ssh.
+3. Both scripts on two Slurm nodes, one task each: a slurmd in each of two network-namespace
+   hosts (benchmarks/netns_hosts.py, as tests/test_multinode.py makes them), sshd in each for
+   horovodrun's ssh; each node's PMIx client directories kept apart (slurm_util).
 
 Measured here (2 cores): Slurm checks time limits every 30 s (slurmctld's PERIODIC_TIMEOUT), so
 the signal asked for @N seconds before the limit comes between N and N + 30 s before it: with
@@ -337,26 +337,50 @@ def two_nodes(tmp_path) -> Iterator[TwoNodes]:
                 proc.wait(timeout=10)
 
 
-def test_horovodrun_sbatch_on_two_slurm_nodes(two_nodes, shards, reference, tmp_path):
+def _two_node_job(two_nodes: TwoNodes, shards: Path, tmp_path: Path, script: Path,
+                  *args: str, **env: str) -> tuple[str, str, Path]:
+    """sbatch SCRIPT on both nodes, one task each, unpaced, to completion: (job, output,
+    run dir)."""
     cluster = two_nodes.cluster
     cfg = job_config(tmp_path, shards, "job")
     run_dir, out = tmp_path / "job", tmp_path / "job.out"
     started = time.monotonic()
-    env = job_env(RINGFEED_SSH_PORT=str(SSH_PORT), RINGFEED_NIC="eth0")
-    env["PATH"] = f"{two_nodes.ssh_path}{os.pathsep}{env['PATH']}"
+    job_environ = job_env(**env)
+    job_environ["PATH"] = f"{two_nodes.ssh_path}{os.pathsep}{job_environ['PATH']}"
     job = cluster.sbatch(["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0",
                           "--cpus-per-task=1", "--time=5", f"--output={out}",
-                          str(HOROVODRUN_SBATCH), str(cfg)], env=env, cwd=tmp_path)
+                          str(script), str(cfg), *args], env=job_environ, cwd=tmp_path)
     done = cluster.wait_job(job, lambda i: i.get("JobState") == "COMPLETED", timeout=240,
                             what="completion")
-    _timed(f"2-node job {job} completed", started)
+    _timed(f"2-node job {job} ({script.name}) completed", started)
     output = job_output(out)
     assert done["ExitCode"] == "0:0" and done["NodeList"] == "rfnode[1-2]", done
-    hosts = f"{NODE_NAMES[0]}:1,{NODE_NAMES[1]}:1"
-    assert f"ringfeed: job {job} on 2 node(s), restart 0: horovodrun -np 2 -H {hosts} --gloo " \
-           f"-p {SSH_PORT} --network-interface eth0" in output, output[-4000:]
+    assert f"ringfeed: job {job} on 2 node(s), restart 0: " in output, output[-4000:]
     assert "2 rank(s)" in output and f"finished at step {STEPS}" in output, output[-4000:]
+    return job, output, run_dir
+
+
+def test_horovodrun_sbatch_on_two_slurm_nodes(two_nodes, shards, reference, tmp_path):
+    job, output, run_dir = _two_node_job(two_nodes, shards, tmp_path, HOROVODRUN_SBATCH,
+                                         RINGFEED_SSH_PORT=str(SSH_PORT), RINGFEED_NIC="eth0")
+    hosts = f"{NODE_NAMES[0]}:1,{NODE_NAMES[1]}:1"
+    assert f"horovodrun -np 2 -H {hosts} --gloo -p {SSH_PORT} --network-interface eth0" \
+        in output, output[-4000:]
     # Rank 1 ran on rfnode2, started over ssh from rfnode1 (where the batch script ran) ...
     assert f"Accepted publickey for root from {ADDRESSES[0]}" in two_nodes.sshd_logs[1].read_text()
     # ... and the two trained as one job, over the veth link: the reference's weights.
+    assert_same_as_reference(run_dir, reference)
+
+
+def test_srun_mpi_sbatch_on_two_slurm_nodes(two_nodes, shards, reference, tmp_path):
+    reason = _srun_mpi_missing(two_nodes.cluster)
+    if reason:
+        pytest.skip(reason)
+    job, output, run_dir = _two_node_job(two_nodes, shards, tmp_path, SRUN_MPI_SBATCH,
+                                         "--set", "horovod.controller=mpi")
+    assert "srun --mpi=pmix --kill-on-bad-exit=1 ringfeed train" in output, output[-4000:]
+    # slurmd on rfnode2 started rank 1 (no ssh), and MPI between the hosts trained as one job.
+    for node in NODE_NAMES:
+        log = (two_nodes.cluster.root / "log" / f"slurmd-{node}.log").read_text()
+        assert f"launch task StepId={job}.0 request" in log, log[-3000:]
     assert_same_as_reference(run_dir, reference)
