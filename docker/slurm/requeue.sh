@@ -3,10 +3,13 @@
 # its time limit checkpoints, requeues itself and resumes (`ringfeed train ... --resume auto`).
 #
 # The scripts ask Slurm for SIGUSR1 to the batch shell 120 s before the limit
-# (`#SBATCH --signal=B:USR1@120`). On it the ranks get SIGTERM (`ringfeed train` then agrees
-# across ranks to stop, saves a checkpoint and exits 143), the launcher gets up to
-# RINGFEED_SAVE_GRACE_S (60) to finish, then `scontrol requeue`; the requeued job runs the script
-# again and `--resume auto` continues from that checkpoint.
+# (`#SBATCH --signal=B:USR1@120`; slurmctld looks at time limits every 30 s, so it comes 120 to
+# 150 s before). On it the ranks get SIGTERM (`ringfeed train` then agrees across ranks to stop,
+# saves a checkpoint and exits 143), the launcher gets up to RINGFEED_SAVE_GRACE_S (60) to
+# finish, then `scontrol requeue`; the requeued job waits about 2 minutes (PENDING, Reason
+# BeginTime), runs the script again and `--resume auto` continues from that checkpoint.
+# A signal that comes before the ranks train (a limit shorter than start-up + 150 s) finds
+# nothing to save: the job is requeued with nothing to resume from, each time.
 #   ranks launched by srun (job steps):  SIGTERM to every step via scancel;
 #   ranks launched by horovodrun:        SIGTERM to horovodrun, which passes it to its local
 #                                        ranks (rank 0 runs on this node) and stops the others.
