@@ -16,7 +16,7 @@ and munged, started as root from a private config (tests/slurm_util.py), not the
 Measured here (2 cores): Slurm checks time limits every 30 s (slurmctld's PERIODIC_TIMEOUT), so
 the signal asked for @N seconds before the limit comes between N and N + 30 s before it: with
 `--time=2 --signal=B:USR1@60` 30 to 60 s after the job starts, when the ranks have been training
-for a while (they log their first steps 6 to 14 s after the start, with the machine busy). The
+for a while (they log their first steps 6 to 22 s after the start, with the machine busy). The
 toy model's steps are paced in the first run only (slurm_util.paced_cross_entropy) so that it
 is still training then. A requeued job waits about 2 minutes in PENDING (Reason=BeginTime);
 the test starts it at once with `scontrol update JobId=N StartTime=now`. Skipped, with the
@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -198,8 +199,10 @@ def through_the_time_limit(cluster: Cluster, reference: Reference, shards: Path,
     _timed(f"job {job}: signalled, stopped at step {stopped_at}, requeued", started)
     assert 0 < stopped_at < STEPS  # mid-run
     assert f"ckpt-{stopped_at:09d} (signal)" in output, output[-4000:]
-    # Requeued jobs wait ~2 min (BeginTime) before they may start again; start it now.
-    assert requeued["Reason"] == "BeginTime", requeued
+    # A requeued job may start again only ~2 min later (Reason=BeginTime, once the scheduler
+    # has looked at it; None just before): start it now.
+    _timed(f"job {job}: PENDING, Reason={requeued.get('Reason')}, "
+           f"StartTime={requeued.get('StartTime')}", started)
     cluster.release(job)
     done = cluster.wait_job(job, lambda i: i.get("JobState") == "COMPLETED", timeout=150,
                             what="the second run to complete")
@@ -287,6 +290,9 @@ def two_nodes(tmp_path) -> Iterator[TwoNodes]:
         pytest.skip(reason)
     if not os.access(SSHD, os.X_OK):
         pytest.skip(f"{SSHD} not found (Debian: apt-get install openssh-server)")
+    for tool in ("nsenter", "unshare"):  # how slurm_util enters a namespace host
+        if shutil.which(tool) is None:
+            pytest.skip(f"`{tool}` not found (Debian: util-linux)")
     started = time.monotonic()
     ssh_dir = tmp_path / "ssh"
     sshd_procs: list[subprocess.Popen] = []
