@@ -3,8 +3,9 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
+IMAGE_CHECK_ARGS ?=   # make image-check: any of cpu gpu-recipe apptainer-recipe (default: all)
 
-.PHONY: setup test test-fast demo demo-lm lint bench gpu-kit gpu-check clean
+.PHONY: setup test test-fast demo demo-lm lint bench gpu-kit gpu-check image-check clean
 
 setup:            ## create .venv, install the pinned stack, build/cache Horovod (idempotent)
 	@PYTHON=$(PYTHON) bash docker/install.sh $(VENV)
@@ -32,6 +33,9 @@ gpu-kit: setup    ## pack what gpu-check needs on a GPU machine without network 
 
 gpu-check:        ## on a GPU machine: Horovod+NCCL build, GPU demo (fp32/bf16/fp16), benchmark
 	bash docker/gpu_check.sh
+
+image-check:      ## by hand, root, ~25 min cold: build ringfeed:cpu with podman, run it (demo, 2 hosts, compose); GPU/Apptainer recipes as far as they run
+	bash docker/image_check.sh $(IMAGE_CHECK_ARGS)
 
 clean:
 	rm -rf demo-out runs .pytest_cache
