@@ -448,6 +448,16 @@ two_host_network() {  # sets NET_ARGS_1/2 and HOST_1/2 (names horovodrun uses) a
   NET_NOTE="network namespaces $NETNS_A/$NETNS_B, veth eth0 pair 192.168.78.1/.2, podman --network ns:"
 }
 
+demo_accuracy_reached() {  # SUMMARY_JSON: prints the run's summary; fails below the demo's goal
+  python3 - "$1" <<'PYEOF'
+import json, sys
+s = json.loads(open(sys.argv[1]).read())
+print("summary:", {k: s.get(k) for k in ("step", "val", "samples_per_s")})
+print(f"val accuracy {s['val']['accuracy']:.4f} after {s['step']} steps")
+assert s["val"]["accuracy"] >= 0.95, s["val"]
+PYEOF
+}
+
 check_two_hosts() {
   local dir="$WORK/two-hosts" log="$LOGS/two-hosts.log" t0=$SECONDS
   if ! two_host_network; then
@@ -499,13 +509,7 @@ check_two_hosts() {
   t0=$SECONDS
   if timeout 1800 podman exec "$NODE_PREFIX-node1" "${across[@]}" --gloo ringfeed train /configs/digits.yaml \
         --set framework=torch --set "data.train=$shards" --set output.dir=/job/run >>"$log" 2>&1 \
-     && python3 - "$dir/run/summary.json" >>"$log" 2>&1 <<'PYEOF'
-import json, sys
-s = json.loads(open(sys.argv[1]).read())
-print("summary:", {k: s.get(k) for k in ("step", "val", "samples_per_s")})
-print(f"val accuracy {s['val']['accuracy']:.4f} after {s['step']} steps")
-assert s["val"]["accuracy"] >= 0.95, s["val"]
-PYEOF
+     && demo_accuracy_reached "$dir/run/summary.json" >>"$log" 2>&1
   then
     record PASS "two hosts: train" "ringfeed train examples/configs/digits.yaml (torch, --gloo) across node1+node2 in $((SECONDS - t0)) s: $(grep -m1 '^val accuracy' "$log") (goal >= 0.95)"
   else
@@ -542,13 +546,7 @@ check_compose() {
   fi
   "${compose[@]}" down -v >>"$log" 2>&1 || true
   podman network rm -f "${project}_default" >/dev/null 2>&1 || true   # podman-compose 1.0 leaves it
-  if [ "$code" = 0 ] && python3 - "$stage/demo-out/runs/digits/summary.json" >>"$log" 2>&1 <<'PYEOF'
-import json, sys
-s = json.loads(open(sys.argv[1]).read())
-print("summary:", {k: s.get(k) for k in ("step", "val", "samples_per_s")})
-print(f"val accuracy {s['val']['accuracy']:.4f} after {s['step']} steps")
-assert s["val"]["accuracy"] >= 0.95, s["val"]
-PYEOF
+  if [ "$code" = 0 ] && demo_accuracy_reached "$stage/demo-out/runs/digits/summary.json" >>"$log" 2>&1
   then
     record PASS "compose" "podman-compose up of docker/docker-compose.yml: node1 ran horovodrun -H node1:1,node2:1 (ringfeed train digits.yaml --resume auto), exit 0, $(grep -m1 '^val accuracy' "$log"), $((SECONDS - t0)) s"
   else

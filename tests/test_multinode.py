@@ -33,14 +33,12 @@ from pathlib import Path
 import helpers
 import pytest
 from helpers import BIN, REPO, run
+from netns_sshd import ENTRYPOINT, SSH_PORT, SSHD, root_sshd
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import netns_hosts  # noqa: E402  (shared with benchmarks/local_sgd_bench.py)
 
-ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
 WORKER = Path(__file__).resolve().parent / "multinode_worker.py"
-SSHD = "/usr/sbin/sshd"  # sshd refuses to start from a relative path
-SSH_PORT = 2222
 ADDRESSES = ("192.168.77.1", "192.168.77.2")
 NS_PREFIX = "rfmn"
 HOROVODRUN_ACROSS = ["-np", "2", "-H", f"{ADDRESSES[0]}:1,{ADDRESSES[1]}:1", "-p", str(SSH_PORT),
@@ -76,11 +74,6 @@ def namespaces() -> Iterator[tuple[str, str]]:
         pytest.skip(reason)
     with netns_hosts.two_hosts(NS_PREFIX, ADDRESSES) as pair:
         yield pair
-
-
-def _entrypoint(*args: str) -> str:
-    return subprocess.run(["bash", str(ENTRYPOINT), *args], check=True, capture_output=True,
-                          text=True, timeout=60).stdout
 
 
 def _assert_trained_across_hosts(out: Path) -> None:
@@ -127,44 +120,15 @@ def _wait_for_ssh(env: dict[str, str], namespace: str, address: str, deadline_s:
 @pytest.fixture
 def root_hosts(namespaces: tuple[str, str], tmp_path: Path) -> Iterator[RootHosts]:
     ssh_dir = tmp_path / "ssh"  # keys, configs, logs: removed at the end, pass or fail
-    keys = ssh_dir / "keys"
-    sshd_procs: list[subprocess.Popen] = []
     try:
-        _entrypoint("keygen", str(keys))
-        # sshd as root needs its privilege-separation directory (the package's service makes it).
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
-        for ns, address in zip(namespaces, ADDRESSES, strict=True):
-            config = _entrypoint("sshd-config", str(ssh_dir / f"sshd-{ns}"), str(SSH_PORT),
-                                 str(keys / "authorized_keys")).strip()
-            log = open(ssh_dir / f"sshd-{ns}.log", "w")  # the child keeps its own descriptor
-            # The images' config is for an unprivileged user; here root logs in, with keys in a
-            # temporary directory whose parents are world-writable.
-            sshd_procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", config,
-                 "-o", f"ListenAddress={address}", "-o", "PermitRootLogin=prohibit-password",
-                 "-o", "StrictModes=no"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            log.close()
-
-        # ssh reads ~/.ssh of the passwd entry, not $HOME: a wrapper first on PATH hands it the
-        # test's config (horovodrun runs plain `ssh`, and forwards PATH to the remote rank).
-        client_config = ssh_dir / "ssh_config"
-        client_config.write_text(_entrypoint("ssh-config", str(keys / "id_ed25519"),
-                                             str(SSH_PORT), str(ssh_dir / "known_hosts")))
-        wrapper_dir = ssh_dir / "bin"
-        wrapper_dir.mkdir()
-        (wrapper_dir / "ssh").write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F "{client_config}" "$@"\n')
-        (wrapper_dir / "ssh").chmod(0o755)
-        env = helpers.test_env(PATH=f"{wrapper_dir}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}")
-        for ns in namespaces:
-            for address in ADDRESSES:
-                _wait_for_ssh(env, ns, address, deadline_s=30)
-        yield RootHosts(namespaces, env)
+        with root_sshd(namespaces, ADDRESSES, ssh_dir) as wrapper_dir:
+            env = helpers.test_env(
+                PATH=f"{wrapper_dir}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}")
+            for ns in namespaces:
+                for address in ADDRESSES:
+                    _wait_for_ssh(env, ns, address, deadline_s=30)
+            yield RootHosts(namespaces, env)
     finally:
-        for proc in sshd_procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
         shutil.rmtree(ssh_dir, ignore_errors=True)
 
 

@@ -42,6 +42,7 @@ from pathlib import Path
 import pytest
 from fault_util import assert_same_torch_state, samples_by_epoch, torch_final
 from helpers import BIN, REPO, test_env
+from netns_sshd import SSH_PORT, SSHD, root_sshd
 from slurm_util import (
     PACE,
     Cluster,
@@ -262,14 +263,6 @@ def test_srun_mpi_time_limit_requeue_and_resume_bit_identical(cluster, shards, r
 NS_PREFIX = "rfsl"
 ADDRESSES = ("192.168.78.1", "192.168.78.2")
 NODE_NAMES = ("rfnode1", "rfnode2")
-SSH_PORT = 2222
-ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
-SSHD = "/usr/sbin/sshd"
-
-
-def _entrypoint(*args: str) -> str:
-    return subprocess.run(["bash", str(ENTRYPOINT), *args], check=True, capture_output=True,
-                          text=True, timeout=60).stdout
 
 
 @dataclass
@@ -295,31 +288,10 @@ def two_nodes(tmp_path) -> Iterator[TwoNodes]:
             pytest.skip(f"`{tool}` not found (Debian: util-linux)")
     started = time.monotonic()
     ssh_dir = tmp_path / "ssh"
-    sshd_procs: list[subprocess.Popen] = []
     cluster = None
-    with netns_hosts.two_hosts(NS_PREFIX, ADDRESSES, names=NODE_NAMES) as namespaces:
+    with netns_hosts.two_hosts(NS_PREFIX, ADDRESSES, names=NODE_NAMES) as namespaces, \
+            root_sshd(namespaces, ADDRESSES, ssh_dir) as wrapper_dir:
         try:
-            keys = ssh_dir / "keys"
-            _entrypoint("keygen", str(keys))
-            os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation
-            for ns, address in zip(namespaces, ADDRESSES, strict=True):
-                config = _entrypoint("sshd-config", str(ssh_dir / f"sshd-{ns}"), str(SSH_PORT),
-                                     str(keys / "authorized_keys")).strip()
-                log = open(ssh_dir / f"sshd-{ns}.log", "w")
-                sshd_procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", config,
-                     "-o", f"ListenAddress={address}", "-o", "PermitRootLogin=prohibit-password",
-                     "-o", "StrictModes=no"],
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-                log.close()
-            client_config = ssh_dir / "ssh_config"
-            client_config.write_text(_entrypoint("ssh-config", str(keys / "id_ed25519"),
-                                                 str(SSH_PORT), str(ssh_dir / "known_hosts")))
-            wrapper_dir = ssh_dir / "bin"
-            wrapper_dir.mkdir()
-            (wrapper_dir / "ssh").write_text(
-                f'#!/bin/sh\nexec /usr/bin/ssh -F "{client_config}" "$@"\n')
-            (wrapper_dir / "ssh").chmod(0o755)
             nodes = [Node(name, address, ns) for name, address, ns
                      in zip(NODE_NAMES, ADDRESSES, namespaces, strict=True)]
             cluster = start_cluster(nodes, ctld_netns=namespaces[0], ctld_address=ADDRESSES[0])
@@ -337,10 +309,6 @@ def two_nodes(tmp_path) -> Iterator[TwoNodes]:
         finally:
             if cluster is not None:
                 stop_cluster(cluster)
-            for proc in sshd_procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
 
 
 def _two_node_job(two_nodes: TwoNodes, shards: Path, tmp_path: Path, script: Path,
