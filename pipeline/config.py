@@ -24,6 +24,7 @@ from pydantic import (
 
 from ringfeed.fsutil import parse_size
 from ringfeed.pipeline.errors import PipelineError
+from ringfeed.userhooks import IMPORT_PATH
 
 SampleFn = Callable[[dict[str, Any]], dict[str, Any]]
 IMPORT_PATH_HELP = "a function, or an import path 'module:function'"
@@ -83,7 +84,7 @@ class PipelineConfig(BaseModel):
     @field_validator("decode", "transform")
     @classmethod
     def _hook(cls, v: SampleFn | str | None, info) -> SampleFn | str | None:
-        if isinstance(v, str) and not _is_import_path(v):
+        if isinstance(v, str) and not IMPORT_PATH.match(v):
             raise ValueError(f"{info.field_name} must be an import path 'module:function', "
                              f"got {v!r}")
         return v
@@ -99,11 +100,6 @@ class PipelineConfig(BaseModel):
     @classmethod
     def _size(cls, v: int | str | None) -> int | None:
         return None if v is None else parse_size(v)
-
-
-def _is_import_path(value: str) -> bool:
-    module, sep, attr = value.partition(":")
-    return bool(sep) and all(p.isidentifier() for p in module.split(".")) and attr.isidentifier()
 
 
 def pipeline_config(config: PipelineConfig | None, options: dict[str, Any]) -> PipelineConfig:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
 from ringfeed.errors import UserError
+
+# What a config may name as user code: "package.module:function"
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 def load_callable(path: str, field: str) -> Callable[..., Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,9 +34,9 @@ from ringfeed.formats.manifest import ManifestError
 from ringfeed.formats.manifest_index import ManifestIndex, load_index
 from ringfeed.pipeline.config import PipelineConfig
 from ringfeed.train.horovod_env import launch_problem
+from ringfeed.userhooks import IMPORT_PATH
 
 BUILTIN_MODELS = ("mlp", "cnn", "gpt")
-IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 CHECKPOINT_GLOB = "ckpt-*"  # the checkpoint module's directory names; see train/checkpoint.py
 
 
