@@ -9,6 +9,7 @@ global batches, each rank feeding its own slice, and writes the final weights pe
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
@@ -439,8 +440,6 @@ def recording_mlp(spec, num_classes: int, hidden: list[int]):
     """The built-in torch MLP, wrapped: every training forward appends a hash of each input row
     to `$RINGFEED_TEST_AUDIT_DIR/rows-<pid>.txt`. What reached the model, counted outside the
     trainer (its own samples.jsonl is rewound at a rollback; this is not)."""
-    import hashlib
-
     import torch
 
     from ringfeed.train.models import torch_models
@@ -460,10 +459,6 @@ def recording_mlp(spec, num_classes: int, hidden: list[int]):
                     f.writelines(row_hash(r) + "\n" for r in rows)
             return self.inner(x)
 
-    def row_hash(row: np.ndarray) -> str:
-        return hashlib.blake2b(np.ascontiguousarray(row, np.float32).tobytes(),
-                               digest_size=8).hexdigest()
-
     return Recording()
 
 
@@ -474,8 +469,11 @@ def audited_rows(audit_dir: Path) -> list[str]:
 
 def toy_row_ids(n: int = 480) -> dict[str, int]:
     """Row hash -> sample id for write_toy_shards' train split."""
-    import hashlib
-
     x, _ = toy_arrays(n, 0)
-    return {hashlib.blake2b(np.ascontiguousarray(r, np.float32).tobytes(),
-                            digest_size=8).hexdigest(): i for i, r in enumerate(x)}
+    return {row_hash(r): i for i, r in enumerate(x)}
+
+
+def row_hash(row: np.ndarray) -> str:
+    """A model input row's identity in the audit: a hash of its float32 bytes."""
+    return hashlib.blake2b(np.ascontiguousarray(row, np.float32).tobytes(),
+                           digest_size=8).hexdigest()
