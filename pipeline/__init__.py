@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["ShardPipeline", "PipelineConfig", "PipelineDataError", "PipelineError",
-           "horovod_rank_and_size"]
+           "WeightedSource", "horovod_rank_and_size"]
 
 _HOMES = {"ShardPipeline": "ringfeed.pipeline.core",
           "horovod_rank_and_size": "ringfeed.pipeline.core",
           "PipelineConfig": "ringfeed.pipeline.config",
+          "WeightedSource": "ringfeed.pipeline.config",
           "PipelineDataError": "ringfeed.pipeline.errors",
           "PipelineError": "ringfeed.pipeline.errors"}
 

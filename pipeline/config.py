@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     ValidationError,
     field_validator,
@@ -80,6 +81,8 @@ class PipelineConfig(BaseModel):
     decode_threads: NonNegativeInt = Field(
         0, description="> 1: a batch's images decode in this many threads")
     indexed: bool = Field(True, description="read shards through their tar index")
+    epoch_samples: PositiveInt | None = Field(
+        None, description="samples per epoch of a weighted mixture (default: all its sources')")
 
     @field_validator("decode", "transform")
     @classmethod
@@ -100,6 +103,19 @@ class PipelineConfig(BaseModel):
     @classmethod
     def _size(cls, v: int | str | None) -> int | None:
         return None if v is None else parse_size(v)
+
+
+class WeightedSource(BaseModel):
+    """One source of a weighted mixture (pipeline/mixture.py): `{path: shards/web, weight: 0.7}`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: PathStr = Field(description="a shard dir/URL with manifest.json, or shard URLs/pattern")
+    weight: PositiveFloat | None = Field(
+        None, description="share of the mixture's samples (relative); left out in every entry: "
+                          "each source's size (the sources concatenated, every sample once)")
+    name: str | None = Field(None, description="how reports name it (default: the path's "
+                                               "last part)")
 
 
 def pipeline_config(config: PipelineConfig | None, options: dict[str, Any]) -> PipelineConfig:

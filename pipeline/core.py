@@ -24,6 +24,13 @@ from ringfeed.pipeline.config import PipelineConfig, pipeline_config
 from ringfeed.pipeline.decode import Decoder, as_pair
 from ringfeed.pipeline.decoded_cache import DecodedStore, layout_of
 from ringfeed.pipeline.errors import PipelineDataError, PipelineError
+from ringfeed.pipeline.mixture import (
+    ConcatRefs,
+    Mixture,
+    WeightedSource,
+    as_mixture,
+    source_names,
+)
 from ringfeed.pipeline.plan import Layout, SegmentConfig, SegmentPlan
 from ringfeed.pipeline.shardread import (
     COMPRESSED_SUFFIXES,
@@ -78,11 +85,11 @@ class ShardPipeline:
     decoded-sample cache (decoded_cache.py), the decoder (decode.py), the worker streams that
     batch (stream.py) and the background threads that run them (background.py)."""
 
-    def __init__(self, source: str | os.PathLike | Sequence[str],
+    def __init__(self, source: str | os.PathLike | Sequence[str] | Sequence[WeightedSource],
                  config: PipelineConfig | None = None, *, rank: int | None = None,
                  world_size: int | None = None, **options: Any) -> None:
         """Batches of `source` (a shard dir/URL with manifest.json, or shard URLs / a brace
-        pattern) for `rank` of `world_size` (default: Horovod's, if initialised, else 0 of 1),
+        pattern, or a weighted mixture: a list of {path, weight} / WeightedSource) for `rank` of `world_size` (default: Horovod's, if initialised, else 0 of 1),
         read as `config` says; keyword `options` (PipelineConfig's fields) fill or override it."""
         self.config = c = pipeline_config(config, options)
         if rank is None or world_size is None:
@@ -102,24 +109,36 @@ class ShardPipeline:
         self.cache = ShardCache(c.cache_dir, c.cache_limit, c.storage_options, retries=c.retries)
         self.indexes = (IndexStore(self.cache.cache_dir, c.storage_options) if c.indexed
                         else None)
-        self.manifest, refs = self._resolve(source, c.split, c.allow_pipe)
+        mixed = as_mixture(source)
+        if mixed is None:
+            if c.epoch_samples is not None:
+                raise PipelineError("epoch_samples: only a weighted mixture of sources has it")
+            self.manifest, refs = self._resolve(source, c.split, c.allow_pipe)
+            self.mixture, self.source_names = None, [str(source)]
+            manifests = [self.manifest]
+        else:
+            manifests, refs = self._resolve_mixture(mixed, c)
+            self.manifest = manifests[0]
         self.refs = refs
         self.layout = Layout(sample_counts(refs))
         shuffle_buffer = c.shuffle_buffer if c.shuffle else 0
         self.progress = PipelineState(self.layout, c.seed, c.shuffle, SegmentConfig(
-            self.world_size, c.num_workers, c.batch_size, shuffle_buffer, c.balance))
+            self.world_size, c.num_workers, c.batch_size, shuffle_buffer, c.balance),
+            self.mixture)
         if self.batches_per_epoch == 0:
             raise PipelineError(
                 f"{self.layout.num_samples} samples over {self.world_size} ranks give no full "
                 f"batch of {c.batch_size} with balance='drop' (use balance='pad' or a smaller "
                 "batch_size)")
-        kinds = dict(self.manifest.fields) if self.manifest else {}
+        kinds = self._field_kinds(manifests)
         kinds.update(c.fields or {})
         hooks = {name: load_callable(fn, name) if isinstance(fn, str) else fn
                  for name, fn in (("decode", c.decode), ("transform", c.transform))}
         decoder = Decoder(kinds, as_pair(c.image_size), c.normalize, hooks["decode"],
                           hooks["transform"], decode_images=c.decode_device == "cpu",
                           threads=c.decode_threads)
+        if self.mixture is not None:
+            self._check_mixture_fields(decoder)
         self.context = StreamContext(refs, self.layout, decoder, self.cache, c.on_error,
                                      c.prefetch, self.indexes,
                                      self._decoded_store(c.decoded_cache, c.cache_limit, decoder))
@@ -163,6 +182,14 @@ class ShardPipeline:
 
     def __len__(self) -> int:
         return self.batches_per_epoch
+
+    def source_of(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Global sample ids (`__index__`) -> (source index, id within that source); a single
+        source is source 0."""
+        if self.mixture is None:
+            ids = np.asarray(ids, dtype=np.int64)
+            return np.zeros(len(ids), dtype=np.int64), ids
+        return self.mixture.source_of(ids)
 
     # -- epochs and state ---------------------------------------------------------------
     def expect_next_epoch(self, expected: bool) -> None:
@@ -342,8 +369,8 @@ class ShardPipeline:
                 return None
         return DecodedStore(directory, room, decoder.settings())
 
-    def _first_raw(self) -> dict[str, Any]:
-        for ref in self.refs:
+    def _first_raw(self, refs: Sequence[ShardRef] | None = None) -> dict[str, Any]:
+        for ref in self.refs if refs is None else refs:
             samples = open_samples(self.cache.open(ref), self.indexes)
             try:
                 raw = samples.get(0)
@@ -369,6 +396,71 @@ class ShardPipeline:
             raise PipelineError(f"{source}: no samples (split {split!r})")
         return manifest, refs
 
+    def _resolve_mixture(self, mixed: list[WeightedSource], c: PipelineConfig
+                         ) -> tuple[list[Manifest | None], ConcatRefs]:
+        """Each source's shards, laid end to end, and the Mixture that plans their epochs."""
+        if any(s.weight is None for s in mixed) and any(s.weight is not None for s in mixed):
+            raise PipelineError("mixture: give every source a weight, or none (then each "
+                                "source's share is its size)")
+        self.source_names = source_names(mixed)
+        manifests, parts = [], []
+        for name, entry in zip(self.source_names, mixed, strict=True):
+            try:
+                manifest, refs = self._resolve(entry.path, c.split, c.allow_pipe)
+            except PipelineError as e:
+                raise PipelineError(f"mixture source {name!r}: {e}") from None
+            manifests.append(manifest)
+            parts.append(refs)
+        layouts = tuple(Layout(sample_counts(p)) for p in parts)
+        sizes = [lay.num_samples for lay in layouts]
+        weights = (tuple(float(n) for n in sizes) if mixed[0].weight is None
+                   else tuple(float(s.weight) for s in mixed))  # type: ignore[arg-type]
+        self.mixture = Mixture(layouts, weights, c.epoch_samples or sum(sizes))
+        return manifests, ConcatRefs(parts)
+
+    def _field_kinds(self, manifests: list[Manifest | None]) -> dict[str, str]:
+        """The manifests' field kinds; sources of a mixture must not disagree on one."""
+        kinds: dict[str, str] = {}
+        for name, manifest in zip(self.source_names, manifests, strict=True):
+            for field, kind in (dict(manifest.fields) if manifest else {}).items():
+                if kinds.setdefault(field, kind) != kind:
+                    raise PipelineError(
+                        f"mixture source {name!r}: field {field!r} is {kind!r} there but "
+                        f"{kinds[field]!r} in {self.source_names[0]!r} (shard the sources "
+                        "alike, or set `fields` to one kind)")
+        return kinds
+
+    def _check_mixture_fields(self, decoder: Decoder) -> None:
+        """Batches mix the sources' samples, so every source must give the same fields with
+        the same shapes: checked on each source's first sample, one line naming the odd one."""
+        assert self.mixture is not None
+        first = self.source_names[0]
+        parts = self.refs.parts  # type: ignore[attr-defined]
+        seen: dict[str, tuple] | None = None
+        for name, refs in zip(self.source_names, parts, strict=True):
+            try:
+                sample = decoder(self._first_raw(refs))
+            except PipelineDataError as e:
+                raise PipelineError(f"mixture source {name!r}: {e}") from None
+            except Exception as e:  # an undecodable first sample: the reader will say more
+                raise PipelineError(f"mixture source {name!r}: first sample does not "
+                                    f"decode ({e})") from None
+            fields = {k: _shape_of(v) for k, v in sample.items() if not k.startswith("__")}
+            if seen is None:
+                seen = fields
+                continue
+            for field in sorted(set(seen) ^ set(fields)):
+                where, other = (name, first) if field in seen else (first, name)
+                raise PipelineError(
+                    f"mixture source {where!r} has no field {field!r} that {other!r} has "
+                    "(the sources of a mixture must carry the same fields)")
+            for field, shape in fields.items():
+                if shape != seen[field]:
+                    raise PipelineError(
+                        f"mixture source {name!r}: field {field!r} is {shape} there but "
+                        f"{seen[field]} in {first!r} (the sources must agree; for images "
+                        "set image_size)")
+
     def _counted(self, url: str) -> ShardRef:
         """Without a manifest, count a shard's samples by reading it (through the cache)."""
         handle = self.cache.open(ShardRef(url, 0))
@@ -385,6 +477,13 @@ class ShardPipeline:
             raise PipelineDataError(f"{url}: cannot count samples ({e})") from e
         finally:
             handle.close()
+
+
+def _shape_of(value: Any) -> tuple:
+    """(shape, dtype) of an array field; the Python type of anything else."""
+    if isinstance(value, np.ndarray):
+        return (value.shape, str(value.dtype))
+    return (type(value).__name__,)
 
 
 def _free_bytes(directory: Path) -> int:

@@ -146,10 +146,13 @@ class EpochOrder:
     """L of one epoch: shards in (seeded) order, tar order within a shard. O(shards) memory:
     a position maps to its id through the prefix sums of the counts in epoch order."""
 
-    def __init__(self, layout: Layout, seed: int, epoch: int, shuffle: bool) -> None:
+    def __init__(self, layout: Layout, seed: int, epoch: int, shuffle: bool,
+                 key: tuple[int, ...] = ()) -> None:
+        """`key` sets apart the shard orders of other uses of the same (seed, epoch) (a
+        mixture's sources, mixture.py)."""
         n_shards = len(layout.counts)
         self.layout = layout
-        self.order = (np.random.default_rng([seed, epoch]).permutation(n_shards)
+        self.order = (np.random.default_rng([seed, *key, epoch]).permutation(n_shards)
                       if shuffle else None)  # None: manifest order
         self.starts = (layout.offsets if self.order is None
                        else _prefix_sums(layout.counts[self.order]))
@@ -361,10 +364,22 @@ class Carried:
         return self._sims[i]
 
 
+class Mixed(Protocol):
+    """A weighted mixture's epoch orders (mixture.py `Mixture`)."""
+
+    epoch_samples: int
+
+    def order(self, seed: int, epoch: int, shuffle: bool) -> Positions: ...
+
+    def describe(self) -> dict: ...
+
+
 def plan_segments(layout: Layout, seed: int, epoch: int, shuffle: bool,
-                  segments: list[Segment]) -> list[SegmentPlan]:
-    """Replay the epoch's segments: each one partitions what the previous ones left."""
-    remaining: Positions = EpochOrder(layout, seed, epoch, shuffle)
+                  segments: list[Segment], mixture: Mixed | None = None) -> list[SegmentPlan]:
+    """Replay the epoch's segments: each one partitions what the previous ones left. With a
+    `mixture`, L is its interleaved order (over `layout`, the sources' shards end to end)."""
+    remaining: Positions = (EpochOrder(layout, seed, epoch, shuffle) if mixture is None
+                            else mixture.order(seed, epoch, shuffle))
     plans = []
     for k, seg in enumerate(segments):
         c = seg.config
@@ -379,8 +394,9 @@ def plan_segments(layout: Layout, seed: int, epoch: int, shuffle: bool,
 class Planner:
     """`plan_segments` for one dataset and seed, remembering the last epoch it planned."""
 
-    def __init__(self, layout: Layout, seed: int, shuffle: bool) -> None:
-        self.layout, self.seed, self.shuffle = layout, seed, shuffle
+    def __init__(self, layout: Layout, seed: int, shuffle: bool,
+                 mixture: Mixed | None = None) -> None:
+        self.layout, self.seed, self.shuffle, self.mixture = layout, seed, shuffle, mixture
         self._key: tuple | None = None
         self._plans: list[SegmentPlan] = []
 
@@ -389,6 +405,16 @@ class Planner:
         key = (epoch, tuple((s.config, s.batches_consumed) for s in segments[:-1]),
                segments[-1].config)
         if key != self._key:
-            self._plans = plan_segments(self.layout, self.seed, epoch, self.shuffle, segments)
+            self._plans = plan_segments(self.layout, self.seed, epoch, self.shuffle, segments,
+                                        self.mixture)
             self._key = key
         return self._plans
+
+    def fresh(self) -> Planner:
+        """A planner of the same epochs with nothing remembered (for a worker process)."""
+        return Planner(self.layout, self.seed, self.shuffle, self.mixture)
+
+    @property
+    def epoch_samples(self) -> int:
+        """Samples in an epoch's list L: the layout's, or the mixture's epoch size."""
+        return self.layout.num_samples if self.mixture is None else self.mixture.epoch_samples

@@ -13,15 +13,25 @@ from collections.abc import Sequence
 from typing import Any
 
 from ringfeed.pipeline.errors import PipelineError
-from ringfeed.pipeline.plan import Layout, Planner, Segment, SegmentConfig, SegmentPlan, batches_for
+from ringfeed.pipeline.plan import (
+    Layout,
+    Mixed,
+    Planner,
+    Segment,
+    SegmentConfig,
+    SegmentPlan,
+    batches_for,
+)
 
 STATE_VERSION = 1
 
 
 class PipelineState:
-    def __init__(self, layout: Layout, seed: int, shuffle: bool, config: SegmentConfig) -> None:
+    def __init__(self, layout: Layout, seed: int, shuffle: bool, config: SegmentConfig,
+                 mixture: Mixed | None = None) -> None:
         self.layout, self.seed, self.shuffle, self.config = layout, seed, shuffle, config
-        self.planner = Planner(layout, seed, shuffle)
+        self.mixture = mixture
+        self.planner = Planner(layout, seed, shuffle, mixture)
         self.lock = threading.Lock()
         self.epoch = 0
         self.segments = [Segment(config)]
@@ -30,7 +40,7 @@ class PipelineState:
     @property
     def batches_per_epoch(self) -> int:
         c = self.config
-        return batches_for(self.layout.num_samples, c.world_size, c.batch_size, c.balance)
+        return batches_for(self.planner.epoch_samples, c.world_size, c.batch_size, c.balance)
 
     @property
     def batches_remaining(self) -> int:
@@ -53,12 +63,14 @@ class PipelineState:
                 "num_samples": self.layout.num_samples,
                 "num_shards": num_shards,
                 "segments": [s.to_dict() for s in self.segments],
+                **({"mixture": self.mixture.describe()} if self.mixture is not None else {}),
             }
 
     def load_state_dict(self, state: dict[str, Any], num_shards: int) -> None:
         for name, mine in (("version", STATE_VERSION), ("seed", self.seed),
                            ("shuffle", self.shuffle), ("num_samples", self.layout.num_samples),
-                           ("num_shards", num_shards)):
+                           ("num_shards", num_shards),
+                           ("mixture", self.mixture.describe() if self.mixture else None)):
             if name in state and state[name] != mine:
                 raise PipelineError(f"pipeline state has {name}={state[name]!r}, this pipeline "
                                     f"{mine!r}: it belongs to another dataset or setup")

@@ -163,7 +163,7 @@ class TorchLoader:
         if workers > 0:  # worker processes learn each pass from shared memory
             pipe.read_in_workers()  # and read the next epoch when it is asked for
             self._state = _PassState()
-            dataset = _StreamDataset(pipe.context, Planner(pipe.layout, pipe.config.seed, pipe.config.shuffle),
+            dataset = _StreamDataset(pipe.context, pipe.progress.planner.fresh(),
                                      pipe.rank, self._state)
         options: dict[str, Any] = {
             "batch_size": None,  # the streams batch themselves
