@@ -13,8 +13,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
-
 from pipeline_util import write_shards
+
 from ringfeed.pipeline import PipelineError, ShardPipeline, WeightedSource
 from ringfeed.pipeline.mixture import Mixture, MixtureOrder, shares
 from ringfeed.pipeline.plan import Layout

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from ringfeed.errors import UserError
 from ringfeed.train.data import DataSpec
 from ringfeed.train.horovod_env import apply_horovod_env, check_controller
@@ -106,8 +108,10 @@ class StepBackend(Protocol):
         """One optimizer step over len(micro_batches) accumulated micro-batches, one gradient
         allreduce. `requests` = (save, stop) flags of this rank, agreed across ranks."""
 
-    def eval_batch(self, batch: dict[str, Any]) -> dict[str, float]:
-        """Sums over the batch's valid samples: "count", "loss" and each metric."""
+    def eval_batch(self, batch: dict[str, Any], groups: Groups | None = None
+                   ) -> dict[str, float]:
+        """Sums over the batch's valid samples: "count", "loss" and each metric; with `groups`
+        (a group per sample, and how many there are) also per group, as "{g}/{name}"."""
 
     def weights(self) -> list[Any]:
         """The model's parameters as numpy arrays (tests, equivalence checks)."""
@@ -278,11 +282,27 @@ def choose_gpu(view: GpuView, rank: int, local_rank: int, local_size: int, share
     return gpu_for_rank(rank, gather(view), share)
 
 
-def metric_sums(per_sample: dict[str, Any], valid: Any | None, to_float) -> dict[str, float]:
+# (a group index per sample, the number of groups): e.g. a mixture's source of each sample
+Groups = tuple[np.ndarray, int]
+
+
+def metric_sums(per_sample: dict[str, Any], valid: Any | None, to_float,
+                groups: Groups | None = None, as_vector=None) -> dict[str, float]:
     """{"count", name: sum of per-sample values over valid samples} with `to_float(x)` turning a
-    framework vector into a Python float sum; the padding of `balance: pad` is excluded."""
+    framework vector into a Python float sum; the padding of `balance: pad` is excluded. With
+    `groups`, the same sums per group g as "{g}/count", "{g}/{name}" (`as_vector` turns a numpy
+    0/1 mask into the framework's vector)."""
     first = next(iter(per_sample.values()))
     sums = {"count": float(len(first)) if valid is None else to_float(valid)}
     for name, values in per_sample.items():
         sums[name] = to_float(values if valid is None else values * valid)
+    if groups is not None:
+        labels, count = groups
+        for g in range(count):
+            mask = as_vector((np.asarray(labels) == g).astype(np.float64))
+            if valid is not None:
+                mask = mask * valid
+            sums[f"{g}/count"] = to_float(mask)
+            for name, values in per_sample.items():
+                sums[f"{g}/{name}"] = to_float(values * mask)
     return sums

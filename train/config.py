@@ -32,7 +32,7 @@ from pydantic import (
 from ringfeed.errors import UserError
 from ringfeed.formats.manifest import ManifestError
 from ringfeed.formats.manifest_index import ManifestIndex, load_index
-from ringfeed.pipeline.config import PipelineConfig
+from ringfeed.pipeline.config import PipelineConfig, WeightedSource
 from ringfeed.train.horovod_env import launch_problem
 from ringfeed.userhooks import IMPORT_PATH
 
@@ -83,8 +83,10 @@ class DataSection(PipelineConfig):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    train: str  # a shard dir/URL with manifest.json, or a list/brace pattern of shard URLs
-    val: str | None = None  # default: the same source as `train` (its `val_split`)
+    # a shard dir/URL with manifest.json, or a list/brace pattern of shard URLs, or a weighted
+    # mixture: a list of {path, weight} (pipeline/mixture.py)
+    train: str | list[WeightedSource]
+    val: str | list[WeightedSource] | None = None  # default: `train`'s sources (`val_split`)
     train_split: str = "train"
     val_split: str | None = "val"  # null: no validation
     global_batch_size: PositiveInt | None = None  # if set: batch_size = this / (ranks * accumulate)
@@ -222,7 +224,9 @@ class RunConfig(_Section):
         return Path(self.checkpoint.dir or Path(self.output.dir) / "checkpoints")
 
     @property
-    def val_source(self) -> str | None:
+    def val_source(self) -> str | list[WeightedSource] | None:
+        """What validation reads (its `val_split`): data.val, else data.train's sources; a
+        mixture is validated on all its sources' samples, per source and overall."""
         if self.data.val_split is None:
             return None
         return self.data.val or self.data.train
@@ -393,12 +397,15 @@ def _check_local_sgd(cfg: RunConfig, path: str | Path) -> None:
 
 def _check_paths(cfg: RunConfig, path: str | Path) -> None:
     """Shards exist and hold the splits asked for; checkpoints are not silently mixed."""
-    sources = [("data.train", cfg.data.train, cfg.data.train_split)]
+    sources = list(_paths("data.train", cfg.data.train, cfg.data.train_split))
     if _no_default_val_split(cfg):
         cfg.data.val_split = None  # shards without a val split: no validation unless asked
     if cfg.val_source is not None:
-        sources.append(("data.val" if cfg.data.val else "data.train", cfg.val_source,
-                        cfg.data.val_split))
+        sources += _paths("data.val" if cfg.data.val else "data.train", cfg.val_source,
+                          cfg.data.val_split)
+    if cfg.data.epoch_samples is not None and isinstance(cfg.data.train, str):
+        raise UserError(f"{path}: data.epoch_samples: only a weighted mixture (data.train "
+                        "as a list of {path, weight}) has it")
     for field, source, split in sources:
         if "://" in source or any(c in source for c in "{*,"):
             continue  # remote or a shard list: the pipeline checks it (with retries)
@@ -427,17 +434,29 @@ def _check_paths(cfg: RunConfig, path: str | Path) -> None:
         )
 
 
+def _paths(field: str, source: str | list[WeightedSource], split: str | None
+           ) -> list[tuple[str, str, str | None]]:
+    """(config field, path, split) of a source, or of each source of a mixture."""
+    if isinstance(source, str):
+        return [(field, source, split)]
+    return [(f"{field}[{i}].path", entry.path, split) for i, entry in enumerate(source)]
+
+
 def _no_default_val_split(cfg: RunConfig) -> bool:
-    """True when validation was not asked for explicitly and the local train shards have no
-    split of the default name."""
+    """True when validation was not asked for explicitly and the local train shards (of any
+    source of a mixture) have no split of the default name."""
     d = cfg.data
     if d.val is not None or "val_split" in d.model_fields_set or d.val_split is None:
         return False
-    manifest_file = Path(d.train) / "manifest.json"
-    try:
-        return manifest_file.is_file() and d.val_split not in manifest_index(d.train).split_names
-    except ManifestError:
-        return False  # reported below, with the field named
+    for _, source, _ in _paths("data.train", d.train, None):
+        manifest_file = Path(source) / "manifest.json"
+        try:
+            if manifest_file.is_file() and d.val_split not in manifest_index(
+                    source).split_names:
+                return True
+        except ManifestError:
+            return False  # reported below, with the field named
+    return False
 
 
 def manifest_index(source: str) -> ManifestIndex:

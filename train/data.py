@@ -58,8 +58,16 @@ def make_pipeline(cfg, split: str, rank: int, world_size: int):
 
     d = cfg.data
     training = split == "train"
+    source = d.train if training else cfg.val_source
+    if not training and not isinstance(source, str):
+        # a mixture is validated on every val sample of every source once (no weights), with
+        # the train mixture's names so the per-source metrics line up
+        from ringfeed.pipeline.mixture import source_names
+
+        source = [{"path": s.path, "name": name}
+                  for s, name in zip(source, source_names(source), strict=True)]
     return ShardPipeline(
-        d.train if training else cfg.val_source, d, rank=rank, world_size=world_size,
+        source, d, rank=rank, world_size=world_size,
         split=d.train_split if training else d.val_split,
         seed=cfg.train.seed,
         shuffle=d.shuffle and training,
@@ -69,6 +77,7 @@ def make_pipeline(cfg, split: str, rank: int, world_size: int):
         # (auto: tables are standardised by split_batch; images are left as they are)
         normalize=None if d.normalize in (None, "auto") else (d.normalize.mean, d.normalize.std),
         read_ahead=training,  # the loop says when no next epoch is coming
+        epoch_samples=d.epoch_samples if training else None,
     )
 
 

@@ -81,18 +81,30 @@ def micro_batch_groups(loader: Iterable, k: int) -> Iterator[tuple[list[Any], fl
 
 
 def evaluate(backend: Backend, pipe, loader) -> dict[str, float]:
-    """Exact validation metrics over the whole split, all ranks together (padding masked)."""
+    """Exact validation metrics over the whole split, all ranks together (padding masked); for
+    a mixture also per source, as "{source}/{metric}"."""
     if pipe.batches_remaining != pipe.batches_per_epoch:  # a pass left unfinished
         pipe.set_epoch(pipe.epoch + 1)
+    names = pipe.source_names if pipe.mixture is not None else []
     sums: dict[str, float] = {}
     for batch in loader:
-        for name, value in backend.eval_batch(batch).items():
+        groups = (pipe.source_of(np.asarray(batch["__index__"]))[0], len(names)) if names \
+            else None
+        for name, value in backend.eval_batch(batch, groups).items():
             sums[name] = sums.get(name, 0.0) + value
     if not sums:
         return {}
     total = backend.allreduce_sum(sums)
-    count = total.pop("count")
-    return {name: value / count for name, value in total.items()} if count else {}
+    metrics: dict[str, float] = {}
+    for prefix in ["", *(f"{g}/" for g in range(len(names)))]:
+        count = total.get(prefix + "count")
+        if not count:
+            continue
+        label = names[int(prefix[:-1])] + "/" if prefix else ""
+        metrics.update({label + name[len(prefix):]: value / count for name, value in total.items()
+                        if name.startswith(prefix) and name != prefix + "count"
+                        and (prefix or "/" not in name)})
+    return metrics
 
 
 class Trainer:
@@ -118,7 +130,8 @@ class Trainer:
     # reporting
     logger: RunLogger | None
     sample_log: SampleLog | None
-    pending_ids: list[tuple[int, int, list[int]]]  # sample ids of steps not yet gathered
+    pending_ids: list[tuple[int, int, list]]  # sample ids of steps not yet gathered
+    mixture_samples: np.ndarray | None  # a mixture's samples trained on per source, this rank
     totals: Throughput
     recent_losses: deque[float]
     last_val: dict[str, float]
@@ -136,6 +149,7 @@ class Trainer:
         self.train_pipe = self.val_pipe = self.loader = self.val_loader = None
         self.logger = self.sample_log = None
         self.pending_ids = []
+        self.mixture_samples = None
         self.totals = Throughput()
         self.recent_losses = deque(maxlen=cfg.train.log_every)
         self.last_val = {}
@@ -245,13 +259,34 @@ class Trainer:
         if state.step > self.first_step + 1:  # the first step traces/compiles: not timed
             self.totals.add(self.global_batch, now - self.t_last, waited)
         self.recent_losses.append(result.loss)
+        mixture = self.mixture_samples is not None
+        ids = valid_sample_ids(micro) if self.sample_log is not None or mixture else []
+        if mixture:
+            sources, local = self.train_pipe.source_of(ids)
+            self.mixture_samples += np.bincount(sources, minlength=len(self.mixture_samples))
+            if self.sample_log is not None:  # a mixture's samples as [source, id]
+                ids = np.stack([sources, local], axis=1).tolist()
+        shares = (self.mixture_shares() if mixture and (
+            state.step % self.cfg.train.log_every == 0 or state.step == self.total_steps)
+            else {})  # (collective: on the steps every rank logs)
         # grad norm / loss scale are read (a device sync) only when a log line is written
         self.logger.train_step(state.step, state.epoch, result.loss, lr,
-                               now - self.t_last, waited, lambda: self._step_extras(result))
+                               now - self.t_last, waited,
+                               lambda: {**self._step_extras(result), **shares})
         if self.sample_log is not None:
-            self.pending_ids.append((state.step, state.epoch, valid_sample_ids(micro)))
+            self.pending_ids.append((state.step, state.epoch, ids))
             if state.step % self.cfg.train.log_every == 0:
                 self.flush_sample_log()
+
+    def mixture_shares(self) -> dict[str, float]:
+        """Collective: each mixture source's share of the samples trained on so far in this
+        run, all ranks together, as {"share/{source}": share}."""
+        assert self.mixture_samples is not None
+        names = self.train_pipe.source_names
+        total = self.backend.allreduce_sum(dict(zip(names, self.mixture_samples.tolist(),
+                                                    strict=True)))
+        count = sum(total.values())
+        return {f"share/{name}": (n / count if count else 0.0) for name, n in total.items()}
 
     def _step_extras(self, result) -> dict[str, float]:
         extras = {}
@@ -293,6 +328,8 @@ class Trainer:
         self.train_pipe = make_pipeline(cfg, "train", dist.rank, dist.size)
         self.val_pipe = (make_pipeline(cfg, "val", dist.rank, dist.size)
                          if cfg.val_source else None)
+        if self.train_pipe.mixture is not None and self.mixture_samples is None:
+            self.mixture_samples = np.zeros(len(self.train_pipe.source_names), dtype=np.int64)
         k = cfg.train.accumulate
         self.steps_per_epoch = self.train_pipe.batches_per_epoch // k
         if self.steps_per_epoch == 0:
@@ -486,6 +523,12 @@ class Trainer:
             "pipeline": self.train_pipe.stats(),
             "communication": self.backend.comm_stats(),  # allreduce bytes per sample, ...
         }
+        if self.mixture_samples is not None:
+            pipe = self.train_pipe
+            shares = self.mixture_shares()
+            weights = pipe.mixture.per_epoch / pipe.mixture.epoch_samples
+            summary["mixture"] = {name: {"weight": float(w), "share": shares[f"share/{name}"]}
+                                  for name, w in zip(pipe.source_names, weights, strict=True)}
         self.logger.summary(summary)
 
 

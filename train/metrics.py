@@ -200,6 +200,10 @@ class RunLogger:
         lines.append(f"  throughput         {summary['samples_per_s']:.1f} samples/s "
                      f"({summary['world_size']} ranks, global batch {self.global_batch})")
         lines.append(f"  data wait          {bottleneck_line(summary['data_wait_share'])}")
+        if summary.get("mixture"):
+            lines.append("  mixture shares     " + ", ".join(
+                f"{name} {v['share']:.3f} (weight {v['weight']:.3f})"
+                for name, v in summary["mixture"].items()))
         lines.append(f"  metrics            {self.metrics_path}")
         if self._events is not None:
             lines.append(f"  tensorboard        {self.out_dir / 'tensorboard'}")
@@ -220,7 +224,8 @@ class RunLogger:
 
 class SampleLog:
     """`samples.jsonl`: per optimizer step, the global sample ids (__index__) every rank
-    trained on, `{"step", "epoch", "ids": [[rank 0's], [rank 1's], ...]}`. Rank 0 writes; a
+    trained on, `{"step", "epoch", "ids": [[rank 0's], [rank 1's], ...]}` (a weighted
+    mixture's samples as [source index, id within the source]). Rank 0 writes; a
     resumed or rolled-back run rewrites it from its step on, like metrics.jsonl, so it holds
     exactly the steps that made the current weights."""
 

@@ -37,6 +37,7 @@ from ringfeed.train.backend import (
     STATS_LOSS,
     CommStats,
     Dist,
+    Groups,
     StepCounting,
     StepResult,
     choose_gpu,
@@ -249,13 +250,14 @@ class TFBackend(StepCounting):
         return {"loss": tf.cast(self.loss_fn(out, y), tf.float32),
                 **{k: tf.cast(v, tf.float32) for k, v in self.metrics_fn(out, y).items()}}
 
-    def eval_batch(self, batch: dict[str, Any]) -> dict[str, float]:
+    def eval_batch(self, batch: dict[str, Any], groups: Groups | None = None
+                   ) -> dict[str, float]:
         x, y, valid = self._prepare(batch)
         n = int(y.shape[0])
         per_sample = {k: np.broadcast_to(v.numpy(), (n,)).astype(np.float64)
                       for k, v in self._evaluate(x, y).items()}
         valid = None if valid is None else np.asarray(valid, dtype=np.float64)
-        return metric_sums(per_sample, valid, lambda v: float(np.sum(v)))
+        return metric_sums(per_sample, valid, lambda v: float(np.sum(v)), groups, lambda m: m)
 
     def allreduce_sum(self, values: dict[str, float]) -> dict[str, float]:
         summed = hvd.allreduce(tf.constant(list(values.values()), tf.float64), op=hvd.Sum,

@@ -29,6 +29,7 @@ from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_
 from ringfeed.train.backend import (
     CommStats,
     Dist,
+    Groups,
     StepCounting,
     StepResult,
     choose_gpu,
@@ -303,7 +304,8 @@ class TorchBackend(StepCounting):
         return self.comm.as_dict()
 
     @torch.no_grad()
-    def eval_batch(self, batch: dict[str, Any]) -> dict[str, float]:
+    def eval_batch(self, batch: dict[str, Any], groups: Groups | None = None
+                   ) -> dict[str, float]:
         self.model.eval()
         try:
             x, y, valid = self._prepare(batch)
@@ -314,7 +316,8 @@ class TorchBackend(StepCounting):
             self.model.train()
         per_sample = {k: v.float().expand(len(y)) if v.dim() == 0 else v.float()
                       for k, v in per_sample.items()}
-        return metric_sums(per_sample, valid, lambda v: float(v.sum()))
+        return metric_sums(per_sample, valid, lambda v: float(v.sum()), groups,
+                           lambda m: torch.from_numpy(m).to(self.device).float())
 
     def allreduce_sum(self, values: dict[str, float]) -> dict[str, float]:
         summed = hvd.allreduce(torch.tensor(list(values.values()), dtype=torch.float64),
