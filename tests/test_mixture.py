@@ -134,6 +134,7 @@ def test_no_weights_concatenates_every_sample_once(sources):
                                    for i in range(n))
 
 
+@pytest.mark.integration  # DataLoader worker processes
 def test_torch_workers_read_a_mixture_like_the_pipeline(sources):
     from ringfeed.pipeline.torch import make_loader
 
@@ -177,3 +178,24 @@ def test_a_billion_sample_epoch_plans_a_rank_without_materialising_it():
     assert np.allclose(counts, [0.5, 0.3, 0.2], atol=0.002)
     assert (local < np.array([5 * 10**8, 3 * 10**8, 2 * 10**8])[source]).all()
     assert np.array_equal(ids, order.ids(positions))
+
+
+@pytest.mark.system  # importing TensorFlow runs `uname`
+def test_tf_data_reads_a_mixture_like_the_pipeline(sources):
+    from ringfeed.pipeline.tf import make_dataset
+
+    want = [b["__index__"].tolist() for b in make(sources)]
+    got = [b["__index__"].numpy().tolist() for b in make_dataset(make(sources))]
+    assert got == want
+
+
+def test_each_source_is_served_from_the_decoded_cache(sources, tmp_path):
+    pipe = make(sources, cache_dir=str(tmp_path / "cache"), decoded_cache=True)
+    first = epoch_ids([pipe])
+    writes = pipe.stats()["decoded_cache_writes"]  # the shards epoch 0 touched, each once
+    assert writes >= 3
+    # the same epoch again: the same samples, from the decoded arrays
+    again = make(sources, cache_dir=str(tmp_path / "cache"), decoded_cache=True)
+    assert epoch_ids([again]) == first
+    stats = again.stats()
+    assert stats["decoded_cache_hits"] >= writes and stats["decoded_cache_writes"] == 0
