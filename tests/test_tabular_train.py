@@ -172,7 +172,7 @@ def recipe_data(cwd: Path) -> None:
 
 def test_readme_recipes_run_as_written(tmp_path):
     blocks = readme_blocks()
-    assert len(blocks) == 7 and blocks[0].startswith("cat > mine.yaml")
+    assert len(blocks) == 8 and blocks[0].startswith("cat > mine.yaml")
     recipe_data(tmp_path)
     summaries = {}
     for block in blocks:
@@ -187,10 +187,12 @@ def test_readme_recipes_run_as_written(tmp_path):
             out = re.search(r"output\.dir=(\S+)", block).group(1)
             summaries[out] = json.loads((tmp_path / out / "summary.json").read_text())
     assert set(summaries) == {"runs/photos", "runs/table", "runs/table-pq", "runs/docs",
-                              "runs/wds", "runs/arrays"}
+                              "runs/wds", "runs/arrays", "runs/mix"}
     for out in ("runs/table", "runs/table-pq"):  # trained to the end, with nothing else set
         assert summaries[out]["status"] == "finished" and summaries[out]["val"]["accuracy"] >= 0.9
     assert summaries["runs/docs"]["step"] == 3
+    mix = summaries["runs/mix"]  # 3 steps of the 70/30 mixture of the two tables
+    assert set(mix["mixture"]) == {"table", "table-pq"} and "table-pq/accuracy" in mix["val"]
 
 
 # -- bounded memory ------------------------------------------------------------------------
