@@ -163,3 +163,25 @@ def test_a_synthetic_million_shard_index_loads_without_tar_files(tmp_path):
     plan = pipe.begin()[0]
     assert len(plan.worker(4095, 0).ids) == plan.batches * 32
     assert not list((tmp_path / "cache").glob("manifests/*.bin"))  # the index beside was used
+
+
+@pytest.mark.parametrize("field", ["counts", "names", "flags"])
+def test_a_changed_byte_in_the_index_is_never_trusted(tmp_path, caplog, field):
+    """A byte of manifest.bin changed in place (bit rot, a stray writer) - the file still parses
+    - is caught by the array's crc32: the pipeline plans from an index rebuilt from the JSON,
+    and says so once. (Without the check, a flipped count silently changes the plan.)"""
+    write_shards(tmp_path / "s", SIZES)
+    path = tmp_path / "s" / mi.INDEX_NAME
+    index = mi.ManifestIndex(path)
+    offset = index.data_start + index.header["splits"]["train"][field][0]
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    with pytest.raises(ManifestError, match=f"damaged manifest index .*{field}: crc32"):
+        mi.ManifestIndex(path)
+    pipe = ShardPipeline(tmp_path / "s", batch_size=2, cache_dir=tmp_path / "cache")
+    assert pipe.layout.counts.tolist() == SIZES
+    assert [r.url.rsplit("/", 1)[1] for r in pipe.refs] == [
+        f"train-{i:06d}.tar" for i in range(len(SIZES))]
+    assert "damaged manifest index" in caplog.text

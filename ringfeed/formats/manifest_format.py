@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import struct
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # (type hints only)
 
 INDEX_NAME = "manifest.bin"
 MAGIC = b"RFMIDX\x00\x01"
-VERSION = 1
+VERSION = 2  # 2: a crc32 per array (version 1 files are rebuilt from the JSON)
 ALIGN = 64
 HAS_SHA256, HAS_INDEX = 1, 2
 _ARRAYS = ("counts", "bytes", "sha256", "flags", "name_offsets", "names", "index_offsets",
@@ -85,7 +86,8 @@ def _serialise(f: IO[bytes], meta: dict[str, Any], splits: dict[str, SplitArrays
         entry = {}
         for field in _ARRAYS:
             a = np.ascontiguousarray(getattr(arrays, field))
-            entry[field] = [offset, a.dtype.newbyteorder("<").str, list(a.shape)]
+            entry[field] = [offset, a.dtype.newbyteorder("<").str, list(a.shape),
+                            zlib.crc32(_little_endian(a))]
             offset += _aligned(a.nbytes)
         layout[name] = entry
     header = json.dumps({"version": VERSION, "json_size": json_size, "json_sha256": json_sha256,
@@ -94,9 +96,12 @@ def _serialise(f: IO[bytes], meta: dict[str, Any], splits: dict[str, SplitArrays
     f.write(bytes(_aligned(len(MAGIC) + 8 + len(header)) - len(MAGIC) - 8 - len(header)))
     for arrays in splits.values():
         for field in _ARRAYS:
-            a = np.ascontiguousarray(getattr(arrays, field))
-            data = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+            data = _little_endian(np.ascontiguousarray(getattr(arrays, field)))
             f.write(data + bytes(_aligned(len(data)) - len(data)))
+
+
+def _little_endian(a: np.ndarray) -> bytes:
+    return a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
 def _aligned(n: int) -> int:
