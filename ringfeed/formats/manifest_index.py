@@ -115,8 +115,8 @@ class ManifestIndex:
     def _check(self, name: str) -> None:
         """Every array of split `name` has the crc32 the writer recorded, except the shards'
         sha256 (32 bytes a shard, and a changed one is loud: the download check fails). What
-        plans and opens shards (counts, flags, names) cannot change unnoticed; ~1.5 GB/s, so
-        ~20 ms for a 10^6-shard split, once per process."""
+        plans and opens shards (counts, flags, names) cannot change unnoticed; crc32 runs at
+        ~1.5 GB/s: 32-48 ms for a 10^6-shard index (82 MB), once per process."""
         for field, (offset, _, shape, crc) in self.header["splits"][name].items():
             if field == "sha256":
                 continue
