@@ -125,6 +125,9 @@ class TrainSection(_Section):
     # torch: keep 4-D weights in NHWC memory (what tensor cores want for convolutions); the
     # allreduce and broadcasts go through contiguous buffers. Keras layers are NHWC already.
     channels_last: bool = False
+    # torch: run the model through torch.compile (TorchInductor). Checkpoints hold the plain
+    # module's weights, so compiled and eager runs resume each other's checkpoints.
+    compile: bool = False
     # More ranks on a host than GPUs it shows them: an error (exit 2) unless this is set, then
     # ranks share GPUs round-robin (for debugging; each rank then holds its own model copy).
     share_gpus: bool = False
@@ -363,6 +366,9 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> None:
     if d.decode_device == "cuda" and cfg.framework != "torch":
         raise UserError(f"{path}: data.decode_device: 'cuda' (nvJPEG through torchvision) "
                         f"needs framework torch, not {cfg.framework}; use 'cpu'")
+    if cfg.train.compile and cfg.framework != "torch":
+        raise UserError(f"{path}: train.compile: torch.compile is for framework torch (the "
+                        "TensorFlow step is already one traced tf.function); set it false")
     if isinstance(d.normalize, NormalizeSection) and len(d.normalize.mean) != len(d.normalize.std):
         raise UserError(f"{path}: data.normalize: mean and std must have the same length")
     if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():

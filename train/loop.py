@@ -137,6 +137,7 @@ class Trainer:
     last_val: dict[str, float]
     failed_save_step: int  # (checkpoint.on_error: warn) not retried at the end
     first_step: int  # the step this stretch of training started at (its first is not timed)
+    first_step_s: float | None  # how long that first step took: the warm-up
     t_last: float  # when the previous step ended
 
     def __init__(self, cfg: RunConfig, backend: Backend | None = None):
@@ -155,6 +156,7 @@ class Trainer:
         self.last_val = {}
         self.failed_save_step = -1
         self.first_step = 0
+        self.first_step_s = None
         self.t_last = time.perf_counter()
 
     def say(self, message: str) -> None:
@@ -258,6 +260,8 @@ class Trainer:
         state, now = self.state, time.perf_counter()
         if state.step > self.first_step + 1:  # the first step traces/compiles: not timed
             self.totals.add(self.global_batch, now - self.t_last, waited)
+        else:  # its cost is reported instead: the warm-up (tf.function tracing, compiling)
+            self.first_step_s = now - self.t_last
         self.recent_losses.append(result.loss)
         mixture = self.mixture_samples is not None
         ids = valid_sample_ids(micro) if self.sample_log is not None or mixture else []
@@ -517,6 +521,7 @@ class Trainer:
             "final_loss": sum(recent_losses) / len(recent_losses) if recent_losses else None,
             "val": self.last_val,
             "train_seconds": totals.step_s, "samples_per_s": totals.samples_per_s,
+            "first_step_s": self.first_step_s,  # the warm-up: tracing, torch.compile
             "data_wait_share": waits["wait"] / waits["step"] if waits["step"] else 0.0,
             "checkpoint": str(self.state.last_checkpoint) if self.state.last_checkpoint else None,
             "recovery": asdict(self.recovery), "recovery_text": self.recovery.describe(),

@@ -200,6 +200,9 @@ class RunLogger:
         lines.append(f"  throughput         {summary['samples_per_s']:.1f} samples/s "
                      f"({summary['world_size']} ranks, global batch {self.global_batch})")
         lines.append(f"  data wait          {bottleneck_line(summary['data_wait_share'])}")
+        if summary.get("first_step_s") is not None:
+            lines.append(f"  first step         {summary['first_step_s']:.1f}s (warm-up: tracing"
+                         ", compiling; not in the throughput)")
         if summary.get("mixture"):
             lines.append("  mixture shares     " + ", ".join(
                 f"{name} {v['share']:.3f} (weight {v['weight']:.3f})"

@@ -154,6 +154,9 @@ class TorchBackend(StepCounting):
         self.model.to(self.device)
         if t.channels_last:
             self.model.to(memory_format=torch.channels_last)
+        # the compiled callable shares the module's parameters: the optimizer, Horovod's
+        # gradient hooks, broadcasts and checkpoints all see the plain module
+        self.forward = torch.compile(self.model) if t.compile else self.model
         self.sync_every = t.sync_every
         self.comm = CommStats(t.sync_every)
         self._local_steps = 0  # optimizer steps taken; a sync follows every sync_every-th
@@ -230,7 +233,7 @@ class TorchBackend(StepCounting):
             x, y = self._inputs(x), torch.as_tensor(y).to(self.device, non_blocking=True)
             samples += len(y)
             with self._autocast():
-                loss = self.loss_fn(self.model(x), y).float().mean()
+                loss = self.loss_fn(self.forward(x), y).float().mean()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             if i == k - 1:
                 stats = self._submit_stats(loss_sum / k, requests, extra)
@@ -310,7 +313,7 @@ class TorchBackend(StepCounting):
         try:
             x, y, valid = self._prepare(batch)
             with self._autocast():
-                out = self.model(x)
+                out = self.forward(x)
             per_sample = {"loss": self.loss_fn(out, y), **self.metrics_fn(out, y)}
         finally:
             self.model.train()
