@@ -7,6 +7,7 @@ torchrun) and, for TensorFlow, a minimal DistributedGradientTape loop. 2 ranks.
     .venv/bin/python benchmarks/trainer_bench.py --quick    # torch only, few steps
     .venv/bin/python benchmarks/trainer_bench.py --in-memory --repeat 5   # + the loop alone
     .venv/bin/python benchmarks/trainer_bench.py --cache-dir /tmp/rf-cache  # warm decoded cache
+    .venv/bin/python benchmarks/trainer_bench.py --compile   # + ringfeed torch with train.compile
 
 Goals: ringfeed / minimal Horovod <= 1.03 (both frameworks), ringfeed / DDP <= 1.0.
 Step times are wall time per step after the warm-up steps, on every side. The contenders run
@@ -64,6 +65,7 @@ PEERS = {  # contender -> (launcher, worker script)
     "ringfeed tensorflow loop, in-memory batch": ("horovodrun", "ringfeed_loop.py"),
 }
 IN_MEMORY = "ringfeed {} loop, in-memory batch"
+COMPILED = "ringfeed torch, train.compile"
 
 
 def run_peer(name: str, ranks: int, peer_args: list[str], tmp: Path, timeout: float,
@@ -81,19 +83,21 @@ def run_peer(name: str, ranks: int, peer_args: list[str], tmp: Path, timeout: fl
 
 
 def run_ringfeed(framework: str, ranks: int, shards: Path, tmp: Path, opts: argparse.Namespace,
-                 timeout: float) -> tuple[float, float, dict]:
-    """(step seconds, data-wait share, decoded-cache counters) of `ringfeed train` after the
-    warm-up steps."""
+                 timeout: float, compiled: bool = False) -> tuple[float, float, dict]:
+    """(step seconds, data-wait share, decoded-cache counters and the first step's seconds) of
+    `ringfeed train` after the warm-up steps; `compiled`: with train.compile."""
     run_dir = Path(tempfile.mkdtemp(dir=tmp, prefix=f"ringfeed-{framework}-"))  # per repeat
     data = {"num_workers": opts.num_workers, "cache_dir": str(opts.cache_dir),
             "decoded_cache": opts.decoded_cache}
     config = write_config(run_dir / "config.yaml", framework, shards, opts.batch,
                           max_steps=opts.warmup + opts.steps, log_every=opts.warmup,
                           model="cnn", model_args={"width": opts.width}, data=data)
-    run = ringfeed_train(ranks, config, run_dir / "run", timeout)
+    run = ringfeed_train(ranks, config, run_dir / "run", timeout,
+                         ["train.compile=true"] if compiled else [])
     stats = run.summary.get("pipeline") or {}
     cache = {k: stats.get(k, 0) for k in ("decoded_cache_hits", "decoded_cache_writes")}
     cache["warm"] = bool(cache["decoded_cache_hits"]) and not cache["decoded_cache_writes"]
+    cache["first_step_s"] = run.summary.get("first_step_s")
     return run.step_s(after_step=opts.warmup), run.data_wait_share_after(opts.warmup), cache
 
 
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="peers with glibc's default malloc settings (ringfeed tunes its own)")
     ap.add_argument("--in-memory", action="store_true",
                     help="also run ringfeed's loop on one in-memory batch (workers/ringfeed_loop)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also run ringfeed torch with train.compile (torch.compile)")
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--timeout", type=float, default=300, help="per launch (s)")
     opts = ap.parse_args(argv)
@@ -137,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
                                             if fw == "torch" else ["horovod TF loop"])
         if opts.in_memory:
             contenders.append(IN_MEMORY.format(fw))
+        if opts.compile and fw == "torch":
+            contenders.append(COMPILED)
     trainer = trainer_available()
     # One epoch covers warm-up and timed steps: the comparison is the steady state (the
     # stall benchmark covers epoch boundaries).
@@ -146,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
                  str(opts.batch), "--warmup", str(opts.warmup), "--steps", str(opts.steps)]
 
     trains = [f"ringfeed {fw}" for fw in frameworks]  # `ringfeed train` runs
+    if opts.compile and "torch" in frameworks:
+        trains.append(COMPILED)
     step_s: dict[str, list[float]] = {c: [] for c in contenders}
     wait_share: dict[str, list[float]] = {c: [] for c in trains}
     decoded: dict[str, list[dict]] = {c: [] for c in trains}
@@ -156,8 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
             for c in contenders:
                 if c in trains:
                     if trainer:
-                        seconds, share, cache = run_ringfeed(c.split()[1], opts.ranks, shards,
-                                                             Path(tmp), opts, opts.timeout)
+                        seconds, share, cache = run_ringfeed(
+                            c.split()[1].rstrip(","), opts.ranks, shards, Path(tmp), opts,
+                            opts.timeout, compiled=c == COMPILED)
                         step_s[c].append(seconds)
                         wait_share[c].append(share)
                         decoded[c].append(cache)
@@ -193,6 +204,13 @@ def main(argv: list[str] | None = None) -> dict:
             peer = peers[0][0]
             rows.append(Row(NAME, f"{fw} loop on an in-memory batch vs {peer}", loop * 1e3, "ms",
                             peer, best[peer] * 1e3))
+    if COMPILED in best:  # compiled vs eager, and the warm-up compiling costs
+        first = decoded[COMPILED][step_s[COMPILED].index(best[COMPILED])]["first_step_s"]
+        eager_first = decoded["ringfeed torch"][step_s["ringfeed torch"].index(
+            best["ringfeed torch"])]["first_step_s"]
+        rows.append(Row(NAME, f"torch step time, compiled vs eager (warm-up {first:.1f} s vs "
+                        f"{eager_first:.1f} s)", best[COMPILED] * 1e3, "ms", "ringfeed torch",
+                        best["ringfeed torch"] * 1e3))
     if "torch" in frameworks:
         rows.append(Row(NAME, "horovod loop vs DDP (context)", best["horovod torch loop"] * 1e3,
                         "ms", "torch DDP (gloo)", best["torch DDP (gloo)"] * 1e3))
