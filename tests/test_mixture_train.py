@@ -6,7 +6,6 @@ token (LM) mixture trains; sources that disagree on a field are one line."""
 
 from __future__ import annotations
 
-import io
 import json
 from collections import Counter
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import horovodrun, ringfeed
-from train_util import toy_arrays, toy_config, write_config
+from train_util import toy_config, write_config, write_toy_shards
 
 pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 
@@ -22,34 +21,9 @@ WEIGHTS = {"web": 0.6, "code": 0.3, "books": 0.1}
 B, EPOCH, STOP = 4, 1200, 30  # 2 ranks: 150 steps/epoch; 1200 - 2*30*4 = 960 = 3 ranks x 80 x 4
 
 
-def write_source(out: Path, seed: int, n_train: int = 480, n_val: int = 40) -> Path:
-    """toy_arrays' problem, drawn with another seed per source: x.npy / y.npy shards."""
-    import webdataset as wds
-
-    from ringfeed.formats.manifest import Manifest, ShardInfo, Split
-    from ringfeed.fsutil import sha256_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    splits = {}
-    for split, n, s in (("train", n_train, seed), ("val", n_val, seed + 100)):
-        x, y = toy_arrays(n, s)
-        infos = []
-        for k, start in enumerate(range(0, n, 120)):
-            name = f"{split}-{k:06d}.tar"
-            with wds.TarWriter(str(out / name)) as sink:
-                for i in range(start, min(n, start + 120)):
-                    sink.write({"__key__": f"{i:06d}", "x.npy": _npy(x[i]), "y.npy": _npy(y[i])})
-            infos.append(ShardInfo(name, min(n, start + 120) - start,
-                                   (out / name).stat().st_size, sha256_file(out / name)))
-        splits[split] = Split(infos)
-    Manifest(splits=splits, fields={"x.npy": "npy", "y.npy": "npy"}).save(out)
-    return out
-
-
-def _npy(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, array, allow_pickle=False)
-    return buf.getvalue()
+def write_source(out: Path, draw: int) -> Path:
+    """A source: toy_arrays' problem drawn again (its own samples), 480 train and 40 val."""
+    return write_toy_shards(out, n_train=480, n_val=40, per_shard=120, draw=draw)
 
 
 @pytest.fixture(scope="module")

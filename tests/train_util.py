@@ -55,8 +55,9 @@ def toy_images(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_toy_shards(out: Path, n_train: int = 480, n_val: int = 96,
-                     per_shard: int = 50) -> Path:
-    """x.npy / y.npy shards with a manifest, written with webdataset's TarWriter."""
+                     per_shard: int = 50, draw: int = 0) -> Path:
+    """x.npy / y.npy shards with a manifest, written with webdataset's TarWriter; `draw` k
+    samples the same problem with seeds 2k (train) and 2k + 1 (val): another dataset of it."""
     import webdataset as wds
 
     from ringfeed.formats.manifest import Manifest, ShardInfo, Split
@@ -64,7 +65,7 @@ def write_toy_shards(out: Path, n_train: int = 480, n_val: int = 96,
 
     out.mkdir(parents=True, exist_ok=True)
     splits = {}
-    for split, n, seed in (("train", n_train, 0), ("val", n_val, 1)):
+    for split, n, seed in (("train", n_train, 2 * draw), ("val", n_val, 2 * draw + 1)):
         x, y = toy_arrays(n, seed)
         infos = []
         for s, start in enumerate(range(0, n, per_shard)):
