@@ -18,7 +18,7 @@ from train_util import toy_config, write_config, write_toy_shards
 pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 
 WEIGHTS = {"web": 0.6, "code": 0.3, "books": 0.1}
-B, EPOCH, STOP = 4, 1200, 30  # 2 ranks: 150 steps/epoch; 1200 - 2*30*4 = 960 = 3 ranks x 80 x 4
+B, EPOCH, STOP = 4, 600, 15  # 2 ranks: 75 steps/epoch; 600 - 2*15*4 = 480 = 3 ranks x 40 x 4
 
 
 def write_source(out: Path, draw: int) -> Path:
@@ -54,7 +54,7 @@ def logged_samples(run: Path, after: int = 0) -> Counter:
 @pytest.mark.timeout(600)
 def test_a_mixture_trains_reports_its_shares_and_resumes_exactly_on_more_ranks(
         tmp_path, mixture):
-    # the uninterrupted run: 2 ranks, one epoch of 1,200 samples drawn 0.6 / 0.3 / 0.1
+    # the uninterrupted run: 2 ranks, one epoch of 600 samples drawn 0.6 / 0.3 / 0.1
     full = horovodrun(2, ["ringfeed", "train", config(tmp_path, mixture, "full")], timeout=300)
     assert full.returncode == 0, full.output[-3000:]
     done = json.loads((tmp_path / "full" / "summary.json").read_text())
@@ -71,15 +71,15 @@ def test_a_mixture_trains_reports_its_shares_and_resumes_exactly_on_more_ranks(
     shares = [r for r in rows if "share/web" in r]
     assert shares and {"share/code", "share/books"} <= set(shares[0])
     per_source = Counter(s for s, _ in logged_samples(tmp_path / "full").elements())
-    assert [per_source[s] for s in range(3)] == [720, 360, 120]
+    assert [per_source[s] for s in range(3)] == [360, 180, 60]
 
-    # stopped at step 30 on 2 ranks, then resumed on 3 with --resume auto
+    # stopped at step 15 on 2 ranks, then resumed on 3 with --resume auto
     first = horovodrun(2, ["ringfeed", "train", config(tmp_path, mixture, "part",
                                                       max_steps=STOP, epochs=None)],
                        timeout=300)
     assert first.returncode == 0, first.output[-3000:]
     part = json.loads((tmp_path / "part" / "summary.json").read_text())
-    n = STOP * 2 * B  # the first 240 samples: each source within 3 sigma of its weight
+    n = STOP * 2 * B  # the first 120 samples: each source within 3 sigma of its weight
     for name, w in WEIGHTS.items():
         assert abs(part["mixture"][name]["share"] - w) <= 3 * np.sqrt(w * (1 - w) / n)
     resumed = horovodrun(3, ["ringfeed", "train", config(tmp_path, mixture, "part"),
