@@ -199,3 +199,20 @@ def test_each_source_is_served_from_the_decoded_cache(sources, tmp_path):
     assert epoch_ids([again]) == first
     stats = again.stats()
     assert stats["decoded_cache_hits"] >= writes and stats["decoded_cache_writes"] == 0
+
+
+@pytest.mark.parametrize("train,line", [
+    ([{"path": "/tmp", "wieght": 1}], "data.train[0].wieght: unknown key"),
+    ([{"path": "/tmp", "weight": -2}], "data.train[0].weight: Input should be greater than 0"),
+    ([{"path": "/no/such/shards", "weight": 1}], "data.train[0].path: /no/such/shards does "
+                                                 "not exist"),
+])
+def test_a_bad_mixture_entry_in_a_config_is_one_line_naming_it(tmp_path, train, line):
+    from ringfeed.errors import UserError
+    from ringfeed.train.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps({"model": {"name": "mlp"}, "data": {"train": train}}))
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    assert line in str(e.value) and "\n" not in str(e.value)

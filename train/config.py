@@ -15,16 +15,18 @@ import difflib
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    Tag,
     ValidationError,
     field_validator,
 )
@@ -71,6 +73,17 @@ class NormalizeSection(_Section):
     std: list[float]
 
 
+def _source_kind(value: Any) -> str:
+    return "<mixture>" if isinstance(value, list) else "<path>"
+
+
+# One source (a path, URL or brace pattern) or a mixture; the tag names which one, so a bad
+# entry is reported for that form only (tags in angle brackets are left out of error lines).
+SourceSpec = Annotated[Annotated[str, Tag("<path>")] | Annotated[list[WeightedSource],
+                                                                  Tag("<mixture>")],
+                       Discriminator(_source_kind)]
+
+
 # PipelineConfig's keys that a run sets from elsewhere, and where
 RUN_OWNED_DATA_KEYS = {"split": "data.train_split and data.val_split",
                        "seed": "train.seed (one seed for the model and the data order)",
@@ -85,8 +98,8 @@ class DataSection(PipelineConfig):
 
     # a shard dir/URL with manifest.json, or a list/brace pattern of shard URLs, or a weighted
     # mixture: a list of {path, weight} (pipeline/mixture.py)
-    train: str | list[WeightedSource]
-    val: str | list[WeightedSource] | None = None  # default: `train`'s sources (`val_split`)
+    train: SourceSpec
+    val: SourceSpec | None = None  # default: `train`'s sources (`val_split`)
     train_split: str = "train"
     val_split: str | None = "val"  # null: no validation
     global_batch_size: PositiveInt | None = None  # if set: batch_size = this / (ranks * accumulate)
@@ -316,7 +329,8 @@ def _describe(error: ValidationError) -> str:
     """pydantic's errors as one line: `data.batch_size: ... (got 'abc')`; typos get a hint."""
     parts = []
     for err in error.errors():
-        loc = ".".join(str(p) for p in err["loc"])
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]
+                      if not str(p).startswith("<")).lstrip(".")
         if err["type"] == "extra_forbidden":
             parts.append(f"{loc}: unknown key{_hint(err['loc'])}")
         elif err["type"] == "missing":
