@@ -122,9 +122,11 @@ class ShardCache:
         self._checked: set[tuple[int, int, int]] = set()  # plain copies whose crc32 matched
         # shard identity -> why it cannot be decompressed, whether the data was just cut short
         self._undecompressable: dict[str, tuple[str, bool]] = {}
+        self._not_copied: set[str] = set()  # shards whose copy the cache could not take
 
     def __getstate__(self) -> dict[str, Any]:  # loader workers check copies themselves
-        return {**self.__dict__, "_checked": set(), "_undecompressable": {}}
+        return {**self.__dict__, "_checked": set(), "_undecompressable": {},
+                "_not_copied": set()}
 
     # -- public -------------------------------------------------------------------------
     def open(self, ref: ShardRef, plain: bool = False) -> ShardHandle:
@@ -142,18 +144,31 @@ class ShardCache:
     def open_plain(self, ref: ShardRef) -> ShardHandle:
         """The plain tar decompressed from compressed shard `ref`, made now if there is no
         trustworthy one (see the module's docstring). The compressed file itself (with
-        `plain_of` None) when its identity is unknown or its data is damaged: a reader streams
-        it and meets the damage where it is."""
+        `plain_of` None) when its identity is unknown, its data is damaged (`damage` says how)
+        or the cache cannot take the copy (no room, no permission: warned about once): a
+        reader streams it."""
         identity = shard_identity(ref)
-        if identity is None or identity in self._undecompressable:
+        if identity is None or identity in self._not_copied:
+            return self._open(ref)
+        if identity in self._undecompressable:
             handle = self._open(ref)
-            if identity is not None:
-                handle.damage, handle.damage_after_samples = self._undecompressable[identity]
+            handle.damage, handle.damage_after_samples = self._undecompressable[identity]
             return handle
         path = self.plain_path(ref)
         handle = self._open_plain_entry(ref, path, identity)
         if handle is not None:
             return handle
+        try:
+            return self._make_plain(ref, path, identity)
+        except OSError as e:  # (a shard that cannot be read is a PipelineDataError)
+            if not self._not_copied:
+                log.warning("shard cache: cannot keep a decompressed copy of %s in %s (%s); "
+                            "reading compressed shards as they are (slower)", ref.url,
+                            self.cache_dir, e)
+            self._not_copied.add(identity)
+            return self._open(ref)
+
+    def _make_plain(self, ref: ShardRef, path: Path, identity: str) -> ShardHandle:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         with _exclusive(path.with_name(path.name + LOCK_SUFFIX), self.lock_timeout_s):
             handle = self._open_plain_entry(ref, path, identity)  # another process made it

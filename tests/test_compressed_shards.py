@@ -130,6 +130,47 @@ def collect_of(records: list[dict]) -> list[dict]:
     return [{"index": r["index"], "valid": r["valid"]} for r in records]
 
 
+def test_threads_sharing_the_cache_make_each_copy_once(mixed, tmp_path):
+    streamed = batches(pipe(mixed, tmp_path / "stream-cache", indexed=False, num_workers=3))
+    cache = tmp_path / "cache"
+    assert batches(pipe(mixed, cache, num_workers=3)) == streamed
+    assert len(plain_copies(cache)) == 4 and not list(cache.glob(".*.tmp"))
+
+
+@pytest.mark.integration
+def test_loader_worker_processes_share_the_copies(mixed, tmp_path):
+    from ringfeed.pipeline.torch import make_loader
+
+    cache = tmp_path / "cache"
+    loader = make_loader(pipe(mixed, cache, num_workers=2))
+    ids = [int(g) for b in loader for g, v in zip(b["__index__"], b["__valid__"], strict=True)
+           if v]
+    assert sorted(ids) == list(range(TOTAL))
+    assert len(plain_copies(cache)) == 4 and not list(cache.glob(".*.tmp"))
+
+
+def test_a_cache_that_cannot_take_copies_streams_them_with_one_warning(mixed, tmp_path,
+                                                                        caplog):
+    from ringfeed.pipeline.shardread import IndexStore, SequentialSamples, open_samples
+
+    refs = [r for r in pipe(mixed, tmp_path / "cache").refs if not r.url.endswith(".tar")]
+    blocked = tmp_path / "a-file"
+    blocked.write_text("the cache folder cannot be made under a file")
+    cache = ShardCache(str(blocked / "cache"))
+    caplog.set_level(logging.WARNING, logger="ringfeed.pipeline")
+    for ref in refs:
+        handle = cache.open(ref, plain=True)
+        assert handle.plain_of is None and handle.damage is None
+        samples = open_samples(handle, IndexStore(tmp_path / "index"))
+        assert isinstance(samples, SequentialSamples)
+        keys = [samples.get(i)["__key__"] for i in range(ref.num_samples)]
+        assert keys == sorted(keys) and len(keys) == ref.num_samples
+        samples.close()
+    warned = [r.getMessage() for r in caplog.records if "cannot keep a decompressed" in
+              r.getMessage()]
+    assert len(warned) == 1 and str(blocked / "cache") in warned[0]
+
+
 def test_a_list_of_compressed_shards_without_manifest_is_counted_through_its_copies(
         tmp_path):
     paths = write_shards(tmp_path / "gz", [("a-0.tar.gz", 6), ("a-1.tgz", 5)])
@@ -146,7 +187,7 @@ def test_a_plain_copy_is_checked_before_it_is_trusted(mixed, tmp_path, damage, c
     or whose compressed shard was rewritten is decompressed again, never read."""
     cache = tmp_path / "cache"
     expected = batches(pipe(mixed, cache))
-    copy = plain_copies(cache)[0]
+    copy = next(p for p in plain_copies(cache) if p.name.endswith("-train-0000.plain.tar"))
     if damage == "flip":
         data = bytearray(copy.read_bytes())
         data[700] ^= 0xFF  # inside the first member's data: the tar headers stay valid
