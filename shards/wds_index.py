@@ -82,11 +82,13 @@ def split_of(path: Path) -> str:
 def _scan(_shared: None, path: Path) -> tuple[TarScan, bytes | None, Counter] | str:
     """(the shard's scan, its index as bytes (None: compressed), counts of its class ids), or
     what is wrong."""
+    compressed = path.name.endswith(COMPRESSED_TAR_SUFFIXES)
     try:
-        scan = scan_tar(str(path))
+        # (a compressed tar's class ids come from the scan's own decompressed copy)
+        scan = scan_tar(str(path), ints_of="cls" if compressed else None)
+        if compressed:
+            return scan, None, scan.ints
         classes = read_ints(str(path), "cls") if "cls" in scan.fields else Counter()
-        if path.name.endswith(COMPRESSED_TAR_SUFFIXES):
-            return scan, None, classes
         with open(path, "rb") as f:
             index, reason = build_index(f)
     except (TarReadError, OSError) as e:

@@ -402,6 +402,8 @@ def test_a_folder_mixing_plain_and_compressed_shards_indexes_verifies_inspects(m
         ("train-0002.tar", 9, "train-0002.tar.idx"), ("train-0003.tar.bz2", 7, None),
         ("train-0004.tar.xz", 8, None)]
     assert listed[0]["bytes"] == (mixed / "train-0000.tar.gz").stat().st_size  # compressed
+    expected = np.bincount(np.arange(TOTAL) % 10).tolist()  # cls = g % 10, from every shard
+    assert m["classes"]["ids"] == list(range(10)) and m["classes"]["counts"] == expected
     code, out, _ = cli(capsys, "verify", mixed)
     assert code == 0 and f"5 shards, {TOTAL} samples" in out and "all OK" in out
     (mixed / "stray.tgz").write_bytes((mixed / "train-0001.tgz").read_bytes())

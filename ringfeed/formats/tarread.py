@@ -62,6 +62,7 @@ class TarScan:
     fields: Counter = field(default_factory=Counter)  # member ext -> samples having it
     duplicate_keys: list[str] = field(default_factory=list)
     first: list[dict[str, Any]] = field(default_factory=list)  # the first few samples
+    ints: Counter = field(default_factory=Counter)  # scan_tar's `ints_of`: value -> members
 
 
 def open_shard(url: str) -> IO[bytes]:
@@ -73,15 +74,19 @@ def is_compressed_tar(url: str) -> bool:
     return url.endswith(COMPRESSED_TAR_SUFFIXES)
 
 
-def scan_tar(url: str, keep_first: int = 0) -> TarScan:
+def scan_tar(url: str, keep_first: int = 0, ints_of: str | None = None) -> TarScan:
     """Count the samples of one tar the way webdataset groups them, hash the whole file (as
-    stored: a compressed tar's compressed bytes)."""
+    stored: a compressed tar's compressed bytes). `ints_of`: for a compressed tar, also what
+    `read_ints(url, ints_of)` gives, from the same decompressed copy (`scan.ints`)."""
     with open_shard(url) as f:
         reader = HashingIO(f)
         if is_compressed_tar(url):
             with _plain_copy(reader) as plain:
                 _check_inner_tar(plain)
                 scan = _scan_samples(url, plain, keep_first)
+                if ints_of is not None and ints_of in scan.fields:
+                    plain.seek(0)
+                    scan.ints = _read_ints(plain, ints_of)
         else:
             scan = _scan_samples(url, reader, keep_first)
         reader.drain()
