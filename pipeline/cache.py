@@ -10,15 +10,29 @@ Safe for many processes (ranks, loader workers) sharing one `cache_dir`:
     cached shard is in use);
   * recency is the file's mtime, refreshed on every use, so LRU order is shared by processes.
 Local shards (plain paths, file://) are read in place, never copied.
+
+A compressed shard (`.tar.gz`, `.tgz`, `.tar.bz2`, `.tar.xz`; local or remote) opened with
+`plain=True` is decompressed once into a plain tar entry of the cache (`<digest>-<name>.plain
+.tar`, counted in `cache_limit` and evicted like a download; a remote shard's compressed download
+is dropped once decompressed), which readers then index and read like any plain tar. The plain
+tar is derived data: a record (`plain/<entry>.json`) holds the compressed shard's identity (its
+manifest sha256, or path, size and mtime) and the plain tar's size and crc32; a process trusts
+an entry only when the record names the same shard and the size matches, and checks the crc32
+the first time it opens it. Anything else is decompressed again. A shard whose compressed data
+is damaged gets no copy: its reader names the damage (serving the samples before it only when
+the data was merely cut short).
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
+import logging
 import os
 import shutil
 import time
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,16 +40,47 @@ from typing import IO, Any
 
 import fsspec
 
-from ringfeed.fsutil import HashingIO, atomic_open
+from ringfeed.formats.tarread import CompressedDataError, decompress_tar
+from ringfeed.fsutil import HashingIO, atomic_open, atomic_write_text, publish, temp_open
 from ringfeed.pipeline.background import BackgroundIterator
 from ringfeed.pipeline.errors import PipelineDataError
 from ringfeed.pipeline.source import ShardRef, local_path
 
+log = logging.getLogger("ringfeed.pipeline")
+
+# what webdataset reads as a compressed tar, by name (.zst included: it is refused by name
+# rather than read as a plain tar)
+COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst")
+PLAIN_SUFFIX = ".plain.tar"  # a compressed shard's decompressed copy
+PLAIN_RECORDS = "plain"  # <cache_dir>/plain/<entry>.json: what each copy was made from
 LOCK_SUFFIX = ".lock"
 PART_SUFFIX = ".tmp"  # atomic_open's temp files: .<name>.<random>.tmp
 # tarfile reads its stream in 10 KiB pieces; a large buffer turns those into memory copies
 # instead of one read() system call each.
 READ_BUFFER = 1 << 20
+DECOMPRESS_CHECK_CHUNK = 4 << 20  # reads of a plain copy's crc32 check
+
+
+def is_compressed(url: str) -> bool:
+    return url.endswith(COMPRESSED_SUFFIXES)
+
+
+def shard_identity(ref: ShardRef, st: os.stat_result | None = None) -> str | None:
+    """What names a shard's content for the caches built from it. A local shard is read in
+    place and never re-hashed, so its path, size and mtime are part of it (a rewritten file is
+    a new shard even if the manifest was not updated); a remote one is checked against the
+    manifest's sha256 when it is downloaded, else known by its URL and listed size. None:
+    unknown (nothing is cached for it)."""
+    if ref.is_local:
+        try:
+            st = st or os.stat(local_path(ref.url))
+        except OSError:
+            return None
+        path = os.path.realpath(local_path(ref.url))
+        return f"{ref.sha256 or ''}|{path}|{st.st_size}|{st.st_mtime_ns}"
+    if ref.sha256:
+        return ref.sha256
+    return f"{ref.url}|{ref.bytes}" if ref.bytes is not None else None
 
 
 def default_cache_dir() -> str:
@@ -51,6 +96,14 @@ class ShardHandle:
     file: IO[bytes]
     cache_hit: bool | None  # None: a local shard, read in place
     downloaded: int = 0
+    # a compressed shard's plain copy: the identity of the shard it was decompressed from
+    plain_of: str | None = None
+    decompressed: int = 0  # plain bytes written by this open (0: the copy existed)
+    # a compressed shard that cannot have a plain copy: what is wrong with its compressed data,
+    # and whether the samples before the damage can be trusted (only when the data was cut
+    # short: corrupt data may have gone wrong anywhere before its checksum failed)
+    damage: str | None = None
+    damage_after_samples: bool = False
 
     def close(self) -> None:
         self.file.close()  # releases the shared lock
@@ -66,14 +119,94 @@ class ShardCache:
         self.retries = max(1, retries)
         self.backoff_s = backoff_s
         self.lock_timeout_s = lock_timeout_s
+        self._checked: set[tuple[int, int, int]] = set()  # plain copies whose crc32 matched
+        # shard identity -> why it cannot be decompressed, whether the data was just cut short
+        self._undecompressable: dict[str, tuple[str, bool]] = {}
+        self._not_copied: set[str] = set()  # shards whose copy the cache could not take
+
+    def __getstate__(self) -> dict[str, Any]:  # loader workers check copies themselves
+        return {**self.__dict__, "_checked": set(), "_undecompressable": {},
+                "_not_copied": set()}
 
     # -- public -------------------------------------------------------------------------
-    def open(self, ref: ShardRef) -> ShardHandle:
+    def open(self, ref: ShardRef, plain: bool = False) -> ShardHandle:
         """A locked local file for `ref`, downloading it first when it is remote and not cached.
+        `plain`: for a compressed shard, its decompressed copy (`open_plain`) when it can have
+        one, else the compressed file.
 
         Retries (with backoff) a failed download, a checksum mismatch or a missing file, then
         raises PipelineDataError naming the URL and the last problem.
         """
+        if plain and is_compressed(ref.url):
+            return self.open_plain(ref)
+        return self._open(ref)
+
+    def open_plain(self, ref: ShardRef) -> ShardHandle:
+        """The plain tar decompressed from compressed shard `ref`, made now if there is no
+        trustworthy one (see the module's docstring). The compressed file itself (with
+        `plain_of` None) when its identity is unknown, its data is damaged (`damage` says how)
+        or the cache cannot take the copy (no room, no permission: warned about once): a
+        reader streams it."""
+        identity = shard_identity(ref)
+        if identity is None or identity in self._not_copied:
+            return self._open(ref)
+        if identity in self._undecompressable:
+            handle = self._open(ref)
+            handle.damage, handle.damage_after_samples = self._undecompressable[identity]
+            return handle
+        path = self.plain_path(ref)
+        handle = self._open_plain_entry(ref, path, identity)
+        if handle is not None:
+            return handle
+        try:
+            return self._make_plain(ref, path, identity)
+        except OSError as e:  # (a shard that cannot be read is a PipelineDataError)
+            if not self._not_copied:
+                log.warning("shard cache: cannot keep a decompressed copy of %s in %s (%s); "
+                            "reading compressed shards as they are (slower)", ref.url,
+                            self.cache_dir, e)
+            self._not_copied.add(identity)
+            return self._open(ref)
+
+    def _make_plain(self, ref: ShardRef, path: Path, identity: str) -> ShardHandle:
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        with _exclusive(path.with_name(path.name + LOCK_SUFFIX), self.lock_timeout_s):
+            handle = self._open_plain_entry(ref, path, identity)  # another process made it
+            if handle is not None:
+                return handle
+            source = self._open(ref)
+            try:
+                handle = self._decompress(source, path, identity)
+            except CompressedDataError as e:  # the reader names the damage
+                self._undecompressable[identity] = (str(e), e.cut_short)
+                source.damage, source.damage_after_samples = str(e), e.cut_short
+                source.file.seek(0)
+                return source
+            except BaseException:
+                source.close()
+                raise
+        source.close()
+        if not ref.is_local:  # the plain copy replaces the download
+            _remove_if_unused(self.entry_path(ref))
+        handle.cache_hit, handle.downloaded = source.cache_hit, source.downloaded
+        self.evict()
+        return handle
+
+    def plain_path(self, ref: ShardRef) -> Path:
+        """Where the plain copy of compressed shard `ref` goes."""
+        entry = self.entry_path(ref)
+        stem = entry.name
+        for suffix in (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst", ".gz", ".bz2",
+                       ".xz", ".zst"):
+            if stem.endswith(suffix):
+                stem = stem[: -len(suffix)]
+                break
+        return entry.with_name(stem + PLAIN_SUFFIX)
+
+    def record_path(self, plain: Path) -> Path:
+        return self.cache_dir / PLAIN_RECORDS / (plain.name + ".json")
+
+    def _open(self, ref: ShardRef) -> ShardHandle:
         last: Exception | None = None
         for attempt in range(self.retries):
             if attempt:
@@ -108,7 +241,12 @@ class ShardCache:
         if self.cache_limit is None:
             return 0
         remove_stale_temporaries(self.cache_dir)
-        return evict_lru(self.entries(), self.cache_limit)
+        freed = evict_lru(self.entries(), self.cache_limit)
+        if freed:  # the records of plain copies evicted
+            for record in (self.cache_dir / PLAIN_RECORDS).glob(f"*{PLAIN_SUFFIX}.json"):
+                if not (self.cache_dir / record.name[: -len(".json")]).exists():
+                    record.unlink(missing_ok=True)
+        return freed
 
     # -- internals ----------------------------------------------------------------------
     def _open_cached(self, ref: ShardRef) -> ShardHandle:
@@ -146,6 +284,59 @@ class ShardCache:
         os.utime(path)  # LRU recency
         return ShardHandle(ref, f, cache_hit=hit)
 
+    def _open_plain_entry(self, ref: ShardRef, path: Path, identity: str
+                          ) -> ShardHandle | None:
+        """The plain copy at `path`, locked, if its record says it was made from `identity`
+        and it still is what was written (size always; crc32 once per process)."""
+        try:
+            record = json.loads(self.record_path(path).read_text())
+            f = open(path, "rb", buffering=READ_BUFFER)
+        except (OSError, ValueError):  # no copy or no record yet (or a damaged record)
+            return None
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+        st = os.fstat(f.fileno())
+        if (st.st_nlink == 0 or not isinstance(record, dict)
+                or record.get("source") != identity or record.get("bytes") != st.st_size):
+            f.close()  # evicted meanwhile, made from another version, or changed since
+            return None
+        key = (st.st_dev, st.st_ino, st.st_size)
+        if key not in self._checked:
+            crc = 0
+            while chunk := f.read(DECOMPRESS_CHECK_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+            f.seek(0)
+            if crc != record.get("crc32"):
+                f.close()
+                log.warning("shard cache: %s (plain copy of %s) changed since it was written; "
+                            "decompressing it again", path, ref.url)
+                return None
+            self._checked.add(key)
+        os.utime(path)  # LRU recency
+        return ShardHandle(ref, f, cache_hit=True, plain_of=identity)
+
+    def _decompress(self, source: ShardHandle, path: Path, identity: str) -> ShardHandle:
+        """Decompress `source` into a temp file, lock it for reading, record what it is, then
+        rename it to `path` (locked before it has its name, so no eviction can take it before
+        it is read; a reader that sees the new record beside an old file finds the size or
+        crc32 differ and waits for this lock). Returns the locked handle."""
+        with temp_open(path) as (out, tmp):
+            size, crc = decompress_tar(source.file, out)
+        f = None
+        try:
+            f = open(tmp, "rb", buffering=READ_BUFFER)
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+            atomic_write_text(self.record_path(path), json.dumps(
+                {"source": identity, "url": source.ref.url, "bytes": size, "crc32": crc}))
+            publish(tmp, path)
+        except BaseException:
+            if f is not None:
+                f.close()
+            tmp.unlink(missing_ok=True)
+            raise
+        st = os.fstat(f.fileno())
+        self._checked.add((st.st_dev, st.st_ino, st.st_size))
+        return ShardHandle(source.ref, f, cache_hit=False, plain_of=identity, decompressed=size)
+
     def _download(self, ref: ShardRef, path: Path) -> int:
         """Stream the shard into a temp file (hashing as it goes) and rename it into place;
         on any error the temp file is removed and `path` untouched."""
@@ -178,10 +369,11 @@ class Prefetcher:
     """
 
     def __init__(self, cache: ShardCache, refs: Iterable[ShardRef], depth: int,
-                 remote: bool) -> None:
+                 remote: bool, plain: bool = False) -> None:
         """`refs` may be lazy (it is read in order, as far ahead as `depth`); `remote`: whether
-        any of them is (only then is there a thread)."""
-        opened = (cache.open(ref) for ref in refs)
+        any of them is (only then is there a thread); `plain`: compressed shards as their plain
+        copies (`ShardCache.open`)."""
+        opened = (cache.open(ref, plain=plain) for ref in refs)
         self._background: BackgroundIterator | None = None
         if depth > 0 and remote:
             self._background = BackgroundIterator(opened, depth, "ringfeed-prefetch",

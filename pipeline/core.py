@@ -462,10 +462,12 @@ class ShardPipeline:
                         "set image_size)")
 
     def _counted(self, url: str) -> ShardRef:
-        """Without a manifest, count a shard's samples by reading it (through the cache)."""
-        handle = self.cache.open(ShardRef(url, 0))
+        """Without a manifest, count a shard's samples by reading it (through the cache; a
+        compressed one is indexed through its plain copy, which the epochs then read)."""
+        handle = self.cache.open(ShardRef(url, 0), plain=self.indexes is not None)
         try:
-            if self.indexes is not None and not url.endswith(COMPRESSED_SUFFIXES):
+            if self.indexes is not None and (handle.plain_of
+                                             or not url.endswith(COMPRESSED_SUFFIXES)):
                 index, _, reason = self.indexes.index_for(handle)
                 if reason is not None:
                     raise PipelineDataError(f"{url}: cannot count samples ({reason})")

@@ -1,5 +1,6 @@
 """The open stage of a worker stream: the shards of its read plan's runs, opened in read order
-(prefetched through the shard cache) and closed after their last use. A run whose shard has a
+(prefetched through the shard cache; a compressed shard as its plain copy there, when shards are
+read indexed) and closed after their last use. A run whose shard has a
 decoded-cache entry opens that entry instead of the shard; an indexed shard without one is
 decoded whole into a new entry as it opens (`fill_decoded`), so later passes gather from it.
 """
@@ -75,7 +76,7 @@ class ShardOpener:
         if all_local is None:  # a list of ShardRefs (made from URLs): they exist already
             all_local = all(refs[int(s)].is_local for s in np.unique(reads.run_shard))
         self.prefetcher = Prefetcher(context.cache, self._to_fetch(), context.prefetch,
-                                     remote=not all_local)
+                                     remote=not all_local, plain=context.indexes is not None)
         self._handles = iter(self.prefetcher)
         self.open: dict[int, Source] = {}
         self._next = 0
@@ -129,7 +130,8 @@ class ShardOpener:
                 return entry
             if entry is not None:
                 entry.close()
-            handle = context.cache.open(ref)  # evicted meanwhile or damaged: read the shard
+            # evicted meanwhile or damaged: read the shard
+            handle = context.cache.open(ref, plain=context.indexes is not None)
         else:
             handle = next(self._handles)
         if not ref.is_local:

@@ -10,9 +10,12 @@
   is built from the tar once and kept in the cache (`<cache_dir>/index/`). Before use it is
   checked against the file (every member inside the file, behind a valid tar header of the
   indexed size): from the first sample that fails, the rest of the shard is bad, as with the
-  tar iterator, and a stale index is rebuilt first.
-- `SequentialSamples`: webdataset's tar iterator, for what cannot be indexed (compressed tars).
-  Samples wanted later are held until asked for (at most a shuffle buffer's worth).
+  tar iterator, and a stale index is rebuilt first. A compressed shard is read this way
+  through its plain copy in the shard cache (`ShardCache.open(ref, plain=True)`), indexed like
+  a plain tar without a sidecar; BadSamples still name the compressed shard's URL.
+- `SequentialSamples`: webdataset's tar iterator, for what is not indexed (`indexed=False`, a
+  compressed shard without a plain copy: its compressed data is damaged, or its identity is
+  unknown). Samples wanted later are held until asked for (at most a shuffle buffer's worth).
 """
 
 from __future__ import annotations
@@ -27,13 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ringfeed.fsutil import atomic_write_bytes
-from ringfeed.pipeline.cache import ShardHandle
-from ringfeed.pipeline.source import ShardRef, is_local_url, local_path
+from ringfeed.pipeline.cache import COMPRESSED_SUFFIXES as COMPRESSED_SUFFIXES
+from ringfeed.pipeline.cache import ShardHandle, is_compressed, shard_identity
+from ringfeed.pipeline.source import is_local_url, local_path
 
 if TYPE_CHECKING:
     from ringfeed.formats.tarindex import TarIndex
 
-COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst")
 # a sample's members up to this size are read in one pread and sliced; larger ones each get
 # their own pread (slicing would copy megabytes a second time)
 ONE_READ_BYTES = 64 << 10
@@ -62,24 +65,6 @@ class ShardSamples(Protocol):
     def close(self) -> None: ...
 
 
-def shard_identity(ref: ShardRef, st: os.stat_result | None = None) -> str | None:
-    """What names a shard's content for the caches built from it. A local shard is read in
-    place and never re-hashed, so its path, size and mtime are part of it (a rewritten file is
-    a new shard even if the manifest was not updated); a remote one is checked against the
-    manifest's sha256 when it is downloaded, else known by its URL and listed size. None:
-    unknown (nothing is cached for it)."""
-    if ref.is_local:
-        try:
-            st = st or os.stat(local_path(ref.url))
-        except OSError:
-            return None
-        path = os.path.realpath(local_path(ref.url))
-        return f"{ref.sha256 or ''}|{path}|{st.st_size}|{st.st_mtime_ns}"
-    if ref.sha256:
-        return ref.sha256
-    return f"{ref.url}|{ref.bytes}" if ref.bytes is not None else None
-
-
 # -- indexes -------------------------------------------------------------------------------
 class IndexStore:
     """Where tar indexes come from: a shard's sidecar, the cache, or a build from the tar.
@@ -100,8 +85,10 @@ class IndexStore:
     def opened(self, handle: ShardHandle) -> tuple[TarIndex, int, str | None, list]:
         """(index, intact samples, reason, sample spans) for an open shard, remembered."""
         st = os.fstat(handle.file.fileno())
+        # (a plain copy's mtime is its recency in the cache: it changes every time it is
+        # opened; the copy is rewritten only under a new inode)
         key = (handle.ref.url, handle.ref.num_samples, st.st_dev, st.st_ino, st.st_size,
-               st.st_mtime_ns)
+               None if handle.plain_of else st.st_mtime_ns)
         hit = self._memo.get(key)
         if hit is None:
             index, intact, reason = self.index_for(handle)
@@ -115,7 +102,10 @@ class IndexStore:
 
     def cached_path(self, handle: ShardHandle) -> Path:
         st = os.fstat(handle.file.fileno())
-        identity = shard_identity(handle.ref, st) or f"{handle.ref.url}|{st.st_size}"
+        if handle.plain_of:  # a compressed shard's plain copy: named by the shard it is of
+            identity = f"plain|{handle.plain_of}|{st.st_size}"
+        else:
+            identity = shard_identity(handle.ref, st) or f"{handle.ref.url}|{st.st_size}"
         return self.directory / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.idx"
 
     def index_for(self, handle: ShardHandle) -> tuple[TarIndex, int, str | None]:
@@ -196,9 +186,10 @@ class _mapped:
 # -- access --------------------------------------------------------------------------------
 def open_samples(handle: ShardHandle, indexes: IndexStore | None,
                  wanted: set[int] | None = None) -> ShardSamples:
-    """Random access to `handle`'s samples: indexed when it can be, else sequential (which
-    holds the `wanted` positions read past until they are asked for)."""
-    if indexes is None or handle.ref.url.endswith(COMPRESSED_SUFFIXES):
+    """Random access to `handle`'s samples: indexed when it can be (a plain tar, or the plain
+    copy of a compressed one), else sequential (which holds the `wanted` positions read past
+    until they are asked for)."""
+    if indexes is None or (is_compressed(handle.ref.url) and not handle.plain_of):
         return SequentialSamples(handle, wanted)
     return IndexedSamples(handle, *indexes.opened(handle))
 
@@ -324,21 +315,35 @@ def iter_samples(handle: ShardHandle) -> Iterator[dict[str, Any]]:
 
 
 def _positions(handle: ShardHandle) -> Iterator[tuple[int, dict[str, Any] | BadSample]]:
-    """(position, sample) in tar order; after a corrupt or truncated end, BadSamples forever."""
+    """(position, sample) in tar order; after a corrupt or truncated end, BadSamples forever.
+    A compressed shard that could not be decompressed (`handle.damage`) is all BadSamples when
+    its data is corrupt (garbage may have been read anywhere before the checksum failed), and
+    read up to where the tar stops when its data was merely cut short; the reason is what
+    decompressing it found (the tar's own error says less: tarfile checks no crc)."""
     url, position, last_key = handle.ref.url, -1, None
-    try:
-        for position, sample in enumerate(iter_samples(handle)):
-            yield position, sample
-            last_key = sample["__key__"]
-        after = f" after {last_key!r}" if last_key else ""
-        reason = (f"shard ends after {position + 1} samples{after}, "
-                  f"the manifest lists {handle.ref.num_samples}")
-    except Exception as e:  # tarfile.ReadError, EOFError, duplicate names, ...
-        after = f" after sample {last_key!r}" if last_key else " at its start"
-        reason = f"corrupt or truncated tar{after} ({_first_arg(e)})"
+    if handle.damage and not handle.damage_after_samples:
+        reason = _damaged(handle.damage, None)
+    else:
+        try:
+            for position, sample in enumerate(iter_samples(handle)):
+                yield position, sample
+                last_key = sample["__key__"]
+            after = f" after {last_key!r}" if last_key else ""
+            reason = (f"shard ends after {position + 1} samples{after}, "
+                      f"the manifest lists {handle.ref.num_samples}")
+        except Exception as e:  # tarfile.ReadError, EOFError, duplicate names, ...
+            after = f" after sample {last_key!r}" if last_key else " at its start"
+            reason = f"corrupt or truncated tar{after} ({_first_arg(e)})"
+        if handle.damage:
+            reason = _damaged(handle.damage, last_key)
     while True:
         position += 1
         yield position, BadSample(url, position, None, reason)
+
+
+def _damaged(damage: str, last_key: str | None) -> str:
+    after = f" after sample {last_key!r}" if last_key else " at its start"
+    return f"unreadable compressed shard{after}: {damage} (re-download or re-create the file)"
 
 
 def _first_arg(e: Exception) -> str:

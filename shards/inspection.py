@@ -1,4 +1,5 @@
-"""`ringfeed inspect OUT`: what a person wants to see at a glance about a sharded dataset."""
+"""`ringfeed inspect OUT`: what a person wants to see at a glance about a sharded dataset (plain
+and compressed shards alike; a shard it cannot read is one error line naming it)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from ringfeed.errors import UserError
 from ringfeed.formats.kinds import kind_of
 from ringfeed.formats.manifest import Manifest
-from ringfeed.formats.tarread import read_ints, scan_tar, shard_url
+from ringfeed.formats.tarread import TarReadError, read_ints, scan_tar, shard_url
 from ringfeed.shards.parallel import parallel_map
 from ringfeed.shards.progress import human_bytes
 from ringfeed.shards.verify import load_manifest
@@ -56,7 +58,20 @@ def _spread(values: list[int], fmt: Any) -> str:
 
 
 def _count_classes(out: str, name: str) -> Counter:
-    return read_ints(shard_url(out, name), "cls")
+    url = shard_url(out, name)
+    try:
+        return read_ints(url, "cls")
+    except (TarReadError, OSError) as e:
+        raise _unreadable(out, url, e) from None
+    except ValueError as e:  # int() of a cls member
+        raise UserError(f"{url}: a cls member is not a class index ({e})") from None
+
+
+def _unreadable(out: str, url: str, e: Exception) -> UserError:
+    """A shard inspect cannot read: one line naming it and what to do."""
+    what = "missing" if isinstance(e, FileNotFoundError) else str(e)
+    return UserError(f"{url}: {what}; re-download or re-create it (`ringfeed verify {out}` "
+                     "checks every shard)")
 
 
 def _class_balance(m: Manifest, out: Path, workers: int) -> list[str]:
@@ -80,7 +95,12 @@ def _samples(m: Manifest, out: Path, count: int) -> list[str]:
             continue
         first = split.shards[0].name
         lines.append(f"first samples of {split_name} ({first}):")
-        for sample in scan_tar(shard_url(str(out), first), keep_first=count).first:
+        url = shard_url(str(out), first)
+        try:
+            shown = scan_tar(url, keep_first=count).first
+        except (TarReadError, OSError) as e:
+            raise _unreadable(str(out), url, e) from None
+        for sample in shown:
             members = ", ".join(f"{ext}: {_preview(ext, data, m)}"
                                 for ext, data in sample.items() if ext != "__key__")
             lines.append(f"  {sample['__key__']}  {members}")

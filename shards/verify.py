@@ -1,5 +1,7 @@
 """`ringfeed verify OUT`: re-hash every shard and re-count its samples against the manifest, and
-check that each shard's index sidecar is the shard's index (rebuilt from the tar and compared)."""
+check that each shard's index sidecar is the shard's index (rebuilt from the tar and compared).
+A compressed shard is hashed as it is stored and its samples counted by decompressing it; one that
+cannot be read says what is wrong with its compressed data or with the tar inside."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 from ringfeed.errors import UserError
 from ringfeed.formats.manifest import Manifest, ManifestError, ShardInfo
 from ringfeed.formats.tarindex import TarIndex, build_index
-from ringfeed.formats.tarread import TarReadError, open_shard, scan_tar, shard_url
+from ringfeed.formats.tarread import TAR_SUFFIXES, TarReadError, open_shard, scan_tar, shard_url
 from ringfeed.shards.parallel import parallel_map
 
 
@@ -26,7 +28,7 @@ class ShardCheck:
 class Verification:
     manifest: Manifest
     checks: list[ShardCheck]
-    unlisted: list[str] = field(default_factory=list)  # .tar files in OUT the manifest omits
+    unlisted: list[str] = field(default_factory=list)  # tar files in OUT the manifest omits
 
     @property
     def bad(self) -> list[ShardCheck]:
@@ -45,7 +47,8 @@ def verify(out: Path, workers: int = 1) -> Verification:
     tasks = [(split, info) for split, s in manifest.splits.items() for info in s.shards]
     checks = list(parallel_map(_check, tasks, workers, str(out), 1))
     listed = {Path(shard_url(str(out), info.name)).resolve() for _, info in tasks}
-    unlisted = sorted(p.name for p in out.glob("*.tar") if p.resolve() not in listed)
+    unlisted = sorted(p.name for p in out.iterdir()
+                      if p.name.endswith(TAR_SUFFIXES) and p.resolve() not in listed)
     return Verification(manifest, checks, unlisted)
 
 
@@ -58,7 +61,7 @@ def _check(out: str, task: tuple[str, ShardInfo]) -> ShardCheck:
         check.problems.append("missing")
         return check
     except TarReadError as e:
-        check.problems.append(str(e))
+        check.problems.append(f"{e}; re-download or re-create it")
         return check
     except OSError as e:
         check.problems.append(f"unreadable ({e})")

@@ -4,7 +4,8 @@ webdataset's ShardWriter, tarp, ...) a manifest, so the pipeline can balance and
 Each tar is read: samples counted as webdataset groups them, sha256, size, and the member
 extensions seen (-> fields), and its tar index (`ringfeed.formats.tarindex`) built. Compressed
 tars (`.tar.gz`, `.tgz`, `.tar.bz2`, `.tar.xz`, as webdataset writes and reads them) are counted
-and hashed the same way but get no index: the pipeline streams them from start to end. The class ids in
+and hashed the same way (sha256 and size of the compressed file) but get no index sidecar: the
+pipeline decompresses each once into its cache and indexes the plain copy. The class ids in
 `cls` members are counted (-> the manifest's `classes`, so the trainer infers num_classes). A shard's split comes
 from its name (`train-000.tar`, `val_3.tar`, ...), else `train`, or `--split` for all. Shard names
 in the manifest are relative to OUT (OUT defaults to SRC, so the manifest sits beside the shards).
@@ -12,7 +13,8 @@ in the manifest are relative to OUT (OUT defaults to SRC, so the manifest sits b
 Each shard's index goes to a sidecar under OUT, named in the manifest's `index`: `<shard path
 relative to OUT>.idx` (beside the shard) when that path stays inside OUT, else
 `index/<sha256[:16]>-<file name>.idx`. A tar that cannot be indexed whole (corrupt, truncated,
-not a tar at all) is an error naming it. Sidecars are written (atomically) after every shard was read
+not a tar at all; for a compressed one also corrupt or cut-short compressed data, or a file
+that is not compressed at all) is one error line naming it and what is wrong. Sidecars are written (atomically) after every shard was read
 and before the manifest.
 """
 
@@ -80,11 +82,13 @@ def split_of(path: Path) -> str:
 def _scan(_shared: None, path: Path) -> tuple[TarScan, bytes | None, Counter] | str:
     """(the shard's scan, its index as bytes (None: compressed), counts of its class ids), or
     what is wrong."""
+    compressed = path.name.endswith(COMPRESSED_TAR_SUFFIXES)
     try:
-        scan = scan_tar(str(path))
+        # (a compressed tar's class ids come from the scan's own decompressed copy)
+        scan = scan_tar(str(path), ints_of="cls" if compressed else None)
+        if compressed:
+            return scan, None, scan.ints
         classes = read_ints(str(path), "cls") if "cls" in scan.fields else Counter()
-        if path.name.endswith(COMPRESSED_TAR_SUFFIXES):
-            return scan, None, classes
         with open(path, "rb") as f:
             index, reason = build_index(f)
     except (TarReadError, OSError) as e:
@@ -123,7 +127,8 @@ def index_shards(opts: ShardOptions) -> ShardRun:
     classes: Counter = Counter()
     for path, result in zip(tars, scans, strict=True):
         if isinstance(result, str):
-            raise UserError(f"{path}: {result}")
+            raise UserError(f"{path}: {result}; re-download or re-create it, or move it out of "
+                            f"{opts.src}")
         scan, index, counts = result
         if counts and min(counts) < 0:
             raise UserError(f"{path}: class id {min(counts)} in a cls member (class ids are "

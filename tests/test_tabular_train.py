@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -151,7 +152,8 @@ def readme_blocks() -> list[str]:
 
 def recipe_data(cwd: Path) -> None:
     """The inputs the recipes name, made here: photos/, table.csv, table.parquet, docs.jsonl,
-    wds/ (webdataset ShardWriter shards), arrays.npz."""
+    wds/ (webdataset ShardWriter shards), wds-gz/ (the same, gzipped by ShardWriter for a
+    .tar.gz name, and a .tar beside them), arrays.npz."""
     import webdataset as wds
 
     make_images(cwd / "photos", {"cat": 24, "dog": 24})
@@ -166,13 +168,21 @@ def recipe_data(cwd: Path) -> None:
         for i in range(120):
             sink.write({"__key__": f"s{i:04d}", "x.npy": rng.normal(size=4).astype(np.float32),
                         "cls": i % 2})
+    (cwd / "wds-gz").mkdir()
+    with wds.ShardWriter(str(cwd / "wds-gz" / "train-%04d.tar.gz"), maxcount=50,
+                         verbose=0) as sink:
+        for i in range(120):
+            sink.write({"__key__": f"s{i:04d}", "x.npy": rng.normal(size=4).astype(np.float32),
+                        "cls": i % 2})
+    assert (cwd / "wds-gz" / "train-0000.tar.gz").read_bytes()[:2] == b"\x1f\x8b"  # gzip
+    shutil.copy(cwd / "wds" / "train-0002.tar", cwd / "wds-gz" / "train-0003.tar")  # plain
     np.savez(cwd / "arrays.npz", x=rng.normal(size=(100, 5)).astype(np.float32),
              y=np.arange(100) % 4)
 
 
 def test_readme_recipes_run_as_written(tmp_path):
     blocks = readme_blocks()
-    assert len(blocks) == 8 and blocks[0].startswith("cat > mine.yaml")
+    assert len(blocks) == 9 and blocks[0].startswith("cat > mine.yaml")
     recipe_data(tmp_path)
     summaries = {}
     for block in blocks:
@@ -187,10 +197,14 @@ def test_readme_recipes_run_as_written(tmp_path):
             out = re.search(r"output\.dir=(\S+)", block).group(1)
             summaries[out] = json.loads((tmp_path / out / "summary.json").read_text())
     assert set(summaries) == {"runs/photos", "runs/table", "runs/table-pq", "runs/docs",
-                              "runs/wds", "runs/arrays", "runs/mix"}
+                              "runs/wds", "runs/wds-gz", "runs/arrays", "runs/mix"}
     for out in ("runs/table", "runs/table-pq"):  # trained to the end, with nothing else set
         assert summaries[out]["status"] == "finished" and summaries[out]["val"]["accuracy"] >= 0.9
     assert summaries["runs/docs"]["step"] == 3
+    assert summaries["runs/wds-gz"]["step"] == 3
+    gz = json.loads((tmp_path / "wds-gz" / "manifest.json").read_text())["splits"]["train"]
+    assert [s["name"] for s in gz["shards"]] == [
+        "train-0000.tar.gz", "train-0001.tar.gz", "train-0002.tar.gz", "train-0003.tar"]
     mix = summaries["runs/mix"]  # 3 steps of the 70/30 mixture of the two tables
     assert set(mix["mixture"]) == {"table", "table-pq"} and "table-pq/accuracy" in mix["val"]
 

@@ -537,8 +537,9 @@ _COMPRESSED = ((b"\x1f\x8b\x08", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"),
                (b"\x5d\x00\x00\x80", "xz"), (b"\xfd7zXZ", "xz"))
 
 
-def _compression(head: bytes) -> str | None:
-    """tarfile's own test of a stream's compression (`r|*`), plus zstd."""
+def compression_of(head: bytes) -> str | None:
+    """The compression of a stream starting with `head` (its first 10 bytes or more): "gzip",
+    "bzip2", "xz" or "zstd", or None. tarfile's own test (`r|*`), plus zstd."""
     for magic, name in _COMPRESSED:
         if head.startswith(magic):
             return name
@@ -563,7 +564,7 @@ def build_index(f: IO[bytes]) -> tuple[TarIndex, str | None]:
     file_size = f.tell()
     f.seek(0)
     builder = TarIndexBuilder()
-    compression = _compression(f.read(10))
+    compression = compression_of(f.read(10))
     f.seek(0)
     if compression:
         return builder.finish(f), f"{compression}-compressed tar: only plain tars can be indexed"
