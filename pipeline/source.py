@@ -23,9 +23,8 @@ import numpy as np
 
 from ringfeed.formats.manifest import Manifest, ManifestError
 from ringfeed.formats.manifest_index import SplitIndex, index_of_bytes, load_index
+from ringfeed.formats.tarread import TAR_SUFFIXES
 from ringfeed.pipeline.errors import PipelineError
-
-TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
 
 @dataclass(frozen=True)
