@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import BIN, horovodrun  # noqa: E402
+from helpers import BIN, horovodrun, run  # noqa: E402
 from train_util import toy_config, write_config, write_toy_shards  # noqa: E402
 
 from ringfeed.train.throughput import (  # noqa: E402
@@ -116,6 +116,27 @@ def test_accounting_rates_and_summary() -> None:
     unknown = Accounting(FlopCount(None, "unknown: why"), Peak(100.0, "table"), devices=2)
     assert unknown.rates(10.0) == {} and unknown.summary(10.0)["mfu"] is None
     assert "FLOPs unknown (unknown: why)" in summary_lines(unknown.summary(10.0))[0]
+
+
+def test_profile_option_and_its_cli_shortcut(tmp_path: Path, capsys) -> None:
+    import yaml
+
+    from ringfeed.train.cli import main
+
+    cfg = write_config(tmp_path / "c.yaml", **toy_config(tmp_path / "shards", tmp_path / "o"))
+    assert main(["train", str(cfg), "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["train"]["profile"] is None  # off
+    assert main(["train", str(cfg), "--profile", "--print-config"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)["train"]
+    assert shown["profile"] == {"start_step": 5, "steps": 5, "ranks": [0]}
+    assert shown["peak_tflops"] is None
+    # the config's own window wins over the shortcut's defaults; a bad one is one line
+    assert main(["train", str(cfg), "--profile", "--print-config",
+                 "--set", "train.profile={start_step: 2, steps: 1, ranks: [1]}"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["train"]["profile"]["ranks"] == [1]
+    assert main(["train", str(cfg), "--print-config", "--set", "train.profile.steps=0"]) == 2
+    err = capsys.readouterr().err
+    assert "train.profile.steps" in err and len(err.strip().splitlines()) == 1
 
 
 # -- counting the built-in models --------------------------------------------------------------
@@ -342,6 +363,33 @@ def test_run_without_peak_or_profile_has_flops_and_no_mfu(tmp_path: Path, shards
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     assert rows and all("tflops" in r and "mfu" not in r for r in rows)
     assert not (out / "profile").exists()  # off: nothing profiled, nothing written
+
+
+@pytest.mark.system
+def test_token_run_reports_tokens_per_second(tmp_path: Path) -> None:
+    """One process, the built-in gpt on byte-level token shards (seq_len 32, vocabulary 257)."""
+    from ringfeed.train.cli import main
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("hello ringfeed " * 400)
+    assert main(["shard", str(tmp_path / "text"), str(tmp_path / "tok"), "--format", "text",
+                 "--seq-len", "33", "--no-progress"]) == 0
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", **toy_config(
+        tmp_path / "tok", out, model={"name": "gpt",
+                                      "args": {"n_layer": 1, "d_model": 32, "n_head": 2}},
+        train={"max_steps": 6, "log_every": 3}))
+    res = run([RINGFEED, "train", cfg], timeout=240)
+    assert res.returncode == 0, res.output[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    t = summary["throughput"]
+    assert t["flops_per_sample"] == pytest.approx(gpt_training_flops(32, 257, 1, 32), rel=0.05)
+    assert t["tokens_per_sample"] == 32
+    assert t["tokens_per_s"] == pytest.approx(32 * summary["samples_per_s"])
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert rows and all(r["tokens_per_s"] == pytest.approx(32 * r["samples_per_s"])
+                        for r in rows)
+    assert "  tokens             " in res.stdout
 
 
 if __name__ == "__main__":

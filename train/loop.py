@@ -54,7 +54,7 @@ from ringfeed.train.profile import StepProfiler, want_dynamic_timeline
 from ringfeed.train.runstate import EXIT_PREEMPTED, Recovery, SignalRequests, TrainState
 from ringfeed.train.schedule import LRSchedule, make_schedule
 from ringfeed.train.supervise import RESTART_ENV
-from ringfeed.train.throughput import Accounting, resolve_peak
+from ringfeed.train.throughput import Accounting, FlopCount, resolve_peak
 
 
 class TrainingDiverged(UserError):
@@ -519,8 +519,11 @@ class Trainer:
         shape, outside the timed steps), the device's peak, tokens per sample."""
         name, dtype = self.backend.accounting_device()
         spec = self.spec
-        return Accounting(self.backend.count_flops(self.train_pipe.example_batch()),
-                          resolve_peak(name, dtype, self.cfg.train.peak_tflops),
+        try:
+            flops = self.backend.count_flops(self.train_pipe.example_batch())
+        except Exception as e:  # noqa: BLE001 - a report never stops a run
+            flops = FlopCount(None, f"unknown: counting failed ({type(e).__name__}: {e})")
+        return Accounting(flops, resolve_peak(name, dtype, self.cfg.train.peak_tflops),
                           devices=self.dist.size,
                           tokens_per_sample=spec.input_shape[0] if spec.task == LM else None)
 
