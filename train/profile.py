@@ -81,8 +81,9 @@ class StepProfiler:
                 self.start()
             elif next_step > self.first:
                 self.done = True
-                self.say(f"profile: training starts at step {next_step}, past "
-                         f"train.profile.start_step {self.first}: nothing profiled")
+                if self.traced:
+                    self.say(f"profile: training starts at step {next_step}, past "
+                             f"train.profile.start_step {self.first}: nothing profiled")
 
     def start(self) -> None:
         self.active = True
@@ -163,10 +164,12 @@ class StepProfiler:
 
     def _start_timeline(self) -> bool:
         hvd = self._hvd()
-        if os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC":
+        setting = os.environ.get("HOROVOD_TIMELINE")
+        if setting != "DYNAMIC":
             if self.rank == 0:
-                self.say("profile: no Horovod timeline of its own: horovod.timeline / "
-                         "HOROVOD_TIMELINE records the whole run's")
+                self.say("profile: no Horovod timeline of the window: " + (
+                    "HOROVOD_TIMELINE was not DYNAMIC at hvd.init()" if not setting else
+                    f"horovod.timeline / HOROVOD_TIMELINE ({setting}) records the whole run"))
             return False
         if not hasattr(hvd, "start_timeline"):
             if self.rank == 0:
