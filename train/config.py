@@ -127,6 +127,16 @@ class OptimSection(_Section):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)  # cosine floor, as a fraction of the peak
 
 
+class ProfileSection(_Section):
+    """Profile steps start_step .. start_step + steps - 1 (counted from 1, as metrics.jsonl
+    counts them) on `ranks`: a torch or TensorFlow profiler trace in <output.dir>/profile/rank<r>/
+    plus Horovod's timeline of the same steps (train/profile.py)."""
+
+    start_step: PositiveInt = 5  # after the first steps' tracing and warm-up
+    steps: PositiveInt = 5
+    ranks: list[NonNegativeInt] = Field(default_factory=lambda: [0])
+
+
 class TrainSection(_Section):
     epochs: PositiveInt | None = 1
     max_steps: PositiveInt | None = None  # optimizer steps; wins over epochs when set
@@ -160,6 +170,10 @@ class TrainSection(_Section):
     # checkpoint is the job's state; a resume is exact). Costs (1 + moments) x the parameter
     # bytes per sync; false sends the parameters only and each rank keeps its own moments.
     sync_optimizer_state: bool = True
+    # One device's peak TFLOP/s for MFU (model FLOPs utilisation); null: ringfeed's table of
+    # GPUs by name and precision (train/throughput.py), none on CPU
+    peak_tflops: PositiveFloat | None = None
+    profile: ProfileSection | None = None  # null: off (`ringfeed train --profile`: defaults)
 
     @field_validator("loss", "metrics")
     @classmethod

@@ -46,13 +46,15 @@ from ringfeed.train.checkpoint import (
     write_checkpoint,
 )
 from ringfeed.train.config import RunConfig
-from ringfeed.train.data import DataSpec, infer_spec, make_pipeline
+from ringfeed.train.data import LM, DataSpec, infer_spec, make_pipeline
 from ringfeed.train.elastic import ElasticRun
 from ringfeed.train.frameworks import make_backend
 from ringfeed.train.metrics import RunLogger, SampleLog, Throughput
+from ringfeed.train.profile import StepProfiler, want_dynamic_timeline
 from ringfeed.train.runstate import EXIT_PREEMPTED, Recovery, SignalRequests, TrainState
 from ringfeed.train.schedule import LRSchedule, make_schedule
 from ringfeed.train.supervise import RESTART_ENV
+from ringfeed.train.throughput import Accounting, FlopCount, resolve_peak
 
 
 class TrainingDiverged(UserError):
@@ -61,16 +63,22 @@ class TrainingDiverged(UserError):
     exit_code = 3
 
 
-def micro_batch_groups(loader: Iterable, k: int) -> Iterator[tuple[list[Any], float]]:
+def micro_batch_groups(loader: Iterable, k: int, profiler: StepProfiler | None = None
+                       ) -> Iterator[tuple[list[Any], float]]:
     """Groups of k batches and the seconds spent waiting for them; a last group shorter than
-    k is dropped (every rank has the same batch count, so every rank drops the same)."""
+    k is dropped (every rank has the same batch count, so every rank drops the same). With a
+    profiler, each wait is a named range of its trace."""
     iterator = iter(loader)
     group: list[Any] = []
     waited = 0.0
     while True:
         start = time.perf_counter()
         try:
-            batch = next(iterator)
+            if profiler is None:
+                batch = next(iterator)
+            else:
+                with profiler.span("ringfeed.data_wait"):
+                    batch = next(iterator)
         except StopIteration:
             return
         waited += time.perf_counter() - start
@@ -139,9 +147,12 @@ class Trainer:
     first_step: int  # the step this stretch of training started at (its first is not timed)
     first_step_s: float | None  # how long that first step took: the warm-up
     t_last: float  # when the previous step ended
+    accounting: Accounting | None  # FLOPs per sample, peak (rank 0, once)
+    profiler: StepProfiler | None  # train.profile's window; None when off
 
     def __init__(self, cfg: RunConfig, backend: Backend | None = None):
         self.cfg = cfg
+        want_dynamic_timeline(cfg)  # (before hvd.init)
         self.backend = backend or make_backend(cfg)
         self.dist = self.backend.dist
         self.elastic = ElasticRun(self) if cfg.elastic.enabled else None
@@ -158,6 +169,7 @@ class Trainer:
         self.first_step = 0
         self.first_step_s = None
         self.t_last = time.perf_counter()
+        self.accounting = self.profiler = None
 
     def say(self, message: str) -> None:
         if self.dist.is_root:
@@ -204,6 +216,8 @@ class Trainer:
             self.loader = self.backend.loader(self.train_pipe)
             self.val_loader = self.backend.loader(self.val_pipe) if self.val_pipe else None
         self.first_step = self.state.step
+        if self.profiler is not None:
+            self.profiler.at(self.state.step + 1)
         self.t_last = time.perf_counter()
         while self.state.step < self.total_steps:
             if self.epoch(signals):
@@ -219,7 +233,7 @@ class Trainer:
         state.epoch = pipe.epoch
         # read the next epoch ahead only if the run goes on into it
         pipe.expect_next_epoch(state.step + pipe.batches_remaining // k < self.total_steps)
-        for micro, waited in micro_batch_groups(self.loader, k):
+        for micro, waited in micro_batch_groups(self.loader, k, self.profiler):
             if self.step(micro, waited, signals):
                 return True
             if state.step >= self.total_steps:
@@ -235,7 +249,11 @@ class Trainer:
         cfg, state = self.cfg, self.state
         faults.before_step(state.step + 1, self.dist.rank)
         lr = self.schedule(state.step)
-        result = self.backend.train_step(micro, lr, signals.take())
+        if self.profiler is None:
+            result = self.backend.train_step(micro, lr, signals.take())
+        else:
+            with self.profiler.span("ringfeed.step", step=state.step + 1):
+                result = self.backend.train_step(micro, lr, signals.take())
         if not result.finite:  # every rank sees the same averaged loss: all stop here
             raise TrainingDiverged(
                 f"loss is {result.loss} at step {state.step + 1} (epoch "
@@ -253,6 +271,8 @@ class Trainer:
             self.save("every_steps")
         if self.elastic is not None:
             self.elastic.after_step()
+        if self.profiler is not None:
+            self.profiler.at(state.step + 1)
         self.t_last = time.perf_counter()
         return result.stop_requested
 
@@ -490,9 +510,12 @@ class Trainer:
         if self.dist.is_root:
             out.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out / "config.yaml", cfg.to_yaml())
+        if self.dist.is_root and self.accounting is None:
+            self.accounting = self.count_throughput()
         self.logger = RunLogger(out, self.dist.is_root, self.total_steps, self.global_batch,
                                 cfg.train.log_every, cfg.output.tensorboard,
-                                start_step=self.state.step)
+                                start_step=self.state.step, accounting=self.accounting)
+        self.open_profiler()
         self.pending_ids = []
         if cfg.output.sample_log:
             self.sample_log = SampleLog(out, self.dist.is_root, start_step=self.state.step)
@@ -527,6 +550,8 @@ class Trainer:
             "recovery": asdict(self.recovery), "recovery_text": self.recovery.describe(),
             "pipeline": self.train_pipe.stats(),
             "communication": self.backend.comm_stats(),  # allreduce bytes per sample, ...
+            "throughput": (self.accounting.summary(totals.samples_per_s)
+                           if self.accounting is not None else None),
         }
         if self.mixture_samples is not None:
             pipe = self.train_pipe
@@ -536,6 +561,33 @@ class Trainer:
                                   for name, w in zip(pipe.source_names, weights, strict=True)}
         self.logger.summary(summary)
 
+
+    def count_throughput(self) -> Accounting:
+        """Rank 0, once, before training: the model's FLOPs per sample (at the real batch
+        shape, outside the timed steps), the device's peak, tokens per sample."""
+        name, dtype = self.backend.accounting_device()
+        spec = self.spec
+        try:
+            flops = self.backend.count_flops(self.train_pipe.example_batch())
+        except Exception as e:  # noqa: BLE001 - a report never stops a run
+            flops = FlopCount(None, f"unknown: counting failed ({type(e).__name__}: {e})")
+        return Accounting(flops, resolve_peak(name, dtype, self.cfg.train.peak_tflops),
+                          devices=self.dist.size,
+                          tokens_per_sample=spec.input_shape[0] if spec.task == LM else None)
+
+    def open_profiler(self) -> None:
+        """train.profile: this rank's window (None when off: nothing profiler-related is
+        made), its named ranges in the backend's step."""
+        section = self.cfg.train.profile
+        if section is None or self.profiler is not None:
+            return
+        self.profiler = StepProfiler(self.cfg.framework, section, self.dist.rank,
+                                     self.dist.size, Path(self.cfg.output.dir), self.say_any)
+        if self.profiler.traced:
+            self.backend.span = self.profiler.span
+
+    def say_any(self, message: str) -> None:
+        print(message, flush=True)
 
     def close_loaders(self) -> None:
         """Stop loader worker processes (torch) and read-ahead threads now rather than at
@@ -553,6 +605,8 @@ class Trainer:
         self.logger = self.sample_log = None
 
     def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.close()
         self.close_loaders()
         self.close_logs()
 

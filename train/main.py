@@ -1,5 +1,5 @@
 """`ringfeed train CONFIG [--set key=value ...] [--resume auto|none|PATH] [--elastic]
-[--print-config]`.
+[--profile] [--print-config]`.
 
 The config is loaded and validated here, before torch, TensorFlow or Horovod is imported, so a
 bad config fails in about a second with one line and exit 2 on every rank.
@@ -38,6 +38,10 @@ def register(subparsers) -> None:
                    help="Horovod Elastic: run under `horovodrun --min-np N --max-np M "
                         "--host-discovery-script SCRIPT`; workers may leave and join "
                         "(sets elastic.enabled)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile a few steps (train.profile's defaults unless the config sets "
+                        "it): a torch/TF profiler trace and Horovod's timeline in "
+                        "<output.dir>/profile/")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (all defaults filled in) and exit")
     p.set_defaults(func=run)
@@ -57,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
                         "shows every key with its default)")
     cfg = load_config(args.config, args.overrides, resume=args.resume,
                       check_paths=not args.print_config, elastic=args.elastic)
+    if args.profile and cfg.train.profile is None:
+        from ringfeed.train.config import ProfileSection
+
+        cfg.train.profile = ProfileSection()
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ringfeed.fsutil import atomic_write_text
+from ringfeed.train.throughput import Accounting, summary_lines
 
 # Data-wait share of step time above which we call the input pipeline the bottleneck.
 BOTTLENECK_SHARE = 0.20
@@ -100,6 +101,7 @@ class RunLogger:
     tensorboard: bool = True
     start_step: int = 0
     stream: IO[str] = field(default_factory=lambda: sys.stdout)
+    accounting: Accounting | None = None  # FLOPs per sample and peak: tflops, mfu, tokens/s
 
     def __post_init__(self) -> None:
         self.window = Throughput()
@@ -149,6 +151,8 @@ class RunLogger:
         record = {"step": step, "epoch": epoch, "loss": self._window_loss / self.window.steps,
                   "lr": lr, "samples_per_s": self.window.samples_per_s,
                   "data_wait": self.window.data_wait_share, **(extra or {})}
+        if self.accounting is not None:
+            record.update(self.accounting.rates(record["samples_per_s"]))
         self._record(record)
         text = (f"loss {record['loss']:.4f}  {record['samples_per_s']:.0f} samples/s  "
                 f"data-wait {100 * record['data_wait']:.0f}%  lr {lr:.3g}")
@@ -207,6 +211,8 @@ class RunLogger:
             lines.append("  mixture shares     " + ", ".join(
                 f"{name} {v['share']:.3f} (weight {v['weight']:.3f})"
                 for name, v in summary["mixture"].items()))
+        if summary.get("throughput"):
+            lines += summary_lines(summary["throughput"])
         lines.append(f"  metrics            {self.metrics_path}")
         if self._events is not None:
             lines.append(f"  tensorboard        {self.out_dir / 'tensorboard'}")

@@ -47,6 +47,8 @@ from ringfeed.train.backend import (
 from ringfeed.train.data import REGRESS, DataSpec, split_batch
 from ringfeed.train.losses import regression_fns
 from ringfeed.train.models import build_model
+from ringfeed.train.profile import no_span
+from ringfeed.train.throughput import FlopCount, count_tf_flops
 from ringfeed.userhooks import load_callable
 
 CHECKPOINT_PREFIX = "tf_checkpoint"
@@ -94,6 +96,7 @@ class TFBackend(StepCounting):
                          cfg.train.share_gpus, gather)
         if gpu is not None:
             tf.config.set_visible_devices(gpus[gpu], "GPU")
+        self.span = no_span  # named profiler ranges: train/profile.py sets them while tracing
 
     # -- setup --------------------------------------------------------------------------------
     def build(self, spec: DataSpec) -> None:
@@ -161,7 +164,9 @@ class TFBackend(StepCounting):
         loss_sum = tf.constant(0.0)
         for batch in micro:
             x, y, _ = split_batch(batch, self.spec)
-            with tf.GradientTape() as tape:
+            # (the name scope marks the forward ops in a profiler trace; their gradients are
+            # named gradient_tape/ringfeed_forward/...)
+            with tf.GradientTape() as tape, tf.name_scope("ringfeed_forward"):
                 loss = tf.reduce_mean(tf.cast(
                     self.loss_fn(self.model(self._as_input(x), training=True), y), tf.float32))
                 scaled = self.optimizer.scale_loss(loss)  # identity unless fp16
@@ -189,7 +194,8 @@ class TFBackend(StepCounting):
             # finite; the same check here reports it
             finite = (tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in reduced])
                       if fp16 else tf.constant(True))
-            self.optimizer.apply(reduced, variables)
+            with tf.name_scope("ringfeed_optimizer_step"):
+                self.optimizer.apply(reduced, variables)
             return finite
 
         # A non-finite loss applies nothing; the loop stops the run on every rank (exit 3).
@@ -211,6 +217,26 @@ class TFBackend(StepCounting):
             stats, applied=applied > 0 or not fp16,
             grad_norm=norm / scale if self.cfg.train.grad_clip else None,
             loss_scale=scale if fp16 else None)
+
+    # -- throughput accounting (train/throughput.py) ------------------------------------------
+    def count_flops(self, batch: dict[str, Any]) -> FlopCount:
+        """Training FLOPs per sample of the model at this batch's shape (the forward and
+        gradient traced as a graph, not run)."""
+        x = np.asarray(split_batch(batch, self.spec)[0])
+        dtype = tf.float32 if x.dtype.kind == "f" else tf.as_dtype(x.dtype)  # as _as_input
+        return count_tf_flops(self.model, x.shape, dtype)
+
+    def accounting_device(self) -> tuple[str | None, str]:
+        """(this rank's GPU name, or None on CPU; the dtype its matmuls run in): fp32 counts
+        as tf32 while TensorFlow allows TF32 (its default)."""
+        precision = self.cfg.train.precision
+        if precision == "fp32" and tf.config.experimental.tensor_float_32_execution_enabled():
+            precision = "tf32"
+        gpus = tf.config.get_visible_devices("GPU")
+        if not gpus:
+            return None, precision
+        details = tf.config.experimental.get_device_details(gpus[0])
+        return details.get("device_name", "an unnamed GPU"), precision
 
     # -- local SGD and communication ----------------------------------------------------------
 

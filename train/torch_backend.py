@@ -40,6 +40,8 @@ from ringfeed.train.checkpoint import open_for_write
 from ringfeed.train.data import REGRESS, DataSpec, split_batch
 from ringfeed.train.losses import regression_fns
 from ringfeed.train.models import build_model
+from ringfeed.train.profile import no_span
+from ringfeed.train.throughput import FlopCount, count_torch_flops
 from ringfeed.userhooks import load_callable
 
 STATE_FILE = "state.pt"
@@ -143,6 +145,7 @@ class TorchBackend(StepCounting):
             torch.cuda.set_device(gpu)
             self.device = torch.device("cuda", gpu)
         self.amp_dtype = AMP_DTYPES.get(cfg.train.precision)
+        self.span = no_span  # named profiler ranges: train/profile.py sets them while tracing
         self._loaded_rng: list[dict[str, torch.Tensor]] | None = None
 
     # -- setup --------------------------------------------------------------------------------
@@ -232,7 +235,7 @@ class TorchBackend(StepCounting):
             x, y, _ = split_batch(batch, self.spec)  # (the valid mask only matters to eval)
             x, y = self._inputs(x), torch.as_tensor(y).to(self.device, non_blocking=True)
             samples += len(y)
-            with self._autocast():
+            with self.span("ringfeed.forward"), self._autocast():
                 loss = self.loss_fn(self.forward(x), y).float().mean()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             if i == k - 1:
@@ -240,11 +243,13 @@ class TorchBackend(StepCounting):
             # The k-th backward triggers Horovod's allreduce (backward_passes_per_step=k);
             # dividing by k makes the accumulated gradient the mean over k micro-batches.
             # (Local SGD: plain accumulation in .grad, no allreduce.)
-            self.scaler.scale(loss / k).backward()
-        if not local:
-            self.optimizer.synchronize()
-        # The one host synchronisation of a step: every rank decides on the same numbers.
-        stats = hvd.synchronize(stats).tolist()
+            with self.span("ringfeed.backward"):
+                self.scaler.scale(loss / k).backward()
+        with self.span("ringfeed.allreduce"):
+            if not local:
+                self.optimizer.synchronize()
+            # The one host synchronisation of a step: every rank decides on the same numbers.
+            stats = hvd.synchronize(stats).tolist()
         if not math.isfinite(stats[0]):
             # Nothing is applied: the loop stops the run on every rank (exit 3).
             self.optimizer.zero_grad()
@@ -262,7 +267,8 @@ class TorchBackend(StepCounting):
             scale = self.scaler.get_scale()
         # Local SGD: each rank's GradScaler decides on its own gradients (a rank may skip a
         # step the others apply); the sync below averages the replicas again.
-        with contextlib.nullcontext() if local else self.optimizer.skip_synchronize():
+        with self.span("ringfeed.optimizer_step"), \
+                contextlib.nullcontext() if local else self.optimizer.skip_synchronize():
             self.scaler.step(self.optimizer)
         self.scaler.update()
         if scale is not None:
@@ -275,6 +281,23 @@ class TorchBackend(StepCounting):
         self._count_step(samples)
         return StepResult.from_stats(stats, applied=True if applied is None else applied,
                                      grad_norm=grad_norm, loss_scale=scale)
+
+    # -- throughput accounting (train/throughput.py) ------------------------------------------
+    def count_flops(self, batch: dict[str, Any]) -> FlopCount:
+        """Training FLOPs per sample of the model at this batch's shape (meta device: no
+        compute, no gradient on the real parameters, RNG states kept)."""
+        x = torch.as_tensor(split_batch(batch, self.spec)[0])
+        dtype = torch.float32 if x.is_floating_point() else x.dtype  # as _inputs() feeds it
+        return count_torch_flops(self.model, tuple(x.shape), dtype, self.device)
+
+    def accounting_device(self) -> tuple[str | None, str]:
+        """(this rank's GPU name, or None on CPU; the dtype its matmuls run in): fp32 counts
+        as tf32 when torch lets matmuls use TF32 (torch.set_float32_matmul_precision)."""
+        precision = self.cfg.train.precision
+        if precision == "fp32" and torch.get_float32_matmul_precision() != "highest":
+            precision = "tf32"
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        return name, precision
 
     # -- local SGD and communication ----------------------------------------------------------
 
