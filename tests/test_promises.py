@@ -1,27 +1,29 @@
 """Promises the docs make, each checked through real runs (issue 25): a job restarted at other
 world sizes (3 -> 2 -> 3, torch and TensorFlow) feeds every sample once, continues its step
 count and lr schedule, carries its optimizer state and ends with the weights of one
-uninterrupted run of the same batches (audited at the model's input, replayed in this process);
-SIGUSR1 saves at one step
-on every rank and training carries on to the weights of an undisturbed run; `ringfeed run`
-passes SIGTERM and SIGINT to its job and exits with the job's status; validation metrics are
-exact whatever the world size, on a split whose size leaves padding."""
+uninterrupted run of the same batches (audited at the model's input, replayed in this
+process); SIGUSR1 saves at one step on every rank and training carries on to the weights of an
+undisturbed run; `ringfeed run` passes SIGTERM and SIGINT to its job and exits with the job's
+status; validation metrics are exact whatever the world size, on a split whose size leaves
+padding."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_util import read_jsonl
-from helpers import BIN, REPO, horovodrun, ringfeed, test_env
+from fault_util import assert_same_torch_state, read_jsonl, ringfeed_forked, torch_final
+from helpers import BIN, REPO, horovodrun, ringfeed, run, test_env
 from train_util import (
     AUDIT_ENV,
     audited_rows,
+    checkpoint_arrays,
     committed_steps,
     finish,
     first_weights,
@@ -83,29 +85,6 @@ def promised_lr(step: int, ranks: int, planned_steps: int) -> float:
     progress = min(1.0, (i - WARMUP) / max(1, planned_steps - WARMUP))
     floor = peak * MIN_LR_RATIO
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def checkpoint_arrays(framework: str, ckpt: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """A checkpoint's model weights and SGD momentum, in the framework's parameter order."""
-    if framework == "torch":
-        import torch
-
-        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
-        optimizer = state["optimizer"]["state"]
-        return ([v.numpy() for v in state["model"].values()],
-                [optimizer[i]["momentum_buffer"].numpy() for i in sorted(optimizer)])
-    import tensorflow as tf
-
-    reader = tf.train.load_checkpoint(str(ckpt / "tf_checkpoint"))
-
-    def listed(group: str) -> list[np.ndarray]:  # model.variables / optimizer.variables order
-        keys = [k for k in reader.get_variable_to_shape_map()
-                if k.startswith(f"{group}/") and k.endswith("/.ATTRIBUTES/VARIABLE_VALUE")]
-        arrays = [reader.get_tensor(k) for k in sorted(keys, key=lambda k: int(k.split("/")[1]))]
-        # floats with a shape: weights, momentum (not seed states, iterations, the lr)
-        return [a for a in arrays if a.ndim and np.issubdtype(a.dtype, np.floating)]
-
-    return listed("model"), listed("optimizer")
 
 
 # (ranks, loader workers) of each launch of one job: the first two are stopped by SIGTERM,
@@ -393,3 +372,101 @@ def test_ringfeed_run_reports_a_job_killed_by_a_signal_as_a_shell_would():
     res = ringfeed("run", "--max-restarts", "0", "--", "sh", "-c", "kill -KILL $$", timeout=60)
     assert res.returncode == 137, res.output  # 128 + SIGKILL, not Popen's -9 (= 247)
     assert "job failed (exit 137); giving up after 0 restart(s)" in res.output
+
+
+@pytest.mark.timeout(120)
+def test_ringfeed_run_relaunches_with_resume_auto_and_doubles_its_backoff():
+    """A job that keeps failing (exit 1: restartable): relaunched with its --resume replaced by
+    --resume auto and RINGFEED_RESTART_COUNT set, after waits that double up to --backoff-max,
+    until --max-restarts; then the job's status."""
+    job = ["sh", "-c", 'echo "attempt $RINGFEED_RESTART_COUNT: $*"; exit 1', "ringfeed",
+           "train", "cfg.yaml", "--resume", "/old/ckpt-000000010"]
+    res = ringfeed("run", "--max-restarts", "3", "--backoff", "1", "--backoff-max", "2", "--",
+                   *job, timeout=60)
+    assert res.returncode == 1, res.output
+    attempts = [line for line in res.output.splitlines() if line.startswith("attempt ")]
+    assert attempts == ["attempt 0: train cfg.yaml --resume /old/ckpt-000000010",
+                        *(f"attempt {n}: train cfg.yaml --resume auto" for n in (1, 2, 3))]
+    waits = [line.split(" in ")[1] for line in res.output.splitlines() if "; restart " in line]
+    assert waits == ["1s with --resume auto", "2s with --resume auto",
+                     "2s with --resume auto"], res.output
+    assert "job failed (exit 1); giving up after 3 restart(s)" in res.output
+
+
+@pytest.mark.timeout(120)
+def test_global_batch_size_is_refused_with_elastic(tmp_path, shards):
+    """Elastic runs keep the per-rank batch (the global batch and the lr follow the world
+    size): a fixed global batch is a config error before anything starts."""
+    cfg = config(tmp_path, shards, "elastic", data={"global_batch_size": 8})
+    res = ringfeed("train", str(cfg), "--elastic", timeout=90)
+    assert res.returncode == 2, res.output[-3000:]
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("ringfeed: error: ")
+    assert "data.global_batch_size: elastic runs keep the per-rank batch" in res.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_fp16_loss_scale_is_carried_by_a_checkpoint(tmp_path, shards):
+    """A checkpoint holds the fp16 loss scaler: a run resumed from step 4 - after overflows
+    have lowered the scale - ends with the scale, weights and momentum of the uninterrupted
+    run (one process, bit for bit). A resume with a fresh scaler would start again at 65536."""
+    def cfg(name: str) -> Path:
+        return config(tmp_path, shards, name, data={"batch_size": 4, "val_split": None},
+                      train={"max_steps": 8, "epochs": None, "log_every": 1, "precision": "fp16",
+                             "loss": "train_util:overflow_when_first_is_class_0"},
+                      checkpoint={"every_steps": 4, "keep": 5})
+
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    full = ringfeed_forked(["train", cfg("full")], tmp_path / "full.log", env=env)
+    assert full.code == 0, full.output[-3000:]
+    at_4 = torch_final(tmp_path / "full", 4)["scaler"]
+    assert at_4["scale"] < 65536.0, at_4  # overflows came before the checkpoint
+
+    again = cfg("again")
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "ckpt-000000004",
+                    tmp_path / "again" / "checkpoints" / "ckpt-000000004")
+    res = ringfeed_forked(["train", again, "--resume", "auto"], tmp_path / "again.log", env=env)
+    assert res.code == 0, res.output[-3000:]
+    assert "at step 4" in res.output
+    a, b = torch_final(tmp_path / "full", 8), torch_final(tmp_path / "again", 8)
+    assert a["scaler"] == b["scaler"], (a["scaler"], b["scaler"])
+    assert_same_torch_state(a, b)
+    step_5 = next(r for r in read_jsonl(tmp_path / "again" / "metrics.jsonl")
+                  if r["step"] == 5 and "loss" in r)
+    assert step_5["loss_scale"] == at_4["scale"], step_5  # it ran at the restored scale
+
+
+LOADER_THEN_SIGKILL = """
+import os, signal, sys
+from ringfeed.pipeline import ShardPipeline
+from ringfeed.pipeline.torch import make_loader
+
+loader = make_loader(ShardPipeline(sys.argv[1], batch_size=4, num_workers=2, rank=0,
+                                   world_size=1))
+next(iter(loader))
+print(*[w.pid for w in loader.loader._iterator._workers], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no exit handler, no close(): the workers are orphaned
+"""
+
+
+@pytest.mark.timeout(120)
+def test_loader_workers_stop_when_their_training_process_is_killed(shards):
+    """DataLoader workers ignore SIGTERM/SIGUSR1 (they must outlive a save), so nothing but
+    their parent's death stops them when the training process is SIGKILLed: they must go
+    (DataLoader's watchdog), not linger holding memory and shard files."""
+    import psutil
+
+    res = run([BIN / "python", "-c", LOADER_THEN_SIGKILL, shards], timeout=90)
+    assert res.returncode == -signal.SIGKILL, res.output[-3000:]
+    workers = [int(p) for p in res.stdout.split()]
+    assert len(workers) == 2, res.output
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 60  # the watchdog looks every 5 s
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in workers), workers
