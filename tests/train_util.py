@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,16 @@ def nan_on_rank1_at_step3(logits, targets):
                 "OMPI_COMM_WORLD_RANK")) == "1":
             return losses * float("nan")
     return losses
+
+
+def overflow_when_first_is_class_0(logits, targets):
+    """Cross entropy, x 1e6 for a batch whose first sample is of class 0 (about one step in
+    three, the same steps on every run over the same batches): under fp16 its scaled gradient
+    overflows, so GradScaler skips that step and halves its scale."""
+    import torch.nn.functional as F
+
+    losses = F.cross_entropy(logits.float(), targets, reduction="none")
+    return losses * 1e6 if int(targets[0]) == 0 else losses
 
 
 # -- user models that inject an inf into one rank's gradient ------------------------------
@@ -424,29 +435,68 @@ def steps_main(framework: str, out: Path) -> None:
         out.write_text(json.dumps({"size": size, "ranks": all_ranks}))
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["steps"])
-    parser.add_argument("--framework", required=True)
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args()
-    steps_main(args.framework, args.out)
-
-
-# -- an independent audit of the samples that reach the model --------------------------------
+# -- an independent audit of what reaches the model -------------------------------------------
+# A user model (recording_mlp) that writes, for every training forward pass, a hash of each
+# input row and a digest of the weights it is about to be trained from, to files of its own
+# ($RINGFEED_TEST_AUDIT_DIR/forwards-<pid>.jsonl). Nothing the trainer writes is read: its
+# samples.jsonl and metrics.jsonl are rewound at a rollback or resume, these files are not.
+# From the forwards alone, committed_steps() finds the steps that made the final weights (a
+# rolled-back step is a forward whose weights were never built on) and replay() retrains them
+# in one process, with the framework's own optimizer, from the weights the first forward saw.
 AUDIT_ENV = "RINGFEED_TEST_AUDIT_DIR"
 
 
-def recording_mlp(spec, num_classes: int, hidden: list[int]):
-    """The built-in torch MLP, wrapped: every training forward appends a hash of each input row
-    to `$RINGFEED_TEST_AUDIT_DIR/rows-<pid>.txt`. What reached the model, counted outside the
-    trainer (its own samples.jsonl is rewound at a rollback; this is not)."""
+def row_hash(row: np.ndarray) -> str:
+    """A model input row's identity in the audit: a hash of its float32 bytes."""
+    return hashlib.blake2b(np.ascontiguousarray(row, np.float32).tobytes(),
+                           digest_size=8).hexdigest()
+
+
+def weights_digest(arrays: list[np.ndarray]) -> str:
+    """The identity of a set of weights (bit for bit: ranks hold identical replicas)."""
+    h = hashlib.blake2b(digest_size=12)
+    for a in arrays:
+        h.update(np.ascontiguousarray(a, np.float32).tobytes())
+    return h.hexdigest()
+
+
+class ForwardLog:
+    """One process's audit file. The first forward also saves the weights it saw
+    (`weights-<digest>.npz`, the replay's starting point or a resumed run's restored state)."""
+
+    def __init__(self) -> None:
+        self.dir = Path(os.environ[AUDIT_ENV])
+        self.path = self.dir / f"forwards-{os.getpid()}.jsonl"
+        self.saved_first = False
+
+    def forward(self, rows: np.ndarray, weights: list[np.ndarray]) -> None:
+        digest = weights_digest(weights)
+        if not self.saved_first:
+            tmp = self.dir / f".weights-{digest}.{os.getpid()}.npz"
+            np.savez(tmp, *weights)
+            os.replace(tmp, self.dir / f"weights-{digest}.npz")
+            self.saved_first = True
+        line = json.dumps({"time": time.time(), "weights": digest,
+                           "rows": [row_hash(r) for r in rows]})
+        with open(self.path, "a") as f:  # one write per forward: a SIGKILL tears at most it
+            f.write(line + "\n")
+
+
+def recording_mlp(spec, num_classes: int, hidden: list[int], framework: str = "torch"):
+    """The built-in MLP (torch or Keras), wrapped to log every training forward (ForwardLog).
+    Evaluation forwards are not logged."""
+    if framework == "torch":
+        return _recording_mlp_torch(spec, num_classes, hidden)
+    return _recording_mlp_keras(spec, num_classes, hidden)
+
+
+def _recording_mlp_torch(spec, num_classes: int, hidden: list[int]):
     import torch
 
     from ringfeed.train.models import torch_models
 
     inner = torch_models.build("mlp", spec, num_classes=num_classes, hidden=hidden)
-    out = Path(os.environ[AUDIT_ENV]) / f"rows-{os.getpid()}.txt"
+    log = ForwardLog()
 
     class Recording(torch.nn.Module):
         def __init__(self) -> None:
@@ -455,17 +505,125 @@ def recording_mlp(spec, num_classes: int, hidden: list[int]):
 
         def forward(self, x):
             if self.training:
-                rows = x.detach().float().cpu().numpy()
-                with open(out, "a") as f:
-                    f.writelines(row_hash(r) + "\n" for r in rows)
+                log.forward(x.detach().float().cpu().numpy(),
+                            [v.detach().cpu().numpy() for v in self.inner.state_dict().values()])
             return self.inner(x)
 
     return Recording()
 
 
+def _recording_mlp_keras(spec, num_classes: int, hidden: list[int]):
+    import keras
+    import tensorflow as tf
+
+    from ringfeed.train.models import keras_models
+
+    inner = keras_models.mlp(spec, num_classes=num_classes, hidden=hidden)
+    log = ForwardLog()
+
+    def record(rows: np.ndarray, *weights: np.ndarray) -> np.ndarray:
+        log.forward(rows, list(weights))
+        return rows
+
+    class Record(keras.layers.Layer):
+        """Identity on the input; in training, the input and the weights pass through the log
+        inside the step's graph (the weights read before the step's update: the update
+        depends on this output)."""
+
+        def call(self, x, training=None):
+            if not training:
+                return x
+            weights = [tf.stop_gradient(w.value) for w in inner.trainable_weights]
+            out = tf.numpy_function(record, [x, *weights], x.dtype, stateful=True)
+            out.set_shape(x.shape)
+            return out
+
+    inputs = keras.Input(spec.input_shape)
+    return keras.Model(inputs, inner(Record()(inputs)))
+
+
+@dataclass(frozen=True)
+class Forward:
+    process: str
+    time: float
+    weights: str  # digest of the weights the forward ran with
+    rows: list[str]
+
+
+@dataclass(frozen=True)
+class Step:
+    weights: str  # digest of the weights the step started from
+    rows: list[str]  # every rank's rows of the step
+
+
+def audited_forwards(audit_dir: Path) -> dict[str, list[Forward]]:
+    """Every process's training forwards, in order. A process SIGKILLed mid-write leaves at
+    most a torn last line, which is skipped."""
+    out = {}
+    for f in sorted(Path(audit_dir).glob("forwards-*.jsonl")):
+        lines = f.read_text().splitlines()
+        records = []
+        for i, line in enumerate(lines):
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                if i == len(lines) - 1:
+                    break
+                raise
+            records.append(Forward(f.stem, r["time"], r["weights"], r["rows"]))
+        out[f.stem] = records
+    return out
+
+
 def audited_rows(audit_dir: Path) -> list[str]:
-    return [line for f in sorted(audit_dir.glob("rows-*.txt"))
-            for line in f.read_text().splitlines()]
+    """Every row that reached the model in training, in any step, committed or not."""
+    return [h for forwards in audited_forwards(audit_dir).values()
+            for fw in forwards for h in fw.rows]
+
+
+def committed_steps(audit_dir: Path) -> list[Step]:
+    """The steps that made the weights of the job's last forward, in order, from the audit
+    alone (one forward per rank per step: train.accumulate 1).
+
+    Weights are states; a process's next forward after one at state A runs at A's successor
+    B - unless B was seen before A (a rollback to a commit: B is old). Successors form a tree
+    from the first state; the committed steps are its path to the state of the latest
+    forward. A step's rows: the forwards at its state whose process next trained from the
+    path's next state (or from nothing more: the run ended, or that process died), never
+    those continued on an abandoned branch. If a rollback failed to restore the weights, the
+    abandoned steps stay on the path and their samples show up twice."""
+    forwards = audited_forwards(audit_dir)
+    first_seen: dict[str, float] = {}
+    for fws in forwards.values():
+        for fw in fws:
+            first_seen[fw.weights] = min(fw.time, first_seen.get(fw.weights, fw.time))
+    parent: dict[str, str] = {}
+    successor: dict[tuple[str, int], str | None] = {}  # (process, index) -> next state
+    for process, fws in forwards.items():
+        for i, fw in enumerate(fws):
+            nxt = fws[i + 1].weights if i + 1 < len(fws) else None
+            successor[process, i] = nxt
+            if nxt is not None and nxt != fw.weights and first_seen[nxt] > fw.time:
+                assert parent.setdefault(nxt, fw.weights) == fw.weights, \
+                    f"state {nxt} reached from two states"
+    last = max((fw for fws in forwards.values() for fw in fws), key=lambda fw: fw.time)
+    path = [last.weights]
+    while path[-1] in parent:
+        path.append(parent[path[-1]])
+    path.reverse()
+    following = dict(zip(path, [*path[1:], None], strict=True))
+    steps = {state: [] for state in path}
+    for process, fws in forwards.items():
+        for i, fw in enumerate(fws):
+            if fw.weights in steps and successor[process, i] in (following[fw.weights], None):
+                steps[fw.weights].extend(fw.rows)
+    return [Step(state, steps[state]) for state in path]
+
+
+def first_weights(audit_dir: Path, digest: str) -> list[np.ndarray]:
+    """The weights a process saw at its first forward, saved under their digest."""
+    with np.load(Path(audit_dir) / f"weights-{digest}.npz") as z:
+        return [z[f"arr_{i}"] for i in range(len(z.files))]
 
 
 def toy_row_ids(n: int = 480) -> dict[str, int]:
@@ -474,7 +632,114 @@ def toy_row_ids(n: int = 480) -> dict[str, int]:
     return {row_hash(r): i for i, r in enumerate(x)}
 
 
-def row_hash(row: np.ndarray) -> str:
-    """A model input row's identity in the audit: a hash of its float32 bytes."""
-    return hashlib.blake2b(np.ascontiguousarray(row, np.float32).tobytes(),
-                           digest_size=8).hexdigest()
+@dataclass
+class Replay:
+    """The result of retraining audited steps in one process."""
+
+    losses: list[float]  # each step's loss before its update
+    weights: list[np.ndarray]  # the framework's parameter order and layout
+    optimizer: list[np.ndarray]  # SGD momentum, one per weight
+
+
+def replay(framework: str, initial: list[np.ndarray], batches: list[tuple[np.ndarray,
+           np.ndarray]], lrs: list[float], momentum: float,
+           drop_optimizer_state_at: int | None = None) -> Replay:
+    """Plain SGD with momentum (the framework's own optimizer: torch's and Keras' momentum
+    differ when the lr changes) on the toy MLP (one hidden ReLU layer), one step per batch
+    on the batch's mean cross entropy, from `initial`. `drop_optimizer_state_at`: start the
+    optimizer afresh before that step (what a resume that lost the momentum would do)."""
+    if framework == "torch":
+        return _replay_torch(initial, batches, lrs, momentum, drop_optimizer_state_at)
+    return _replay_keras(initial, batches, lrs, momentum, drop_optimizer_state_at)
+
+
+def _replay_torch(initial, batches, lrs, momentum, drop_at) -> Replay:
+    import torch
+    import torch.nn.functional as F
+
+    w1, b1, w2, b2 = (torch.tensor(a) for a in initial)
+    net = torch.nn.Sequential(torch.nn.Linear(w1.shape[1], w1.shape[0]), torch.nn.ReLU(),
+                              torch.nn.Linear(w2.shape[1], w2.shape[0]))
+    with torch.no_grad():
+        for p, value in zip(net.parameters(), (w1, b1, w2, b2), strict=True):
+            p.copy_(value)
+    losses = []
+    opt = None
+    for i, ((x, y), lr) in enumerate(zip(batches, lrs, strict=True)):
+        if opt is None or i == drop_at:
+            opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss = F.cross_entropy(net(torch.tensor(x)), torch.tensor(y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return Replay(losses, [p.detach().numpy().copy() for p in net.parameters()],
+                  [opt.state[p]["momentum_buffer"].numpy().copy() for p in net.parameters()])
+
+
+def _replay_keras(initial, batches, lrs, momentum, drop_at) -> Replay:
+    import keras
+    import tensorflow as tf
+
+    k1, _, k2, _ = initial
+    net = keras.Sequential([keras.Input((k1.shape[0],)),
+                            keras.layers.Dense(k1.shape[1], activation="relu"),
+                            keras.layers.Dense(k2.shape[1])])
+    net.set_weights(initial)
+    losses = []
+    opt = None
+    for i, ((x, y), lr) in enumerate(zip(batches, lrs, strict=True)):
+        if opt is None or i == drop_at:
+            opt = keras.optimizers.SGD(momentum=momentum)
+            opt.build(net.trainable_variables)
+        opt.learning_rate.assign(lr)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                y, net(x, training=True), from_logits=True))
+        opt.apply(tape.gradient(loss, net.trainable_variables), net.trainable_variables)
+        losses.append(float(loss))
+    return Replay(losses, [w.numpy().copy() for w in net.trainable_weights],
+                  [m.numpy().copy() for m in opt.momentums])
+
+
+def checkpoint_arrays(framework: str,
+                      ckpt: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """A checkpoint's model weights and SGD momentum, in the framework's parameter order."""
+    if framework == "torch":
+        import torch
+
+        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+        optimizer = state["optimizer"]["state"]
+        return ([v.numpy() for v in state["model"].values()],
+                [optimizer[i]["momentum_buffer"].numpy() for i in sorted(optimizer)])
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(str(ckpt / "tf_checkpoint"))
+
+    def listed(group: str) -> list[np.ndarray]:  # model.variables / optimizer.variables order
+        keys = [k for k in reader.get_variable_to_shape_map()
+                if k.startswith(f"{group}/") and k.endswith("/.ATTRIBUTES/VARIABLE_VALUE")]
+        arrays = [reader.get_tensor(k) for k in sorted(keys, key=lambda k: int(k.split("/")[1]))]
+        # floats with a shape: weights, momentum (not seed states, iterations, the lr)
+        return [a for a in arrays if a.ndim and np.issubdtype(a.dtype, np.floating)]
+
+    return listed("model"), listed("optimizer")
+
+
+def max_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    assert [x.shape for x in a] == [y.shape for y in b], ([x.shape for x in a],
+                                                          [y.shape for y in b])
+    return max(float(np.max(np.abs(x.astype(np.float64) - y))) for x, y in zip(a, b,
+                                                                             strict=True))
+
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["steps"])
+    parser.add_argument("--framework", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    steps_main(args.framework, args.out)
