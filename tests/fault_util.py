@@ -46,6 +46,11 @@ def ringfeed_forked(argv: list[str], log: Path, timeout: float = 120,
     """`ringfeed ARGV` in a forked child of this process: stdout and stderr go to `log`.
     The parent must not have initialised Horovod (each child does, as a size-1 job)."""
     preload_torch_trainer()
+    for name in ("horovod.torch", "horovod.tensorflow"):  # a fork would wait on its threads
+        hvd = sys.modules.get(name)
+        if hvd is not None and hvd.is_initialized():
+            raise AssertionError(f"{name} was initialised in this test process (an in-process "
+                                 "`ringfeed train` in an earlier test?): forked children hang")
     pid = os.fork()
     if pid == 0:  # the child: never returns
         code = 70

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ringfeed
 from pipeline_util import collect, http_server, valid_ids
 from shards_util import cli, manifest
 
@@ -143,8 +144,11 @@ def test_loader_worker_processes_share_the_copies(mixed, tmp_path):
 
     cache = tmp_path / "cache"
     loader = make_loader(pipe(mixed, cache, num_workers=2))
-    ids = [int(g) for b in loader for g, v in zip(b["__index__"], b["__valid__"], strict=True)
-           if v]
+    try:
+        ids = [int(g) for b in loader for g, v in zip(b["__index__"], b["__valid__"],
+                                                       strict=True) if v]
+    finally:  # its worker processes and threads must not outlive the test: later tests fork
+        loader.close()
     assert sorted(ids) == list(range(TOTAL))
     assert len(plain_copies(cache)) == 4 and not list(cache.glob(".*.tmp"))
 
@@ -423,17 +427,19 @@ def train_config(tmp_path: Path, shards: Path, name: str, **data) -> Path:
     return cfg
 
 
-@pytest.mark.integration
-def test_train_on_mixed_shards_and_a_malformed_one(mixed, tmp_path, capsys):
-    code, _, err = cli(capsys, "train", train_config(tmp_path, mixed, "mixed"))
-    assert code == 0, err
+@pytest.mark.system  # `ringfeed train` in its own process: Horovod must not start in this one
+def test_train_on_mixed_shards_and_a_malformed_one(mixed, tmp_path):
+    res = ringfeed("train", str(train_config(tmp_path, mixed, "mixed")), timeout=180)
+    assert res.returncode == 0, res.output[-3000:]
     done = json.loads((tmp_path / "mixed" / "summary.json").read_text())
     assert done["step"] == 4
 
     victim = mixed / "train-0001.tgz"
     victim.write_bytes(malformed(victim.read_bytes(), "cut"))
-    code, _, err = cli(capsys, "train", train_config(tmp_path, mixed, "cut", on_error="fail",
-                                                     cache_dir=str(tmp_path / "cut-cache")))
+    res = ringfeed("train", str(train_config(tmp_path, mixed, "cut", on_error="fail",
+                                             cache_dir=str(tmp_path / "cut-cache"))),
+                   timeout=180)
+    code, err = res.returncode, res.stderr
     line = [x for x in err.splitlines() if x.startswith("ringfeed: error:")]
     assert code == 2 and "Traceback" not in err, err
     assert len(line) == 1 and str(victim) in line[0] and MALFORMED["cut"] in line[0]
