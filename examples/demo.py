@@ -99,8 +99,18 @@ def rel(path: Path) -> str:
 
 def where(run_dir: Path) -> str:
     rel_dir = rel(run_dir)
+    traces = f", profile {rel_dir}/profile/" if (run_dir / "profile").is_dir() else ""
     return (f"checkpoints {rel_dir}/checkpoints/, TensorBoard {rel_dir}/tensorboard/, "
-            f"metrics {rel_dir}/metrics.jsonl")
+            f"metrics {rel_dir}/metrics.jsonl{traces}")
+
+
+def compute(summary: dict) -> str:
+    """FLOPs per sample and the FLOP/s achieved (summary.json's throughput)."""
+    t = summary.get("throughput") or {}
+    if not t.get("flops_per_sample"):
+        return "FLOPs not counted"
+    return (f"{t['flops_per_sample'] / 1e6:.2f} MFLOP/sample, "
+            f"{t['achieved_tflops'] * 1e3:.2f} GFLOP/s")
 
 
 def digits_demo(out: Path, ranks: int, frameworks: list[str]) -> int:
@@ -127,7 +137,7 @@ def digits_demo(out: Path, ranks: int, frameworks: list[str]) -> int:
               f"{summary['samples_per_s']:.0f} samples/s  data wait "
               f"{100 * summary['data_wait_share']:.1f}% of step time  "
               f"{summary['step']} steps, {seconds:.0f}s wall")
-        print(f"             {where(run_dir)}")
+        print(f"             {compute(summary)}; {where(run_dir)}")
     print(f"  view the curves: {BIN / 'tensorboard'} --logdir {rel(out / 'runs')}")
     return 0 if ok else 1
 
