@@ -102,10 +102,6 @@ class Mixture:
         if (self.per_epoch > 0).any() and (sizes[self.per_epoch > 0] == 0).any():
             raise PipelineError("a source of the mixture has no samples")
 
-    @property
-    def num_sources(self) -> int:
-        return len(self.layouts)
-
     def source_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Global ids -> (source index, id within the source)."""
         ids = np.asarray(ids, dtype=np.int64)
