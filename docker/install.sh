@@ -95,7 +95,9 @@ if [ "$gpu" = NCCL ]; then
   gpu="nccl-cc$cc"
   say "GPU build: $(printf '%s ' "${gpu_env[@]}")"
 fi
-hvd_key="horovod${HOROVOD_VERSION}-torch${torch_v}-tf${tf_v}-py${pyver}-${mpi}-${gpu}"
+# (a change to patch_horovod.py is a different build)
+patches="$(cksum <"$HERE/patch_horovod.py" | cut -c1-8)"
+hvd_key="horovod${HOROVOD_VERSION}-torch${torch_v}-tf${tf_v}-py${pyver}-${mpi}-${gpu}-p${patches}"
 
 # Horovod's sdist, kept: the wheel is built from it, the patch tests read it, and a GPU machine
 # without network gets it from here (make gpu-kit).

@@ -9,6 +9,9 @@ harmless where it is not needed).
    gloo_iface_), so multi-host Gloo runs fail wherever a hostname resolves to a loopback address.
 4. GCC 13+ no longer pulls <string> and <stdexcept> in through other standard headers:
    group_table.h uses std::string and common.h std::logic_error without including them.
+5. horovodrun asks a framework extension whether Horovod was built with Gloo/MPI, importing it in
+   a forked process on every launch, TensorFlow first: 4-7 s of CPU per launch on a 2-core box.
+   Every extension of one build gives the same answer, so torch (1.5-3 s) is asked first.
 
 Each edit must match exactly once; anything else means a different Horovod source and the
 script exits non-zero rather than building something half-patched.
@@ -49,6 +52,11 @@ EDITS: list[tuple[str, str, str]] = [
         "horovod/common/common.h",
         "#include <memory>\n#include <string>\n",
         "#include <memory>\n#include <stdexcept>  // ringfeed: GCC 13\n#include <string>\n",
+    ),
+    (
+        "horovod/common/util.py",
+        "EXTENSIONS = ['tensorflow', 'torch', 'mxnet']\n",
+        "EXTENSIONS = ['torch', 'tensorflow', 'mxnet']  # ringfeed: the cheaper import first\n",
     ),
 ]
 
