@@ -22,6 +22,7 @@ from fault_util import assert_same_torch_state, read_jsonl, ringfeed_forked, tor
 from helpers import BIN, REPO, horovodrun, ringfeed, run, test_env
 from train_util import (
     AUDIT_ENV,
+    AUDIT_PACE_ENV,
     audited_rows,
     checkpoint_arrays,
     committed_steps,
@@ -135,9 +136,9 @@ def test_restarts_at_other_world_sizes_continue_the_run_exactly(tmp_path, shards
             argv += ["--resume", "auto"]
         left = total - sum(launches[i][0] * b * (stops[i + 1] - stops[i]) for i in range(n))
         planned.append(stops[-1] + left // (ranks * b))
-        if n < len(launches) - 1:
+        if n < len(launches) - 1:  # paced: still running when the SIGTERM comes
             job = start([HOROVODRUN, "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo",
-                         *argv], env=env)
+                         *argv], env={**env, AUDIT_PACE_ENV: "0.1"})
             try:
                 assert wait_for_step(run_dir / "metrics.jsonl", stops[-1] + 6, job, timeout=300)
                 rank0 = rank_process(job, 0)

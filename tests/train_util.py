@@ -444,6 +444,9 @@ def steps_main(framework: str, out: Path) -> None:
 # rolled-back step is a forward whose weights were never built on) and replay() retrains them
 # in one process, with the framework's own optimizer, from the weights the first forward saw.
 AUDIT_ENV = "RINGFEED_TEST_AUDIT_DIR"
+# seconds each audited training forward sleeps: keeps a job that a test stops after step N from
+# finishing its few short steps first when the machine is loaded (sleeping costs no CPU)
+AUDIT_PACE_ENV = "RINGFEED_TEST_AUDIT_PACE_S"
 
 
 def row_hash(row: np.ndarray) -> str:
@@ -468,6 +471,7 @@ class ForwardLog:
         self.dir = Path(os.environ[AUDIT_ENV])
         self.path = self.dir / f"forwards-{os.getpid()}.jsonl"
         self.saved_first = False
+        self.pace = float(os.environ.get(AUDIT_PACE_ENV) or 0)
 
     def forward(self, rows: np.ndarray, weights: list[np.ndarray]) -> None:
         digest = weights_digest(weights)
@@ -480,6 +484,8 @@ class ForwardLog:
                            "rows": [row_hash(r) for r in rows]})
         with open(self.path, "a") as f:  # one write per forward: a SIGKILL tears at most it
             f.write(line + "\n")
+        if self.pace:
+            time.sleep(self.pace)
 
 
 def recording_mlp(spec, num_classes: int, hidden: list[int], framework: str = "torch"):
