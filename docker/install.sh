@@ -162,5 +162,8 @@ fi
 if [ "$tf_v" = none ]; then imports="import horovod.torch"; else imports="import horovod.torch, horovod.tensorflow"; fi
 "$PY" -c "$imports" >"$VENV/horovod-import.log" 2>&1 \
   || die "Horovod installed but does not import: $(tail -n1 "$VENV/horovod-import.log") (log: $VENV/horovod-import.log)"
+# horovodrun reads these instead of forking a framework import on every launch (fix 6)
+"$PY" "$HERE/patch_horovod.py" --record-probes >"$VENV/horovod-probes.log" 2>&1 \
+  || die "recording Horovod's build answers failed (log: $VENV/horovod-probes.log)"
 echo "$hvd_key" >"$VENV/.ringfeed-horovod"
 say "ready ($hvd_key)"

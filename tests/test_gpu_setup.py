@@ -5,6 +5,7 @@ install.sh's GPU path refusing a CPU torch with one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -78,6 +79,69 @@ def test_other_sources_are_refused_with_one_line(tmp_path, horovod_src):
     res = patch(other)
     assert res.returncode == 1
     assert res.stdout.strip().count("\n") == 0 and "not Horovod 0.28.1" in res.stdout
+
+
+# -- fix 6: horovodrun's build answers, recorded at install -----------------------------------
+@pytest.mark.system
+def test_recorded_build_answers_are_trusted_only_for_the_libraries_they_came_from(
+        tmp_path, horovod_src):
+    """The patched util.py's reader, on a fake package tree: answers come back while the
+    recorded libraries are exactly those on disk; a changed, added or missing one (or no
+    record) sends horovodrun back to its forked probe."""
+    import importlib.util
+
+    assert patch(horovod_src).returncode == 0
+    spec = importlib.util.spec_from_file_location(
+        "patched_util", horovod_src / "horovod" / "common" / "util.py")
+    util = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(util)
+    pkg = tmp_path / "horovod"
+    util.__file__ = str(pkg / "common" / "util.py")
+    lib = touch(pkg / "torch" / "mpi_lib_v2.so")
+    lib.write_bytes(b"v1")
+
+    def record() -> None:
+        st = lib.stat()
+        (pkg / "build_probes.json").write_text(json.dumps({"torch": {
+            "libs": {lib.name: [st.st_size, st.st_mtime_ns]},
+            "answers": {"built with Gloo": True, "built with NCCL": False}}}))
+
+    missing = util._NOT_RECORDED
+    assert util._recorded_probe("torch", "built with Gloo") is missing  # no record yet
+    record()
+    assert util._recorded_probe("torch", "built with Gloo") is True
+    assert util._recorded_probe("torch", "built with NCCL") is False
+    assert util._recorded_probe("torch", "running with GPU") is missing  # never recorded
+    assert util._recorded_probe("tensorflow", "built with Gloo") is missing
+    touch(pkg / "torch" / "mpi_lib_extra.so")  # a library the record never saw
+    assert util._recorded_probe("torch", "built with Gloo") is missing
+    (pkg / "torch" / "mpi_lib_extra.so").unlink()
+    lib.write_bytes(b"v2, rebuilt")
+    assert util._recorded_probe("torch", "built with Gloo") is missing
+    record()
+    assert util._recorded_probe("torch", "built with Gloo") is True
+
+
+@pytest.mark.system
+def test_horovodrun_reads_the_recorded_answers_instead_of_importing_torch(tmp_path):
+    """With `import torch` made to fail, horovodrun's own forked probe finds no PyTorch (shown
+    first); `horovodrun --check-build` still lists PyTorch and Gloo: it read the answers
+    make setup recorded, and forked no framework import for them."""
+    import horovod
+    from helpers import BIN, run, test_env
+
+    recorded = json.loads((Path(horovod.__file__).parent / "build_probes.json").read_text())
+    assert recorded["torch"]["answers"]["built with Gloo"] is True
+    (tmp_path / "torch.py").write_text("raise ImportError('no torch in this test')\n")
+    env = test_env(PYTHONPATH=str(tmp_path))
+    forked = run([sys.executable, "-c",
+                  "from horovod.common import util\n"
+                  "util._recorded_probe = lambda *a: util._NOT_RECORDED\n"
+                  "print(util.extension_available('torch'))"], timeout=60, env=env)
+    assert forked.stdout.strip() == "False", forked.output
+    r = run([BIN / "horovodrun", "--check-build"], timeout=60, env=env)
+    assert r.returncode == 0, r.output
+    assert "[X] PyTorch" in r.stdout and "[X] Gloo" in r.stdout, r.stdout
 
 
 # -- CUDA / NCCL discovery --------------------------------------------------------------------
