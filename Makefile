@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2 # make test: pytest-xdist workers (each file on one; tests/conftest.py groups them)
 IMAGE_CHECK_ARGS ?=   # make image-check: any of cpu gpu-recipe apptainer-recipe (default: all)
 
 .PHONY: setup test test-fast demo demo-lm lint bench gpu-kit gpu-check image-check clean
@@ -10,8 +11,8 @@ IMAGE_CHECK_ARGS ?=   # make image-check: any of cpu gpu-recipe apptainer-recipe
 setup:            ## create .venv, install the pinned stack, build/cache Horovod (idempotent)
 	@PYTHON=$(PYTHON) bash docker/install.sh $(VENV)
 
-test: setup       ## the whole suite (what CI runs)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+test: setup       ## the whole suite (what CI runs), on TEST_WORKERS workers
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: setup  ## the unit tier (no subprocess, no server): what to run while editing
 	$(BIN)/python -m pytest -q -m "not integration and not system" $(PYTEST_ARGS)

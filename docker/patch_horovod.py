@@ -18,6 +18,10 @@ harmless where it is not needed).
    them instead of forking an import, as long as the extension libraries they were taken from are
    unchanged (same files, sizes and mtimes); anything else, and it probes as before. Runtime
    questions (is a GPU there?) are never recorded.
+7. A torch rank waiting for a collective (WaitAndClear, at every synchronize) spun on
+   sched_yield, so a rank that got ahead kept its core busy while the rank it waited for needed
+   it: on a shared or oversubscribed CPU node (more ranks than cores, or other jobs) that is
+   CPU taken from the work. It now spins for 100 us, then sleeps 50 us between polls.
 
 Each edit must match exactly once; anything else means a different Horovod source and the
 script exits non-zero rather than building something half-patched.
@@ -99,6 +103,32 @@ EDITS: list[tuple[str, str, str]] = [
     ),
     ("horovod/common/util.py", "import json\nimport multiprocessing\n",
      "import glob  # ringfeed fix 6\nimport json\nimport multiprocessing\n"),
+    (
+        "horovod/torch/mpi_ops_v2.cc",
+        "void WaitAndClear(int handle) {\n"
+        "  while (true) {\n"
+        "    if (handle_manager.PollHandle(handle)) break;\n"
+        "    {\n"
+        "      py::gil_scoped_release release_python_gil;\n"
+        "      std::this_thread::yield();\n"
+        "    }\n"
+        "  }\n",
+        "void WaitAndClear(int handle) {\n"
+        "  // ringfeed fix 7: spin briefly, then sleep between polls, so that a rank waiting for\n"
+        "  // a slower one leaves it the core\n"
+        "  auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);\n"
+        "  while (true) {\n"
+        "    if (handle_manager.PollHandle(handle)) break;\n"
+        "    {\n"
+        "      py::gil_scoped_release release_python_gil;\n"
+        "      if (std::chrono::steady_clock::now() < spin_until) {\n"
+        "        std::this_thread::yield();\n"
+        "      } else {\n"
+        "        std::this_thread::sleep_for(std::chrono::microseconds(50));\n"
+        "      }\n"
+        "    }\n"
+        "  }\n",
+    ),
 ]
 
 # The build questions horovodrun asks an extension (util.py's fn_desc -> the call), fix 6.

@@ -34,3 +34,41 @@ def _only_system_tests_start_processes(request: pytest.FixtureRequest,
                            "(tests/conftest.py: test tiers)")
 
     monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+
+
+# -- two workers (`make test` runs `pytest -n 2 --no-loadscope-reorder`) -----------------------
+# Each file runs on one worker, so its module fixtures (shards, reference runs) are built once.
+# The files that make network namespaces or a Slurm cluster share one group: they run one after
+# the other, never beside each other. Groups start slowest first (seconds measured serially on
+# the 2-core box, 2026-11-25), so the last to finish is a short one; the netns group mostly
+# waits on Slurm's 30 s time-limit checks, which the other worker fills with CPU work.
+NETNS_GROUP = {"test_slurm.py": "netns", "test_multinode.py": "netns", "test_bench.py": "netns"}
+SLOWEST_FIRST = ["netns", "test_promises.py", "test_tune.py", "test_tabular_train.py",
+                 "test_fault.py", "test_local_sgd.py", "test_fault_elastic.py",
+                 "test_throughput.py", "test_train.py", "test_train_equivalence.py"]
+
+
+def test_group(nodeid: str) -> str:
+    file = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    return NETNS_GROUP.get(file, file)
+
+
+test_group.__test__ = False  # a helper, not a test
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist's scheduler of whole scopes, with our groups as the scopes (its own `loadgroup`
+    does not group under pytest 9.2, which ignores the node ids it rewrites)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(nodeid)
+
+    return FileGroups(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(test_group(item.nodeid), len(rank)))  # stable sort

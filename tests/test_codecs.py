@@ -69,6 +69,9 @@ def no_pil_for_jpeg(monkeypatch):
     """Fail if PIL decodes a JPEG: proves the simplejpeg path was taken."""
     if codecs.simplejpeg is None:
         pytest.skip("simplejpeg is not installed")
+    # The one-time check that simplejpeg gives PIL's pixels decodes its probes with PIL: run
+    # it before the guard (a test that comes first in its process would fail it otherwise).
+    assert codecs._simplejpeg_usable(), codecs._probe
     real = codecs.decode_pil
 
     def guarded(data, image_size=None, **kw):

@@ -144,6 +144,40 @@ def test_horovodrun_reads_the_recorded_answers_instead_of_importing_torch(tmp_pa
     assert "[X] PyTorch" in r.stdout and "[X] Gloo" in r.stdout, r.stdout
 
 
+WAITING_RANK = """
+import time
+import torch
+import horovod.torch as hvd
+hvd.init()
+if hvd.rank() == 0:
+    time.sleep(3)  # rank 1 waits for this rank in the allreduce below
+wall, cpu = time.monotonic(), time.thread_time()  # the waiting thread's own CPU
+hvd.allreduce(torch.ones(4), name="x")
+print(f"rank {hvd.rank()} waited {time.monotonic() - wall:.2f} s, "
+      f"cpu {time.thread_time() - cpu:.2f} s", flush=True)
+"""
+
+
+@pytest.mark.system
+def test_a_rank_waiting_in_a_collective_leaves_its_core(tmp_path):
+    """Fix 7: rank 1 waits ~3 s in an allreduce for rank 0; it sleeps between polls instead of
+    spinning, so the waiting thread uses a small share of that time in CPU (spinning: about
+    all of it, or half a core on a loaded machine). Horovod's own background thread, which
+    negotiates every cycle, is not counted."""
+    import re
+
+    from helpers import horovodrun
+
+    script = tmp_path / "wait.py"
+    script.write_text(WAITING_RANK)
+    r = horovodrun(2, [sys.executable, script], timeout=120)
+    assert r.returncode == 0, r.output[-3000:]
+    waited, cpu = map(float, re.search(r"rank 1 waited ([\d.]+) s, cpu ([\d.]+) s",
+                                       r.stdout).groups())
+    assert waited > 2.0, r.stdout  # it did wait
+    assert cpu < 0.25 * waited, r.stdout
+
+
 # -- CUDA / NCCL discovery --------------------------------------------------------------------
 def touch(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
