@@ -162,6 +162,13 @@ def _answers(ext_name: str, queue) -> None:
     queue.put(answers)
 
 
+def library_stats(pkg: str, ext: str) -> dict[str, list[int]]:
+    """{file name: [size, mtime_ns]} of an extension's libraries, as recorded; the patched
+    util.py's _recorded_probe computes the same to decide whether a record still holds."""
+    libs = sorted(glob.glob(os.path.join(pkg, ext, "mpi_lib*")))
+    return {os.path.basename(p): [os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in libs}
+
+
 def record_probes() -> int:
     """Ask each installed extension horovodrun's build questions, in a forked child as horovodrun
     does, and write the answers next to Horovod, atomically."""
@@ -175,7 +182,7 @@ def record_probes() -> int:
         os.remove(out)  # never record from a recording
     record = {}
     for ext in PROBED_EXTENSIONS:
-        libs = sorted(glob.glob(os.path.join(pkg, ext, "mpi_lib*")))
+        libs = library_stats(pkg, ext)
         if not libs:
             continue  # not built: horovodrun's own probe says so, cheaply
         ctx = multiprocessing.get_context("fork")
@@ -184,10 +191,7 @@ def record_probes() -> int:
         child.start()
         answers = queue.get(timeout=300)
         child.join()
-        record[ext] = {
-            "libs": {os.path.basename(p): [os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in libs},
-            "answers": answers,
-        }
+        record[ext] = {"libs": libs, "answers": answers}
     with open(out + ".tmp", "w") as f:
         json.dump(record, f, indent=1)
     os.replace(out + ".tmp", out)

@@ -48,12 +48,9 @@ SLOWEST_FIRST = ["netns", "test_promises.py", "test_tune.py", "test_tabular_trai
                  "test_throughput.py", "test_train.py", "test_train_equivalence.py"]
 
 
-def test_group(nodeid: str) -> str:
+def file_group(nodeid: str) -> str:
     file = nodeid.split("::")[0].rsplit("/", 1)[-1]
     return NETNS_GROUP.get(file, file)
-
-
-test_group.__test__ = False  # a helper, not a test
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -64,11 +61,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     class FileGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return test_group(nodeid)
+            return file_group(nodeid)
 
     return FileGroups(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(test_group(item.nodeid), len(rank)))  # stable sort
+    items.sort(key=lambda item: rank.get(file_group(item.nodeid), len(rank)))  # stable sort

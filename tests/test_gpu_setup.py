@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,11 +15,12 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import BIN, REPO, horovodrun, run, test_env
 
 sys.path.insert(0, str(REPO / "docker"))
 import gpu_build  # noqa: E402
 from gpu_build import Missing, build_env, compute_capabilities, find_cuda, find_nccl  # noqa: E402
+from patch_horovod import library_stats  # noqa: E402
 
 CACHE = Path(os.environ.get("RINGFEED_CACHE", Path.home() / ".cache" / "ringfeed"))
 SDIST = CACHE / "src" / "horovod-0.28.1.tar.gz"
@@ -100,10 +102,9 @@ def test_recorded_build_answers_are_trusted_only_for_the_libraries_they_came_fro
     lib = touch(pkg / "torch" / "mpi_lib_v2.so")
     lib.write_bytes(b"v1")
 
-    def record() -> None:
-        st = lib.stat()
+    def record() -> None:  # in record_probes' format, with its own library stats
         (pkg / "build_probes.json").write_text(json.dumps({"torch": {
-            "libs": {lib.name: [st.st_size, st.st_mtime_ns]},
+            "libs": library_stats(str(pkg), "torch"),
             "answers": {"built with Gloo": True, "built with NCCL": False}}}))
 
     missing = util._NOT_RECORDED
@@ -128,7 +129,6 @@ def test_horovodrun_reads_the_recorded_answers_instead_of_importing_torch(tmp_pa
     first); `horovodrun --check-build` still lists PyTorch and Gloo: it read the answers
     make setup recorded, and forked no framework import for them."""
     import horovod
-    from helpers import BIN, run, test_env
 
     recorded = json.loads((Path(horovod.__file__).parent / "build_probes.json").read_text())
     assert recorded["torch"]["answers"]["built with Gloo"] is True
@@ -164,10 +164,6 @@ def test_a_rank_waiting_in_a_collective_leaves_its_core(tmp_path):
     spinning, so the waiting thread uses a small share of that time in CPU (spinning: about
     all of it, or half a core on a loaded machine). Horovod's own background thread, which
     negotiates every cycle, is not counted."""
-    import re
-
-    from helpers import horovodrun
-
     script = tmp_path / "wait.py"
     script.write_text(WAITING_RANK)
     r = horovodrun(2, [sys.executable, script], timeout=120)
