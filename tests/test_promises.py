@@ -35,6 +35,7 @@ from train_util import (
     toy_arrays,
     toy_config,
     toy_row_ids,
+    wait_for_handler,
     wait_for_step,
     weights_digest,
     write_config,
@@ -358,7 +359,8 @@ def test_sigusr1_before_the_first_step_saves_at_the_first_step(tmp_path, shards)
                  train={"max_steps": 6, "epochs": None, "log_every": 1},
                  checkpoint={"every_steps": None})
     job = start([RINGFEED, "train", cfg], env=test_env())
-    time.sleep(1.0)  # still importing
+    # as soon as `ringfeed train` catches it (a tenth of a second in): it is still importing
+    assert wait_for_handler(job, signal.SIGUSR1, timeout=60)
     job.send_signal(signal.SIGUSR1)
     code, output = finish(job, timeout=240)
     assert code == 0, output[-3000:]

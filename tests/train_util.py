@@ -143,6 +143,20 @@ def rank_process(launcher: subprocess.Popen, rank: int):
     return None
 
 
+def wait_for_handler(proc: subprocess.Popen, sig: int, timeout: float) -> bool:
+    """True once the process catches `sig` (its bit in /proc's SigCgt mask): a signal sent
+    before then would meet the default action, whatever the product does later."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines()
+                          if line.startswith("SigCgt:")), 16)
+        if caught >> (sig - 1) & 1:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float) -> bool:
     """True once metrics.jsonl logs a training step >= `step` (False if the job ended)."""
     deadline = time.monotonic() + timeout

@@ -36,8 +36,6 @@ import threading
 from typing import Any
 
 from ringfeed.errors import UserError
-from ringfeed.train.tune.spec import load_search
-from ringfeed.train.tune.study import TuneInterrupted, open_study, say
 
 
 def register(subparsers) -> None:
@@ -58,6 +56,10 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # (imported here, not at the top: every `ringfeed` command builds this parser)
+    from ringfeed.train.tune.spec import load_search
+    from ringfeed.train.tune.study import TuneInterrupted, open_study, say
+
     search = load_search(args.search)
     study = open_study(search)
     from ringfeed.train.tune.report import report
