@@ -250,7 +250,7 @@ def count_tf_flops(model: Any, input_shape: tuple[int, ...], input_dtype: Any) -
         return loss, tape.gradient(loss, variables)
 
     try:
-        graph = tf.function(forward_backward).get_concrete_function(
+        graph = tf.function(forward_backward, autograph=False).get_concrete_function(
             tf.TensorSpec(input_shape, input_dtype)).graph
         total = tf_graph_flops(graph)
     except Exception as e:  # noqa: BLE001 - any model code may fail to trace
