@@ -111,7 +111,10 @@ def final_weights(run: Path, framework: str) -> dict[str, np.ndarray]:
 
 @pytest.mark.system
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+# torch only: reaching the goal is the algorithm's property; TensorFlow's local SGD step math is
+# proven in tests/test_train_equivalence.py and its runs end to end in the resume test above
+# (a TF demo run here cost ~95 CPU-s of the suite)
+@pytest.mark.parametrize("framework", ["torch"])
 def test_sync_every_4_trains_the_demo_to_its_accuracy_goal(tmp_path, digits, framework):
     out = tmp_path / "run"
     res = horovodrun(2, [RINGFEED, "train", DEMO_CONFIG, "--set", f"data.train={digits}",
