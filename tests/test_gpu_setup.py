@@ -182,6 +182,8 @@ hvd.init()
 hvd.allreduce(torch.ones(4), name="before")
 time.sleep(3)  # nothing to reduce: a rank loading data, validating or checkpointing
 hvd.allreduce(torch.ones(4), name="after")  # the waiting loop wakes for it
+time.sleep(1)  # the timeline's writer thread drops what it has not written at exit
+hvd.shutdown()
 """
 
 
@@ -206,6 +208,7 @@ def test_an_idle_rank_stops_negotiating_every_cycle(tmp_path):
     events = timeline_events(trace)
     tensor = {e["args"]["name"]: e["pid"] for e in events
               if e.get("name") == "process_name" and "name" in e.get("args", {})}
+    assert {"allreduce.before", "allreduce.after"} <= tensor.keys(), trace.read_text()[-2000:]
     before_end = max(e["ts"] for e in events
                      if "ts" in e and e.get("pid") == tensor["allreduce.before"])
     after_start = min(e["ts"] for e in events
