@@ -23,10 +23,11 @@ harmless where it is not needed).
    it: on a shared or oversubscribed CPU node (more ranks than cores, or other jobs) that is
    CPU taken from the work. It now spins for 100 us, then sleeps 50 us between polls.
 8. The background loop negotiated with the other ranks every cycle (1 ms) even with nothing to
-   reduce: an idle rank (loading data, validating, checkpointing, tracing) kept ~15-30% of a
+   reduce: an idle rank (loading data, validating, checkpointing, tracing) kept 10-20% of a
    core busy on Gloo messages. With no tensor waiting on this rank it now waits for one, up to
    20 ms, then negotiates; a tensor enqueued meanwhile ends the wait at once, and the cycle
-   grid resumes, so tensors enqueued together are still negotiated together.
+   grid resumes, so tensors enqueued together are still negotiated together. Its symbols are
+   hidden: a process may load both the torch and the TF extension, each linking this code.
 
 Each edit must match exactly once; anything else means a different Horovod source and the
 script exits non-zero rather than building something half-patched.

@@ -6,6 +6,7 @@ timeout expires, so a hung allreduce fails the test instead of hanging the suite
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -73,3 +74,9 @@ def ringfeed(*args: str, timeout: float = 120, **kw) -> Result:
 
 
 test_env.__test__ = False  # a helper, not a test (pytest collects test_* names it imports)
+
+
+def read_timeline(path: Path) -> list[dict]:
+    """Horovod's timeline (Chrome trace JSON), written as it goes: the array may be unclosed."""
+    text = path.read_text().strip().rstrip(",")
+    return json.loads(text if text.endswith("]") else text + "]")

@@ -15,7 +15,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from helpers import BIN, REPO, horovodrun, run, test_env
+from helpers import BIN, REPO, horovodrun, read_timeline, run, test_env
 
 sys.path.insert(0, str(REPO / "docker"))
 import gpu_build  # noqa: E402
@@ -187,12 +187,6 @@ hvd.shutdown()
 """
 
 
-def timeline_events(path: Path) -> list[dict]:
-    """Horovod's timeline (Chrome trace JSON); the array may be left unclosed at exit."""
-    text = path.read_text().strip().rstrip(",")
-    return json.loads(text if text.endswith("]") else text + "]")
-
-
 @pytest.mark.system
 def test_an_idle_rank_stops_negotiating_every_cycle(tmp_path):
     """Fix 8: with nothing to reduce for 3 s, the background loop negotiates about every 20 ms
@@ -205,7 +199,7 @@ def test_an_idle_rank_stops_negotiating_every_cycle(tmp_path):
     r = horovodrun(2, [sys.executable, script], timeout=120,
                    env=test_env(HOROVOD_TIMELINE=str(trace), HOROVOD_TIMELINE_MARK_CYCLES="1"))
     assert r.returncode == 0, r.output[-3000:]
-    events = timeline_events(trace)
+    events = read_timeline(trace)
     tensor = {e["args"]["name"]: e["pid"] for e in events
               if e.get("name") == "process_name" and "name" in e.get("args", {})}
     assert {"allreduce.before", "allreduce.after"} <= tensor.keys(), trace.read_text()[-2000:]

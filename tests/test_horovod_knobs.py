@@ -6,12 +6,11 @@ values it ran each sample with). Bad values are one line naming the field."""
 from __future__ import annotations
 
 import csv
-import json
 import shutil
 from pathlib import Path
 
 import pytest
-from helpers import BIN, horovodrun, run
+from helpers import BIN, horovodrun, read_timeline, run
 from train_util import toy_config, write_config, write_toy_shards
 
 from ringfeed.errors import UserError
@@ -42,8 +41,7 @@ def config(tmp_path: Path, shards: Path, horovod: dict, steps: int = 30, **overr
 
 def timeline_events(path: Path) -> tuple[set[str], set[str]]:
     """(activity names such as ALLREDUCE or MEMCPY_IN_FUSION_BUFFER, tensor names)."""
-    text = path.read_text().rstrip().rstrip(",")
-    events = json.loads(text if text.endswith("]") else text + "]")  # (written as it goes)
+    events = read_timeline(path)
     activities = {e["name"] for e in events if e.get("ph") in ("B", "X") and "name" in e}
     tensors = {e["args"]["name"] for e in events
                if e.get("name") == "process_name" and "name" in e.get("args", {})}
