@@ -75,21 +75,25 @@ def test_torch_and_tf_yield_the_same_samples_in_the_same_order(shard_dir, worker
     assert tf_pipe.state_dict() == reference.state_dict()
 
 
+@pytest.mark.parametrize("adapter", ["make_dataset", "TensorLoader"])
 @pytest.mark.system
-def test_tf_counts_batches_the_caller_pulled_and_resumes(shard_dir):
-    from ringfeed.pipeline.tf import make_dataset
+def test_tf_counts_batches_the_caller_pulled_and_resumes(shard_dir, adapter):
+    """Both TF adapters: the tf.data.Dataset (counted in a map after its prefetch) and the
+    trainer's TensorLoader (counted in Python as the loop takes a batch)."""
+    from ringfeed.pipeline import tf as tf_adapter
 
+    make_batches = getattr(tf_adapter, adapter)
     expected = collect(make(shard_dir, num_workers=2))
     pipe = make(shard_dir, num_workers=2)
     head = []
-    for batch in make_dataset(pipe):
+    for batch in make_batches(pipe):
         head.append({k: v.numpy() for k, v in batch.items()})
         assert pipe.state_dict()["segments"][0]["batches_consumed"] == len(head)
         if len(head) == 2:
             break
     again = make(shard_dir, num_workers=2)
     again.load_state_dict(json.loads(json.dumps(pipe.state_dict())))
-    assert collect(head) + collect(tf_batches(make_dataset(again))) == expected
+    assert collect(head) + collect(tf_batches(make_batches(again))) == expected
 
 
 def test_torch_persistent_workers_follow_epochs(shard_dir):

@@ -141,9 +141,9 @@ class TFBackend(StepCounting):
         keras.utils.set_random_seed(t.seed * 1000 + self.dist.rank + 1)  # per-rank stream
 
     def loader(self, pipe):
-        from ringfeed.pipeline.tf import make_dataset
+        from ringfeed.pipeline.tf import TensorLoader
 
-        return make_dataset(pipe)
+        return TensorLoader(pipe)
 
     # -- steps --------------------------------------------------------------------------------
     def _prepare(self, batch: dict[str, Any]) -> tuple[tf.Tensor, tf.Tensor, Any]:
