@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import BIN, horovodrun, run  # noqa: E402
+from helpers import BIN, horovodrun, run, test_env  # noqa: E402
 from train_util import toy_config, write_config, write_toy_shards  # noqa: E402
 
 from ringfeed.train.throughput import (  # noqa: E402
@@ -388,9 +389,13 @@ def test_run_without_peak_or_profile_has_flops_and_no_mfu(tmp_path: Path, shards
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "run.yaml", **toy_config(shards, out, "torch",
                                                          train={"max_steps": 6}))
-    res = horovodrun(2, [RINGFEED, "train", cfg], timeout=300)
+    env = test_env()
+    del env["OMP_NUM_THREADS"]  # (also: each of the 2 ranks takes its share of the cores)
+    res = horovodrun(2, [RINGFEED, "train", cfg], timeout=300, env=env)
     assert res.returncode == 0, res.output[-4000:]
-    t = json.loads((out / "summary.json").read_text())["throughput"]
+    done = json.loads((out / "summary.json").read_text())
+    assert done["cpu_threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
+    t = done["throughput"]
     assert t["flops_per_sample"] == 800 and t["achieved_tflops"] > 0
     assert t["mfu"] is None and "CPU" in t["peak_source"]
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]

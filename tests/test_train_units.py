@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
 
@@ -303,3 +304,18 @@ def test_the_data_section_is_the_pipelines_config(tmp_path, shards):
         assert key not in yaml.safe_load(template())["data"]
     with pytest.raises(UserError, match=r"data.retriez: unknown key \(did you mean 'retries'\?\)"):
         load_config(cfg_file, ["data.retriez=1"])
+
+
+def test_cpu_threads_split_the_hosts_cores_between_its_ranks(monkeypatch):
+    from ringfeed.train.backend import cpu_threads_per_rank
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert cpu_threads_per_rank(4) == 4 and cpu_threads_per_rank(32) == 1
+    assert cpu_threads_per_rank(1) is None  # one rank: torch's default, every core
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert cpu_threads_per_rank(4) is None  # bound by its launcher: torch follows the binding
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert cpu_threads_per_rank(4) is None  # the user's choice

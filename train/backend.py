@@ -11,6 +11,7 @@ plain Python numbers. `Backend` is the union of one small protocol per concern: 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,7 @@ class StepBackend(Protocol):
 
     name: str
     dist: Dist
+    cpu_threads: int | None  # the intra-op threads it computes with (None: the framework's own)
 
     def build(self, spec: DataSpec) -> None:
         """Create model, optimizer, loss scaler; make all ranks start from rank 0's weights."""
@@ -244,6 +246,21 @@ def start_horovod(hvd: Any, cfg: Any) -> Dist:
     hvd.init()
     check_controller(cfg.horovod, hvd.mpi_enabled(), hvd.gloo_enabled())
     return Dist(hvd.rank(), hvd.size(), hvd.local_rank())
+
+
+def cpu_threads_per_rank(local_size: int) -> int | None:
+    """The intra-op threads one of `local_size` ranks on this host should use: its usable cores
+    split between them, as torchrun sets OMP_NUM_THREADS for several processes per node.
+    torch's default (every core, per rank) oversubscribes them, and its OpenMP threads spin:
+    the demo's 2 torch ranks on the 2-core box took 53 s without OMP_NUM_THREADS and 12.5 s
+    with 1 thread each. None: leave torch's default (the user set OMP_NUM_THREADS, one rank
+    per host, or the launcher bound this rank to fewer cores than the host has)."""
+    if "OMP_NUM_THREADS" in os.environ or local_size <= 1:
+        return None
+    usable = len(os.sched_getaffinity(0))
+    if usable < (os.cpu_count() or usable):  # bound by mpirun/srun: torch follows the binding
+        return None
+    return max(1, usable // local_size)
 
 
 def gpu_for_rank(rank: int, views: list[GpuView], share: bool) -> int | None:

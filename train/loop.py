@@ -545,6 +545,7 @@ class Trainer:
             "val": self.last_val,
             "train_seconds": totals.step_s, "samples_per_s": totals.samples_per_s,
             "first_step_s": self.first_step_s,  # the warm-up: tracing, torch.compile
+            "cpu_threads": self.backend.cpu_threads,  # per rank (null: the framework's own)
             "data_wait_share": waits["wait"] / waits["step"] if waits["step"] else 0.0,
             "checkpoint": str(self.state.last_checkpoint) if self.state.last_checkpoint else None,
             "recovery": asdict(self.recovery), "recovery_text": self.recovery.describe(),

@@ -33,6 +33,7 @@ from ringfeed.train.backend import (
     StepCounting,
     StepResult,
     choose_gpu,
+    cpu_threads_per_rank,
     metric_sums,
     start_horovod,
 )
@@ -133,6 +134,10 @@ class TorchBackend(StepCounting):
     def __init__(self, cfg):
         self.dist = start_horovod(hvd, cfg)
         self.cfg = cfg
+        threads = cpu_threads_per_rank(hvd.local_size())
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.cpu_threads = torch.get_num_threads()
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         devices = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(count))
         gather = None if cfg.elastic.enabled else (
