@@ -14,10 +14,11 @@ the generator's second element (its own TensorSpec) up to that map, which counts
 Anything that buffers further ahead (Keras `fit` adds its own prefetch) makes the count run
 ahead by that buffer.
 
-`TensorLoader(pipe)` is the same prefetched dataset for a Python loop (ringfeed's trainer): it
-counts each batch in Python as the loop takes it, without the counting map: its
-`tf.py_function` raised the demo's median wait for a batch from 2.2-2.4 to 3.0 ms on the 2-core
-box (data wait 5.0-5.4% of the step instead of 6.0-7.0%).
+`TensorLoader(pipe)` is for a Python loop (ringfeed's trainer): the pipeline's own pass (read
+ahead in its threads) with each batch made tensors as the loop takes it, and counted then. It has
+no tf.data in between: on the 2-core box tf.data cost the demo's TF step 5.0-5.4% of data wait
+against 2.0-2.9% without it (a new tf.data iterator per pass took 20-90 ms to give its first
+batch; each later batch ~2.3 ms against ~1.2 ms), with identical training.
 """
 
 from __future__ import annotations
@@ -70,38 +71,36 @@ def _to_tf(batch: dict[str, Any], spec: dict[str, tf.TensorSpec]) -> dict[str, A
     return out
 
 
-def _tagged(pipe: ShardPipeline, prefetch: int | None) -> tf.data.Dataset:
-    """(batch, tag) pairs, prefetched, not yet counted as consumed."""
+def _require_cpu_decoding(pipe: ShardPipeline) -> None:
     if pipe.config.decode_device != "cpu":
         raise PipelineError("decode_device='cuda' decodes on the GPU in the torch adapter; "
-                            "tf.data needs decode_device='cpu'")
+                            "TensorFlow needs decode_device='cpu'")
+
+
+class TensorLoader:
+    """For a Python loop (ringfeed's trainer): every `iter()` is the pipeline's next pass as
+    dicts of tensors shaped as `make_dataset`'s, each batch counted as consumed when it is
+    handed out."""
+
+    def __init__(self, pipe: ShardPipeline):
+        _require_cpu_decoding(pipe)
+        self.pipe = pipe
+        self.spec = signature(pipe)  # a field tensors cannot carry fails here, before training
+
+    def __iter__(self) -> Iterator[dict[str, tf.Tensor]]:
+        for booked in self.pipe.iterate(count=True):
+            yield {name: tf.convert_to_tensor(value, self.spec[name].dtype)
+                   for name, value in _to_tf(booked.batch, self.spec).items()}
+
+
+def make_dataset(pipe: ShardPipeline, prefetch: int | None = None) -> tf.data.Dataset:
+    """A tf.data.Dataset over the pipeline; `prefetch` batches (default tf.data.AUTOTUNE)."""
+    _require_cpu_decoding(pipe)
     spec = signature(pipe)
 
     def generate() -> Iterator[tuple[dict[str, Any], tuple[int, int, int]]]:
         for booked in pipe.iterate(count=False):
             yield _to_tf(booked.batch, spec), booked.tag
-
-    dataset = tf.data.Dataset.from_generator(generate, output_signature=(spec, _TAG_SPEC))
-    return dataset.prefetch(tf.data.AUTOTUNE if prefetch is None else prefetch)
-
-
-class TensorLoader:
-    """For a Python loop (ringfeed's trainer): every `iter()` is the pipeline's next pass as
-    dicts of tensors, prefetched like `make_dataset`'s, each batch counted as consumed when it
-    is handed out."""
-
-    def __init__(self, pipe: ShardPipeline, prefetch: int | None = None):
-        self.pipe = pipe
-        self.tagged = _tagged(pipe, prefetch)  # built once: each iteration is a new pass
-
-    def __iter__(self) -> Iterator[dict[str, tf.Tensor]]:
-        for batch, tag in self.tagged:
-            self.pipe.mark_consumed(tag.numpy().tolist(), int(batch["__index__"].shape[0]))
-            yield batch
-
-
-def make_dataset(pipe: ShardPipeline, prefetch: int | None = None) -> tf.data.Dataset:
-    """A tf.data.Dataset over the pipeline; `prefetch` batches (default tf.data.AUTOTUNE)."""
 
     def count(batch: dict[str, tf.Tensor], tag: tf.Tensor) -> dict[str, tf.Tensor]:
         done = tf.py_function(_mark, [tag, tf.shape(batch["__index__"])[0]], tf.bool)
@@ -111,9 +110,11 @@ def make_dataset(pipe: ShardPipeline, prefetch: int | None = None) -> tf.data.Da
     def _mark(tag: tf.Tensor, samples: tf.Tensor) -> bool:
         return pipe.mark_consumed(tag.numpy().tolist(), int(samples.numpy()))
 
+    dataset = tf.data.Dataset.from_generator(generate, output_signature=(spec, _TAG_SPEC))
+    dataset = dataset.prefetch(tf.data.AUTOTUNE if prefetch is None else prefetch)
     # tf.data would otherwise add a prefetch after the counting map (inject_prefetch) and so
     # count batches nobody has pulled yet.
     options = tf.data.Options()
     options.experimental_optimization.inject_prefetch = False
     options.experimental_optimization.map_parallelization = False
-    return _tagged(pipe, prefetch).map(count).with_options(options)
+    return dataset.map(count).with_options(options)

@@ -594,7 +594,7 @@ class Trainer:
         """Stop loader worker processes (torch) and read-ahead threads now rather than at
         interpreter exit."""
         for closable in (self.loader, self.val_loader, self.train_pipe):
-            close = getattr(closable, "close", None)  # (tf.data datasets have none)
+            close = getattr(closable, "close", None)  # (a TensorLoader has none)
             if close is not None:
                 close()
         self.loader = self.val_loader = None
