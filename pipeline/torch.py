@@ -236,15 +236,13 @@ class TorchLoader:
 
     def _batches(self) -> Iterator[dict[str, Any]]:
         pipe = self.pipe
-        if self.direct:
-            for booked in pipe.iterate(count=False):
-                pipe.mark_consumed(booked.tag, len(booked.batch["__index__"]), strict=True)
-                yield {name: _as_tensor(value) for name, value in booked.batch.items()}
-            return
         if pipe.config.num_workers == 0:
-            for booked in self.loader:  # tensors now (pinned with CUDA); counters booked
+            # the pipeline's own pass, made tensors here (direct) or by the DataLoader (pinned
+            # with CUDA); counters booked
+            for booked in pipe.iterate(count=False) if self.direct else self.loader:
                 pipe.mark_consumed(booked.tag, len(booked.batch["__index__"]), strict=True)
-                yield booked.batch
+                yield ({name: _as_tensor(value) for name, value in booked.batch.items()}
+                       if self.direct else booked.batch)
             return
         plan, t0, _ = pipe.begin()
         self._state.write({"epoch": plan.epoch, "segments": pipe.progress.segment_dicts(),
