@@ -41,7 +41,14 @@ from typing import IO, Any
 import fsspec
 
 from ringfeed.formats.tarread import CompressedDataError, decompress_tar
-from ringfeed.fsutil import HashingIO, atomic_open, atomic_write_text, publish, temp_open
+from ringfeed.fsutil import (
+    WRITE_BEHIND,
+    HashingIO,
+    atomic_open,
+    atomic_write_text,
+    publish,
+    temp_open,
+)
 from ringfeed.pipeline.background import BackgroundIterator
 from ringfeed.pipeline.errors import PipelineDataError
 from ringfeed.pipeline.source import ShardRef, local_path
@@ -341,7 +348,7 @@ class ShardCache:
         """Stream the shard into a temp file (hashing as it goes) and rename it into place;
         on any error the temp file is removed and `path` untouched."""
         with atomic_open(path) as f, self._remote(ref) as src:
-            out = HashingIO(f)
+            out = HashingIO(f, write_behind=WRITE_BEHIND)
             shutil.copyfileobj(src, out, 1 << 20)
             digest = out.sha256.hexdigest()
             if ref.sha256 is not None and digest != ref.sha256:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import io
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO
@@ -36,16 +38,47 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+# A file that is fsynced once complete (a shard, a downloaded shard) starts its write-back every
+# WRITE_BEHIND bytes while it is written, so that the fsync waits for the last few MiB only
+# (RocksDB's bytes_per_sync). `ringfeed shard --workers 2` of 300 MB on the 2-core box, median of
+# 8 runs: 0.945 -> 0.834 s (benchmarks/README.md).
+WRITE_BEHIND = 4 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # Linux only
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+def start_writeback(fd: int, offset: int, length: int) -> bool:
+    """Start writing these bytes of `fd` to the disk without waiting for them (Linux's
+    sync_file_range, SYNC_FILE_RANGE_WRITE); False where that call does not exist. A hint:
+    durability still needs the fsync."""
+    fn = _sync_file_range()
+    if fn is None:
+        return False
+    fn(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+    return True
+
+
 class HashingIO(io.RawIOBase):
     """Wraps a file being read or written: sha256 and byte count of what passes through.
     A raw stream: `io.BufferedWriter(HashingIO(f), 1 << 20)` gathers many small writes (512-byte
     tar headers) into few large ones, each hashed and written in one call."""
 
-    def __init__(self, f: IO[bytes]):
+    def __init__(self, f: IO[bytes], write_behind: int = 0):
         super().__init__()
         self._f = f
         self.sha256 = hashlib.sha256()
         self.size = 0
+        self._behind = write_behind  # > 0: start the write-back every so many bytes written
+        self._handed = 0  # bytes whose write-back was started
 
     def readable(self) -> bool:
         return self._f.readable()
@@ -63,6 +96,10 @@ class HashingIO(io.RawIOBase):
 
     def write(self, data: bytes) -> int:  # type: ignore[override]
         self._f.write(self._seen(data))
+        if self._behind and self.size - self._handed >= self._behind:
+            if not start_writeback(self._f.fileno(), self._handed, self.size - self._handed):
+                self._behind = 0
+            self._handed = self.size
         return len(data)
 
     def tell(self) -> int:

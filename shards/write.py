@@ -11,7 +11,7 @@ from pathlib import Path
 from ringfeed.errors import UserError
 from ringfeed.formats.manifest import ShardInfo
 from ringfeed.formats.tarwrite import SampleTarWriter, index_name
-from ringfeed.fsutil import HashingIO, publish, temp_open
+from ringfeed.fsutil import WRITE_BEHIND, HashingIO, publish, temp_open
 from ringfeed.shards.packing import PlannedShard
 from ringfeed.shards.sources import Source
 
@@ -26,7 +26,7 @@ def write_shard(source: Source, shard: PlannedShard, out_dir: Path,
     back one shard while the next is built."""
     path = out_dir / shard.name
     with temp_open(path, "wb") as (f, tmp):
-        out = HashingIO(f)
+        out = HashingIO(f, write_behind=WRITE_BEHIND)
         # closed before `f` is: closing flushes the buffer into `out`, which leaves `f` open
         with io.BufferedWriter(out, buffer_size=WRITE_BUFFER) as buffered, \
                 SampleTarWriter(buffered) as tar:
