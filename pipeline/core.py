@@ -10,7 +10,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,7 @@ class ShardPipeline:
         self._stats = PipelineStats()
         # threads already reading the pass expected next
         self._ahead: tuple[tuple, StreamReader] | None = None
+        self._convert: Convert | None = None  # the last pass's `convert` (iterate)
         # whether the consumer will take the epoch after this one (a trainer says no for its
         # last epoch: nothing reads past the end of the run)
         self._next_epoch_expected = True
@@ -232,15 +233,19 @@ class ShardPipeline:
         finally:  # stop the reader threads now, not when the generator is collected
             batches.close()
 
-    def iterate(self, count: bool = True) -> Iterator[Booked]:
+    def iterate(self, count: bool = True, convert: Convert | None = None) -> Iterator[Booked]:
         """Batches in the order torch's DataLoader with `num_workers` workers yields them, each
         beside its bookkeeping (`Booked`; its counters already booked here). `count`: mark a
         batch consumed when it is handed out, else the caller passes `booked.tag` to
-        `mark_consumed` when the batch reaches the training loop."""
+        `mark_consumed` when the batch reaches the training loop. `convert(batch)`: applied to
+        every batch where it is read (the reader thread, when there is one), so the consumer
+        takes it ready (the adapters make it framework tensors there); the next epoch's read-
+        ahead applies the same function."""
         plan, t0, key = self.begin()
+        self._convert = convert
         reader = self._reader(plan, t0, key)
-        source = reader.batches() if reader is not None else iter(
-            WorkerStream.resuming(self.context, plan, self.rank, 0, t0))
+        source = reader.batches() if reader is not None else converted(iter(
+            WorkerStream.resuming(self.context, plan, self.rank, 0, t0)), convert)
         try:
             while True:
                 started = time.perf_counter()
@@ -326,7 +331,7 @@ class ShardPipeline:
             return None
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            if ahead[0] == key:
+            if ahead[0] == key and ahead[1].convert == self._convert:
                 return ahead[1]
             ahead[1].close()
         return self._start_reader(plan, t0)
@@ -334,12 +339,15 @@ class ShardPipeline:
     def _start_reader(self, plan: SegmentPlan, t0: int) -> StreamReader:
         streams = [WorkerStream.resuming(self.context, plan, self.rank, w, t0)
                    for w in range(plan.config.streams)]
-        return StreamReader(streams, t0, plan.batches, max(1, self.config.prefetch))
+        return StreamReader(streams, t0, plan.batches, max(1, self.config.prefetch),
+                            self._convert)
 
     def _read_ahead(self) -> None:
         """The last batch of a pass went out: start reading the next epoch now (its first
         batch waits for the shuffle buffer to fill), so the consumer's next pass finds it under
         way while it finishes the step, validates, checkpoints."""
+        if self.config.num_workers == 0 and self.config.prefetch == 0:
+            return  # every read happens in the consumer's thread (its pass would be dropped)
         plan, key = self.progress.next_epoch_pass()
         reader = self._start_reader(plan, 0)
         old, self._ahead = self._ahead, (key, reader)
@@ -499,14 +507,32 @@ def _free_bytes(directory: Path) -> int:
         return 0
 
 
+Convert = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def converted(booked: Iterator[Booked], convert: Convert | None) -> Iterator[Booked]:
+    """`booked` with `convert` applied to each batch; closing this closes `booked` (a worker
+    stream's shards close with it)."""
+    if convert is None:
+        yield from booked
+        return
+    try:
+        for item in booked:
+            yield item._replace(batch=convert(item.batch))
+    finally:
+        booked.close()
+
+
 class StreamReader:
     """A pass's worker streams, each running in a thread `depth` batches ahead of the consumer
     from the moment this is made. `batches()` yields batches t0..total-1, batch t from stream
     t % W (DataLoader's order); `close()` stops the threads."""
 
-    def __init__(self, streams: list[WorkerStream], t0: int, total: int, depth: int) -> None:
-        self.t0, self.total = t0, total
-        self._streams = [BackgroundIterator(iter(s), depth, f"ringfeed-stream-{i}")
+    def __init__(self, streams: list[WorkerStream], t0: int, total: int, depth: int,
+                 convert: Convert | None = None) -> None:
+        self.t0, self.total, self.convert = t0, total, convert
+        self._streams = [BackgroundIterator(converted(iter(s), convert), depth,
+                                            f"ringfeed-stream-{i}")
                          for i, s in enumerate(streams)]
 
     def batches(self) -> Iterator[Booked]:

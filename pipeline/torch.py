@@ -164,6 +164,11 @@ def _as_tensor(value: Any) -> Any:
     return default_convert(value)
 
 
+def _as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch as DataLoader would hand it over (run in the pipeline's reader thread)."""
+    return {name: _as_tensor(value) for name, value in batch.items()}
+
+
 class TorchLoader:
     """Iterate for one pass over the rest of the current epoch (the next epoch once this one
     is complete); `len()` is the full epoch's batch count."""
@@ -237,12 +242,12 @@ class TorchLoader:
     def _batches(self) -> Iterator[dict[str, Any]]:
         pipe = self.pipe
         if pipe.config.num_workers == 0:
-            # the pipeline's own pass, made tensors here (direct) or by the DataLoader (pinned
-            # with CUDA); counters booked
-            for booked in pipe.iterate(count=False) if self.direct else self.loader:
+            # the pipeline's own pass, made tensors in its reader thread (direct) or by the
+            # DataLoader (pinned with CUDA); counters booked
+            for booked in (pipe.iterate(count=False, convert=_as_tensors) if self.direct
+                           else self.loader):
                 pipe.mark_consumed(booked.tag, len(booked.batch["__index__"]), strict=True)
-                yield ({name: _as_tensor(value) for name, value in booked.batch.items()}
-                       if self.direct else booked.batch)
+                yield booked.batch
             return
         plan, t0, _ = pipe.begin()
         self._state.write({"epoch": plan.epoch, "segments": pipe.progress.segment_dicts(),

@@ -185,6 +185,47 @@ def test_read_ahead_yields_the_same_epochs_and_yields_to_a_loaded_state(uneven, 
     again.close()
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_convert_runs_where_batches_are_read_and_the_read_ahead_keeps_it(uneven, prefetch):
+    """iterate(convert=f): f applied to every batch in the thread that reads it (the reader
+    thread, or the consumer's with prefetch=0, which reads nothing ahead); the next epoch,
+    read ahead with an equal f (a bound method made again), is kept; another f starts the
+    pass afresh."""
+    import threading
+
+    class Converter:
+        def __init__(self):
+            self.threads = set()
+
+        def convert(self, batch):
+            self.threads.add(threading.current_thread().name)
+            return {**batch, "converted": True}
+
+    reference = make(uneven, prefetch=prefetch)
+    plain = [collect(reference) for _ in range(2)]
+    pipe = make(uneven, prefetch=prefetch, read_ahead=True)
+    converter = Converter()
+    epochs = []
+    for _ in range(2):
+        epochs.append([b.batch for b in pipe.iterate(convert=converter.convert)])
+        ahead = pipe._ahead
+    assert all(b.pop("converted") for epoch in epochs for b in epoch)
+    assert [collect(epoch) for epoch in epochs] == plain
+    reader = [name for name in converter.threads if name.startswith("ringfeed-stream")]
+    assert converter.threads == ({threading.current_thread().name} if prefetch == 0
+                                 else set(reader)) and (prefetch == 0 or reader)
+    if prefetch:  # epoch 2, read ahead with this converter: kept for an equal one
+        assert ahead is not None and list(pipe.iterate(convert=converter.convert))
+        assert pipe._ahead is not ahead  # (epoch 3's, started as epoch 2 ended)
+        ahead = pipe._ahead
+        other = next(pipe.iterate(convert=None))
+        assert ahead[1]._streams[0]._stop.is_set()  # dropped: it converts differently
+        assert "converted" not in other.batch
+    else:  # everything is read in the consumer's thread: nothing read ahead to be dropped
+        assert ahead is None
+    pipe.close()
+
+
 def test_state_of_another_dataset_is_refused(uneven, tmp_path):
     write_shards(tmp_path, [4, 4])
     with pytest.raises(PipelineError, match="num_samples"):
