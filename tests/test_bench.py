@@ -70,7 +70,11 @@ def test_every_benchmark_runs_in_quick_mode(tmp_path):
 # What each benchmark's quick run must show beyond finite ratios (each runs once, above).
 def check_shards(results):
     shard = json.loads((results / "shard_bench_quick.json").read_text())
-    assert set(shard["mb_per_s"]) == {"ShardWriter (1 proc)", "ringfeed K=1", "ringfeed K=2"}
+    assert set(shard["mb_per_s"]) == {"ShardWriter (1 proc)", "ringfeed K=1", "ringfeed K=2",
+                                      "ShardWriter, then fsynced"}
+    seconds = shard["seconds"]  # the same ShardWriter runs, then their shards fsynced
+    assert all(synced >= plain for plain, synced in zip(
+        seconds["ShardWriter (1 proc)"], seconds["ShardWriter, then fsynced"], strict=True))
     assert all(v > 0 for v in shard["mb_per_s"].values()) and shard["files"] > 0
     assert shard["k1_k2_identical_shards"] is True
 

@@ -5,23 +5,33 @@ Keras 3). Rank 0 writes --out."""
 
 from __future__ import annotations
 
+import argparse
+from typing import Any
+
 import horovod.tensorflow as hvd
 import keras
+import numpy as np
 import tensorflow as tf
 from peer import batch, model_args, parse_args, report, spec, time_steps
 
 from ringfeed.train.models import build_model
 
 
-def main() -> None:
-    args = parse_args()
+def setup(args: argparse.Namespace) -> tuple[Any, Any, list, list, np.ndarray, np.ndarray]:
+    """Horovod started; (model, SGD optimizer, its Keras variables, their tf.Variables, this
+    rank's images and labels)."""
     hvd.init()
     keras.utils.set_random_seed(0)
     model = build_model("tensorflow", args.model, model_args(args), spec(args))
     optimizer = keras.optimizers.SGD(learning_rate=args.lr * hvd.size(), momentum=0.9)
     keras_vars = model.trainable_variables
     variables = [v.value for v in keras_vars]  # the tf.Variables Horovod can .ref()
-    images, labels = batch(args, hvd.rank())
+    return model, optimizer, keras_vars, variables, *batch(args, hvd.rank())
+
+
+def main() -> None:
+    args = parse_args()
+    model, optimizer, keras_vars, variables, images, labels = setup(args)
     x_u8, y = tf.constant(images), tf.constant(labels)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

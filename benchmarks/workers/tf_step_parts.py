@@ -17,9 +17,9 @@ import os
 import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
-from peer import batch, model_args, parse_args, report, spec, time_steps
+from hvd_tf_loop import setup
+from peer import parse_args, report, time_steps
 
-from ringfeed.train.models import build_model
 from ringfeed.train.tf_backend import cross_entropy
 
 PARTS = set(filter(None, os.environ.get("PARTS", "").split(",")))
@@ -27,13 +27,7 @@ PARTS = set(filter(None, os.environ.get("PARTS", "").split(",")))
 
 def main() -> None:
     args = parse_args()
-    hvd.init()
-    keras.utils.set_random_seed(0)
-    model = build_model("tensorflow", args.model, model_args(args), spec(args))
-    optimizer = keras.optimizers.SGD(learning_rate=args.lr * hvd.size(), momentum=0.9)
-    keras_vars = model.trainable_variables
-    variables = [v.value for v in keras_vars]
-    images, labels = batch(args, hvd.rank())
+    model, optimizer, keras_vars, variables, images, labels = setup(args)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def step_fn(x_u8: tf.Tensor, y: tf.Tensor, settings: tf.Tensor) -> tf.Tensor:
