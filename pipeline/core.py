@@ -279,7 +279,7 @@ class ShardPipeline:
             return False
         self._stats.consumed(samples)
         if (last_of_pass and self.config.read_ahead and self._next_epoch_expected
-                and self._reads_here):
+                and self._reads_here and self._threaded):
             self._read_ahead()
         return True
 
@@ -318,6 +318,11 @@ class ShardPipeline:
             ahead[1].close()
 
     # -- internals ----------------------------------------------------------------------
+    @property
+    def _threaded(self) -> bool:
+        """Whether passes are read in threads; else in the consumer's (nothing read ahead)."""
+        return self.config.num_workers > 0 or self.config.prefetch > 0
+
     def begin(self) -> tuple[SegmentPlan, int, tuple]:
         """The segment to iterate, the batches of it already consumed and the pass's key;
         moves to the next epoch first when the current one is complete (adapters call this
@@ -327,7 +332,7 @@ class ShardPipeline:
     def _reader(self, plan: SegmentPlan, t0: int, key: tuple) -> StreamReader | None:
         """The threads that read this pass (None: read in the consumer's thread): the ones
         started ahead for it when it is the pass that was expected, else new ones."""
-        if self.config.num_workers == 0 and self.config.prefetch == 0:
+        if not self._threaded:
             return None
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
@@ -346,8 +351,6 @@ class ShardPipeline:
         """The last batch of a pass went out: start reading the next epoch now (its first
         batch waits for the shuffle buffer to fill), so the consumer's next pass finds it under
         way while it finishes the step, validates, checkpoints."""
-        if self.config.num_workers == 0 and self.config.prefetch == 0:
-            return  # every read happens in the consumer's thread (its pass would be dropped)
         plan, key = self.progress.next_epoch_pass()
         reader = self._start_reader(plan, 0)
         old, self._ahead = self._ahead, (key, reader)

@@ -16,10 +16,9 @@ ahead by that buffer.
 
 `TensorLoader(pipe)` is for a Python loop (ringfeed's trainer): the pipeline's own pass (read
 ahead in its threads), each batch made tensors in the reader thread and counted as the loop
-takes it. It has
-no tf.data in between: on the 2-core box tf.data cost the demo's TF step 5.0-5.4% of data wait
-against 2.0-2.9% without it (a new tf.data iterator per pass took 20-90 ms to give its first
-batch; each later batch ~2.3 ms against ~1.2 ms), with identical training.
+takes it. It has no tf.data in between: on the 2-core box tf.data cost the demo's TF step
+5.0-5.4% of data wait against 2.0-2.9% without it (a new tf.data iterator per pass took 20-90
+ms to give its first batch; each later batch ~2.3 ms against ~1.2 ms), with identical training.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ advances the pipeline's consumed counter (so `pipe.state_dict()` is exact).
 
 With num_workers=0 batches come from the pipeline's own threads (`ShardPipeline.iterate`), which
 also read the next epoch ahead, and only their arrays become tensors: as DataLoader's
-`default_convert` would, but without a DataLoader around it where nothing needs one (no CUDA
-to pin for, no DataLoader options), since its iterator cost ~0.6 ms a batch on the 2-core box
-(median next() 0.9 ms against 0.3 ms), ~1% of the demo's step.
+`default_convert` would, in the reader thread, without a DataLoader around it where nothing
+needs one (no CUDA to pin for, no DataLoader options), since its iterator cost ~0.6 ms a batch
+on the 2-core box (median next() 0.9 ms against 0.3 ms), ~1% of the demo's step.
 
 Persistent workers keep their copy of the dataset, so the iteration to run (epoch, segments,
 t0) reaches them through a small shared-memory buffer written before each pass.
