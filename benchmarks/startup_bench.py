@@ -2,7 +2,7 @@
 2-step run on a manifest of S shards against the same run on the ~1,600 real shards it is made of.
 
     .venv/bin/python benchmarks/startup_bench.py           # S = 10^4, 10^5, 10^6
-    .venv/bin/python benchmarks/startup_bench.py --quick   # S = 10^4
+    .venv/bin/python benchmarks/startup_bench.py --quick   # S = 10^4, one rank
 
 The real shards: the demo's digits (32x32 PNGs), one sample per shard, so that S shards hold S
 samples and a rank's plan stays the size it has in a real job of that many shards on thousands of
@@ -12,7 +12,7 @@ their real sample counts, sizes and hashes (manifest.json and manifest.bin writt
 benchmarks/plan_bench.py's writer): the run reads real tar files, and everything that scales
 with the shard table (config validation, the pipelines, the plan, the data spec) runs at S.
 The run: examples/configs/digits.yaml (torch), no validation split, a shuffle buffer of one
-batch (not the 1,000 samples = 1,000 shards here), train.max_steps=2, under horovodrun on 2 ranks; wall time from launch to exit, best of --repeat. Measures, never asserts.
+batch (not the 1,000 samples = 1,000 shards here), train.max_steps=2, under horovodrun on 2 ranks (quick: 1); wall time from launch to exit, best of --repeat. Measures, never asserts.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def manifest_of(real: Path, shards: int, out: Path) -> Path:
     return out
 
 
-def timed_run(data: Path, out: Path, repeat: int, timeout: float) -> float:
+def timed_run(data: Path, out: Path, ranks: int, repeat: int, timeout: float) -> float:
     overrides = [f"data.train={data}", "framework=torch", "data.val_split=null",
                  "train.max_steps=2", "train.log_every=1", "checkpoint.every_steps=null",
                  # a buffer of one batch: with one-sample shards the default 1,000 would open
@@ -71,7 +71,7 @@ def timed_run(data: Path, out: Path, repeat: int, timeout: float) -> float:
                  "data.shuffle_buffer=32"]
     best = float("inf")
     for r in range(repeat):
-        run = ringfeed_train(2, CONFIG, out / f"run{r}", timeout, overrides)
+        run = ringfeed_train(ranks, CONFIG, out / f"run{r}", timeout, overrides)
         assert run.summary["status"] == "finished", run.summary
         best = min(best, run.wall_s)
     return best
@@ -79,13 +79,15 @@ def timed_run(data: Path, out: Path, repeat: int, timeout: float) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="S = 10^4 only, one repeat")
+    ap.add_argument("--quick", action="store_true", help="S = 10^4 only, one rank, one repeat")
+    ap.add_argument("--ranks", type=int, default=None, help="default 2 (quick: 1)")
     ap.add_argument("--repeat", type=int, default=None, help="runs per point (default 2)")
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--timeout", type=float, default=600, help="per training run (s)")
     opts = ap.parse_args(argv)
     sizes = QUICK if opts.quick else FULL
     repeat = opts.repeat or (1 if opts.quick else 2)
+    ranks = opts.ranks or (1 if opts.quick else 2)
     why = demo_missing()
     if why:
         rows = [pending_row(NAME, f"2-rank run, {s:,} shards", f"pending: {why}") for s in sizes]
@@ -95,13 +97,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     real = one_sample_shards()
     real_count = len(Manifest.load(real).split("train").shards)
-    data: dict = {"real_shards": real_count, "runs": {}}
+    data: dict = {"real_shards": real_count, "ranks": ranks, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="ringfeed-startup-") as tmp:
         for count in (real_count, *sizes):  # the real shards' own count first: the baseline
             start = time.perf_counter()
             directory = manifest_of(real, count, Path(tmp) / f"s{count}")
             made = time.perf_counter() - start
-            seconds = timed_run(directory, Path(tmp) / f"out{count}", repeat, opts.timeout)
+            seconds = timed_run(directory, Path(tmp) / f"out{count}", ranks, repeat,
+                                opts.timeout)
             run = {"wall_s": seconds, "write_s": made,
                    "json_mb": (directory / "manifest.json").stat().st_size / 1e6,
                    "bin_mb": (directory / "manifest.bin").stat().st_size / 1e6}
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
                 link.unlink()
     base_count = data["real_shards"]
     base = data["runs"][base_count]["wall_s"]
-    rows = [Row(NAME, f"2-rank 2-step run, {s:,} shards vs {base_count:,}",
+    rows = [Row(NAME, f"{ranks}-rank 2-step run, {s:,} shards vs {base_count:,}",
                 data["runs"][s]["wall_s"], "s", f"{base_count:,} shards", base,
                 note=f"+{data['runs'][s]['wall_s'] - base:.1f} s; manifest.json "
                      f"{data['runs'][s]['json_mb']:.0f} MB")
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     ax.set_xscale("log")
     ax.set_xlabel("shards in the manifest")
     ax.set_ylabel("wall s (launch to exit, 2 steps)")
-    ax.set_title("ringfeed train on 2 ranks: cost of the shard count")
+    ax.set_title(f"ringfeed train on {ranks} rank(s): cost of the shard count")
     ax.set_ylim(bottom=0)
     return finish(NAME, opts.quick, opts.results, rows, data, fig)
 

@@ -4,7 +4,7 @@ a minimal Horovod PyTorch loop (pytorch_synthetic_benchmark.py style), torch DDP
 torchrun) and, for TensorFlow, a minimal DistributedGradientTape loop. 2 ranks.
 
     .venv/bin/python benchmarks/trainer_bench.py            # torch and TF, best of 2
-    .venv/bin/python benchmarks/trainer_bench.py --quick    # torch only, few steps
+    .venv/bin/python benchmarks/trainer_bench.py --quick    # torch only, one rank, few steps
     .venv/bin/python benchmarks/trainer_bench.py --in-memory --repeat 5   # + the loop alone
     .venv/bin/python benchmarks/trainer_bench.py --cache-dir /tmp/rf-cache  # warm decoded cache
     .venv/bin/python benchmarks/trainer_bench.py --compile   # + ringfeed torch with train.compile
@@ -103,9 +103,10 @@ def run_ringfeed(framework: str, ranks: int, shards: Path, tmp: Path, opts: argp
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="torch only, few steps, one repeat")
+    ap.add_argument("--quick", action="store_true",
+                    help="torch only, one rank, few steps, one repeat")
     ap.add_argument("--frameworks", default=None, help="torch,tensorflow (quick: torch)")
-    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--ranks", type=int, default=None, help="default 2 (quick: 1)")
     ap.add_argument("--batch", type=int, default=64, help="per rank")
     ap.add_argument("--width", type=int, default=32, help="cnn width")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 5)")
@@ -132,8 +133,11 @@ def main(argv: list[str] | None = None) -> dict:
 
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
         os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(TRIM_THRESHOLD))
-    opts.warmup = opts.warmup or (3 if opts.quick else 5)
-    opts.steps = opts.steps or (8 if opts.quick else 40)
+    # quick is the smoke test: every contender's code runs, on one rank (a launch costs ~7 s
+    # of CPU in imports on the 2-core box; the allreduce benchmark runs two ranks)
+    opts.ranks = opts.ranks or (1 if opts.quick else 2)
+    opts.warmup = opts.warmup or (2 if opts.quick else 5)
+    opts.steps = opts.steps or (4 if opts.quick else 40)
     repeat = opts.repeat or (1 if opts.quick else 2)
     frameworks = (opts.frameworks or ("torch" if opts.quick else "torch,tensorflow")).split(",")
 

@@ -31,11 +31,11 @@ def test_info_reports_both_frameworks_and_gloo(info):
         assert info["controllers"]["mpi"]
 
 
-def test_info_human_output_lists_matrix():
-    res = ringfeed("info", timeout=180)
-    assert res.returncode == 0, res.output
+def test_info_human_output_lists_matrix(info):
+    from ringfeed.train.info import render  # what `ringfeed info` prints without --json
+
     for line in ("[X] torch", "[X] tensorflow", "[X] Gloo"):
-        assert line in res.stdout
+        assert line in render(info)
 
 
 def _check_smoke(out_dir, size=2):

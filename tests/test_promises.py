@@ -90,10 +90,11 @@ def promised_lr(step: int, ranks: int, planned_steps: int) -> float:
 
 
 # (ranks, loader workers) of each launch of one job: the first two are stopped by SIGTERM,
-# the last one runs to the end of the epoch. 3 -> 2 -> 3: both directions, and a resize of an
-# epoch already resized (the pipeline stacks segments). torch changes its DataLoader worker
-# count as well; TensorFlow reads in the pipeline's threads, no worker processes.
-LAUNCHES = {"torch": [(3, 2), (2, 0), (3, 2)], "tensorflow": [(3, 0), (2, 0), (3, 0)]}
+# the last one runs to the end of the epoch. 3 -> 1 -> 2: both directions, a world size that
+# does not divide the others, and a resize of an epoch already resized (the pipeline stacks
+# segments). torch changes its DataLoader worker count as well; TensorFlow reads in the
+# pipeline's threads, no worker processes.
+LAUNCHES = {"torch": [(3, 2), (1, 0), (2, 2)], "tensorflow": [(3, 0), (1, 0), (2, 0)]}
 
 
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
