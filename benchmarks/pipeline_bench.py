@@ -181,11 +181,15 @@ def one_core_child(shard_dir: Path, rounds: int, batch: int) -> dict[str, float]
 
 
 def raw_rates(shard_dir: Path, rounds: int) -> dict[str, float]:
-    """Bytes/s over all shards: `cat`; ringfeed's I/O path alone (ShardCache.open + read);
-    ringfeed's whole pipeline without decoding; webdataset iterating the same tars."""
+    """Bytes/s over all shards: `cat`; ringfeed's I/O path alone (ShardCache.open + read); a
+    bare pread loop (the ceiling of per-sample bytes); ringfeed's whole pipeline without
+    decoding; webdataset iterating the same tars."""
+    import collections
+    import tarfile
+
     import webdataset as wds
 
-    from ringfeed.pipeline import ShardPipeline
+    from ringfeed.pipeline import ShardPipeline, malloc
     from ringfeed.pipeline.cache import ShardCache
     from ringfeed.pipeline.source import ShardRef
 
@@ -220,8 +224,29 @@ def raw_rates(shard_dir: Path, rounds: int) -> dict[str, float]:
         for _ in wds.WebDataset(list(map(str, paths)), shardshuffle=False, empty_check=False):
             pass
 
-    runs = {"cat": cat, "io": io_path, "ringfeed": pipeline, "inline": pipeline_inline,
-            "webdataset": webdataset}
+    # The ceiling of any reader that hands out each member as its own bytes object: a bare
+    # loop of one pread per member, the last 3 batches held (as a pipeline with 2 batches in
+    # flight and one with its consumer holds them). Unlike `cat`, whose one buffer stays in the
+    # CPU cache, every copy lands in memory that is not.
+    members = [(str(p), [(m.offset_data, m.size) for m in tarfile.open(p).getmembers()])
+               for p in paths]
+    per_batch = len(raw["fields"]) * raw["batch_size"]
+
+    def pread_ceiling() -> None:
+        held: collections.deque = collections.deque(maxlen=3)
+        for path, spans in members:
+            fd = os.open(path, os.O_RDONLY)
+            batch = []
+            for offset, size in spans:
+                batch.append(os.pread(fd, size, offset))
+                if len(batch) == per_batch:
+                    held.append(batch)
+                    batch = []
+            os.close(fd)
+
+    malloc.tune()  # the allocator settings the pipeline runs with
+    runs = {"cat": cat, "io": io_path, "pread": pread_ceiling, "ringfeed": pipeline,
+            "inline": pipeline_inline, "webdataset": webdataset}
     best = dict.fromkeys(runs, 0.0)
     for _ in range(rounds + 1):  # the first round also warms the page cache
         for name, run in runs.items():
@@ -303,6 +328,11 @@ def rows_of(result: dict[str, Any]) -> list[Any]:
             mbps(blobs["cat"]), note="the tar-parsing ceiling we share"),
         Row("pipeline", "cache I/O path (open + read)", mbps(blobs["io"]), "MB/s", "cat",
             mbps(blobs["cat"])),
+        Row("pipeline", "pread per member into its own bytes, 256 KiB", mbps(blobs["pread"]),
+            "MB/s", "cat", mbps(blobs["cat"]),
+            note="the ceiling of handing out each sample's bytes (a bare loop)"),
+        Row("pipeline", "raw read, 256 KiB, consumer's thread vs that ceiling",
+            mbps(blobs["inline"]), "MB/s", "pread loop", mbps(blobs["pread"])),
         Row("pipeline", "cold / warm epoch, 10 MB/s store", slow["cold_s"], "s", "warm",
             slow["warm_s"], goal=(">=", 5.0)),
         Row("pipeline", "cold / warm epoch, 40 MB/s store", fast["cold_s"], "s", "warm",

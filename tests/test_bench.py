@@ -81,7 +81,7 @@ def check_shards(results):
 
 def check_pipeline(results):
     pipeline = json.loads((results / "pipeline_bench_quick.json").read_text())
-    assert len(pipeline["ratios"]) == len(pipeline["rows"]) == 16
+    assert len(pipeline["ratios"]) == len(pipeline["rows"]) == 18
     assert len({r["metric"] for r in pipeline["rows"] if r["goal"]}) == 7
     assert all(run["cache_hit_rate"] == 0.5 for run in pipeline["data"]["cold_warm"]["runs"])
 
