@@ -81,7 +81,9 @@ def cancer(tmp_path_factory) -> dict:
             "majority": max(np.mean(vy), 1 - np.mean(vy))}
 
 
-@pytest.mark.parametrize("source", ["csv", "parquet"])
+# CSV's shards here; the Parquet shards train with nothing else set in the two-rank test below
+# (one launch per framework and format costs ~7 CPU-s of imports on the 2-core box)
+@pytest.mark.parametrize("source", ["csv"])
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 def test_breast_cancer_trains_with_nothing_else_set(cancer, source, framework):
     done = train(cancer["tmp"], cancer["shards"][source], f"{source}-{framework}",
