@@ -310,7 +310,7 @@ def test_pbt_exploit_copies_a_checkpoint_and_the_member_resumes_from_it(tmp_path
     assert res.returncode == 0, res.output[-4000:]
     study = load(search)
     trials = study.get_trials()
-    assert len(trials) == 3 and all(t.state.name == "COMPLETE" for t in trials), states(study)
+    assert len(trials) == 4 and all(t.state.name == "COMPLETE" for t in trials), states(study)
     first = {t.user_attrs["member"]: t for t in trials if t.user_attrs["generation"] == 0}
     second = {t.user_attrs["member"]: t for t in trials if t.user_attrs["generation"] == 1}
     # the weaker member of interval 0 took the stronger one's checkpoint of step 10
