@@ -296,14 +296,15 @@ def test_ringfeed_run_passes_the_signal_to_its_job_and_exits_with_its_status(
 # -- exact validation at any world size ----------------------------------------------------------
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 @pytest.mark.timeout(900)
-def test_validation_metrics_are_the_same_on_1_2_and_3_ranks_with_padding(tmp_path, shards,
-                                                                         framework):
-    """96 val samples in batches of 5: padded to 100 on 1 rank, 2 x 50 on 2, 3 x 35 on 3. One
-    step at a learning rate too small to move any float32 weight, so every world size scores
-    the initial model; padding must not count."""
+def test_validation_metrics_are_the_same_on_1_and_3_ranks_with_padding(tmp_path, shards,
+                                                                       framework):
+    """96 val samples in batches of 5: padded to 100 on 1 rank, to 3 x 35 on 3 (2 ranks would
+    pad to 2 x 50, the same 4 as one rank: not run, a launch is ~7 CPU-s of imports). One step
+    at a learning rate too small to move any float32 weight, so every world size scores the
+    initial model; padding must not count."""
     val_samples = 96
     results = {}
-    for ranks in (1, 2, 3):
+    for ranks in (1, 3):
         cfg = config(tmp_path, shards, f"r{ranks}", framework=framework,
                      data={"batch_size": 5}, train={"max_steps": 1, "epochs": None},
                      optim={"lr": 1e-30, "momentum": 0.0}, checkpoint={"every_steps": None})
@@ -317,7 +318,7 @@ def test_validation_metrics_are_the_same_on_1_2_and_3_ranks_with_padding(tmp_pat
         padded = -(-val_samples // ranks // 5) * 5 * ranks - val_samples
         assert padded > 0  # (the point of the test: every world size pads)
     assert set(results[1]) >= {"loss", "accuracy"}, results[1]
-    for ranks in (2, 3):
+    for ranks in (3,):
         for name, value in results[1].items():
             assert np.isclose(results[ranks][name], value, rtol=1e-6, atol=0), (ranks, name,
                                                                                results)
