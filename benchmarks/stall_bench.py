@@ -3,7 +3,7 @@ trainer itself measures it (summary.json's data_wait_share: summed over ranks, e
 boundaries included). Goal: < 5%.
 
     .venv/bin/python benchmarks/stall_bench.py            # the demo's torch config as shipped
-    .venv/bin/python benchmarks/stall_bench.py --quick    # the same, capped at a few steps
+    .venv/bin/python benchmarks/stall_bench.py --quick    # capped at a few steps, one rank
 
 Writes benchmarks/results/stall[_quick].json and .png. Measures, never asserts.
 """
@@ -26,12 +26,13 @@ METRIC = "demo data-wait share of step time"
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a few steps only")
-    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="a few steps on one rank only")
+    ap.add_argument("--ranks", type=int, default=None, help="default 2 (quick: 1)")
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--timeout", type=float, default=300, help="for the training run (s)")
     opts = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    opts.ranks = opts.ranks or (1 if opts.quick else 2)
 
     missing = demo_missing()
     if missing:
