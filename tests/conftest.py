@@ -36,6 +36,13 @@ def _only_system_tests_start_processes(request: pytest.FixtureRequest,
     monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
 
 
+# -- where the suite's time goes (one full run, every process logged, 2026-11-26) ------------
+# Process launches: a torch rank spends ~7.3 CPU-s importing before it trains (torch 3 s, and
+# torch._dynamo 3 s, which torch.optim's step imports), a TensorFlow rank ~7.8 s, horovodrun
+# ~1.3 s; the toy runs' training is 1-2 s a rank. `ringfeed train` ranks were 57% of the
+# suite's CPU. A new test that launches ranks costs ~15 CPU-s a launch: reuse a module's
+# reference run, and use as few ranks as what is tested needs.
+
 # -- two workers (`make test` runs `pytest -n 2 --no-loadscope-reorder`) -----------------------
 # Each file runs on one worker, so its module fixtures (shards, reference runs) are built once.
 # The files that make network namespaces or a Slurm cluster share one group: they run one after
