@@ -228,8 +228,10 @@ def raw_rates(shard_dir: Path, rounds: int) -> dict[str, float]:
     # loop of one pread per member, the last 3 batches held (as a pipeline with 2 batches in
     # flight and one with its consumer holds them). Unlike `cat`, whose one buffer stays in the
     # CPU cache, every copy lands in memory that is not.
-    members = [(str(p), [(m.offset_data, m.size) for m in tarfile.open(p).getmembers()])
-               for p in paths]
+    members = []
+    for path in paths:
+        with tarfile.open(path) as tar:
+            members.append((str(path), [(m.offset_data, m.size) for m in tar.getmembers()]))
     per_batch = len(raw["fields"]) * raw["batch_size"]
 
     def pread_ceiling() -> None:

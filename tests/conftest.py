@@ -40,7 +40,7 @@ def _only_system_tests_start_processes(request: pytest.FixtureRequest,
 # Process launches: a torch rank spends ~7.3 CPU-s importing before it trains (torch 3 s, and
 # torch._dynamo 3 s, which torch.optim's step imports), a TensorFlow rank ~7.8 s, horovodrun
 # ~1.3 s; the toy runs' training is 1-2 s a rank. `ringfeed train` ranks were 57% of the
-# suite's CPU. A new test that launches ranks costs ~15 CPU-s a launch: reuse a module's
+# suite's CPU. A new test's 2-rank launch costs ~15 CPU-s before any training: reuse a module's
 # reference run, and use as few ranks as what is tested needs.
 
 # -- two workers (`make test` runs `pytest -n 2 --no-loadscope-reorder`) -----------------------
