@@ -52,6 +52,7 @@ from datasets import CACHE, cached_dir, image_shards  # noqa: E402
 from pipeline_bench import write_jpeg_folder  # noqa: E402
 
 from ringfeed.fsutil import atomic_write_text  # noqa: E402
+from ringfeed.train.throughput import count_torch_flops, resolve_peak  # noqa: E402
 
 NAME = "gpu_feed"
 MEAN = (0.485, 0.456, 0.406)  # ImageNet's, applied on the device by every contender
@@ -62,7 +63,11 @@ LABELS = {
     "webdataset": 'bare webdataset `.decode("rgb8")` + DataLoader',
     "ringfeed_off": "ringfeed `make_loader`, decoded cache off",
     "ringfeed_warm": "ringfeed `make_loader`, decoded cache warm (epochs after the first)",
+    "in_memory_compiled": "in-memory bound, model `torch.compile`d",
+    "ringfeed_off_compiled": "ringfeed `make_loader`, decoded cache off, model compiled",
+    "ringfeed_warm_compiled": "ringfeed `make_loader`, decoded cache warm, model compiled",
 }
+COMPILED = "_compiled"  # contender-name suffix: the same contender with the compiled model
 
 
 # -- model ----------------------------------------------------------------------------------
@@ -109,9 +114,11 @@ class Step:
     """One training step on a uint8 NHWC batch already on the device, the same for every
     contender: float conversion and normalisation on the device, autocast, SGD momentum."""
 
-    def __init__(self, device: torch.device, classes: int, lr: float = 0.1) -> None:
+    def __init__(self, device: torch.device, classes: int, lr: float = 0.1,
+                 compiled: bool = False) -> None:
         cuda = device.type == "cuda"
         self.device = device
+        torch.manual_seed(0)  # eager and compiled steps start from the same weights
         # channels_last is the layout tensor cores want; a uint8 NHWC batch permuted to NCHW
         # already is channels_last, so the conversion below copies nothing extra
         self.memory_format = torch.channels_last if cuda else torch.contiguous_format
@@ -120,13 +127,27 @@ class Step:
         self.amp = torch.bfloat16 if cuda else None
         self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255
+        # fixed shapes (every batch is full): dynamic=False, one graph, no recompiles
+        self.forward = torch.compile(self.model, dynamic=False) if compiled else self.model
+        self.compile_s: float | None = None
+
+    def compile_now(self, batch: int, side: int) -> float:
+        """A compiled step's first call compiles forward and backward: done here, untimed
+        by the rows and reported on its own (seconds to the first finished step)."""
+        started = time.perf_counter()
+        x = torch.zeros((batch, side, side, 3), dtype=torch.uint8, device=self.device)
+        y = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self(x, y)
+        synchronize(self.device)
+        self.compile_s = time.perf_counter() - started
+        return self.compile_s
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = images.permute(0, 3, 1, 2).contiguous(memory_format=self.memory_format).float()
         x = x.sub_(self.mean).div_(self.std)
         with (torch.autocast(self.device.type, dtype=self.amp) if self.amp
               else contextlib.nullcontext()):
-            loss = F.cross_entropy(self.model(x), labels)
+            loss = F.cross_entropy(self.forward(x), labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -309,16 +330,19 @@ def ringfeed(step: Step, shard_dir: Path, workers: int, opts: argparse.Namespace
 
 
 # -- small model: the trainer's own loop vs a plain one --------------------------------------
-def plain_loop(device: torch.device, args: argparse.Namespace) -> dict[str, float]:
+def plain_loop(device: torch.device, args: argparse.Namespace, compiled: bool = False
+               ) -> dict[str, float]:
     """workers/hvd_torch_loop.py without Horovod, on `device`: the built-in model, SGD
-    momentum, one in-memory uint8 batch converted to float every step, loss read every step."""
+    momentum, one in-memory uint8 batch converted to float every step, loss read every step.
+    `compiled`: the model through torch.compile (its compile is in the warm-up steps)."""
     from peer import batch, model_args, spec
 
     from ringfeed.train.models import build_model
 
     torch.manual_seed(0)
-    model = build_model("torch", args.model, model_args(args), spec(args)).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    module = build_model("torch", args.model, model_args(args), spec(args)).to(device)
+    model = torch.compile(module, dynamic=False) if compiled else module
+    optimizer = torch.optim.SGD(module.parameters(), lr=args.lr, momentum=0.9)
     images, labels = batch(args, 0)
     x_u8, y = torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device)
 
@@ -344,7 +368,9 @@ def small_model(device: torch.device, opts: argparse.Namespace, tmp: Path) -> di
     import importlib.util
 
     sys.path.insert(0, str(WORKERS))
-    from peer import parse_args
+    from peer import model_args, parse_args, spec
+
+    from ringfeed.train.models import build_model
 
     peer_argv = ["--model", "cnn", "--width", "16", "--image", "32", "--batch",
                  str(opts.small_batch), "--warmup", str(opts.small_warmup), "--steps",
@@ -353,14 +379,32 @@ def small_model(device: torch.device, opts: argparse.Namespace, tmp: Path) -> di
     result: dict[str, Any] = {"model": "cnn", "width": 16, "image": 32,
                               "batch": opts.small_batch, "steps": opts.small_steps,
                               "warmup": opts.small_warmup, "precision": "fp32"}
-
-    result["plain"] = plain_loop(device, args)
+    cnn = build_model("torch", args.model, model_args(args), spec(args))
+    # the plain loop feeds the cnn float NHWC, as the trainer does
+    result["flops"] = flops_info(cnn, (args.batch, args.image, args.image, args.channels),
+                                 device, "fp32", opts.peak_tflops)
+    loops = [("plain", False), *([("plain_compiled", True)] if opts.compile else [])]
+    for name, compiled in loops:
+        try:
+            result[name] = plain_loop(device, args, compiled)
+        except Exception as e:
+            result[name] = {"error": f"{type(e).__name__}: {_first_line(e)}"}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the trainer's process shares the GPU
 
     if importlib.util.find_spec("horovod") is None:
         result["ringfeed"] = {"error": "not measured: horovod is not importable"}
         return result
+    result["ringfeed"] = ringfeed_loop(device, opts, args, peer_argv, tmp, compiled=False)
+    if opts.compile:
+        result["ringfeed_compiled"] = ringfeed_loop(device, opts, args, peer_argv, tmp,
+                                                    compiled=True)
+    return result
+
+
+def ringfeed_loop(device: torch.device, opts: argparse.Namespace, args: argparse.Namespace,
+                  peer_argv: list[str], tmp: Path, compiled: bool) -> dict[str, Any]:
+    """workers/ringfeed_loop.py (train.compile when `compiled`) in its own process."""
     shards = image_shards(1024, per_shard=1024)  # only the first batch is read
     out = tmp / "ringfeed_loop.json"
     env = dict(os.environ)
@@ -369,49 +413,107 @@ def small_model(device: torch.device, opts: argparse.Namespace, tmp: Path) -> di
     if device.type == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the trainer takes a GPU whenever it sees one
     cmd = [sys.executable, str(WORKERS / "ringfeed_loop.py"), "--framework", "torch",
-           "--shards", str(shards), "--run-dir", str(tmp / "ringfeed-loop"), *peer_argv,
-           "--out", str(out)]
+           "--shards", str(shards), "--run-dir", str(tmp / f"ringfeed-loop-{int(compiled)}"),
+           *(["--compile"] if compiled else []), *peer_argv, "--out", str(out)]
     # a plain process is a one-rank Horovod job (Gloo's single-process context); should that
     # fail on some build, horovodrun -np 1 as gpu-check's digits runs use
     launches = [("plain process", cmd)]
     if shutil.which("horovodrun"):
         launches.append(("horovodrun -np 1", [shutil.which("horovodrun"), "-np", "1", "-H",
                                               "localhost:1", *cmd]))
-    for launch, argv in launches:
+    for how, argv in launches:
         out.unlink(missing_ok=True)
-        proc = run(argv, timeout=opts.timeout, env=env)
-        result["launch"] = launch
+        proc, launch = run(argv, timeout=opts.timeout, env=env), how
         if proc.returncode == 0 and not proc.timed_out and out.exists():
             break
     if proc.returncode != 0 or proc.timed_out or not out.exists():
         lines = proc.output.strip().splitlines() or ["no output"]
         state = "timed out" if proc.timed_out else f"exit {proc.returncode}"
-        result["ringfeed"] = {"error": f"ringfeed_loop.py {state}: {lines[-1][:200]}"}
-        return result
+        return {"error": f"ringfeed_loop.py {state}: {lines[-1][:200]}", "launch": launch}
     loop = json.loads(out.read_text())
-    result["ringfeed"] = {"samples_per_s": loop["samples_per_s"],
-                          "seconds": loop["step_s_mean"] * args.steps, "steps": args.steps,
-                          "step_s_median": loop["step_s_median"]}
-    return result
+    return {"samples_per_s": loop["samples_per_s"], "launch": launch,
+            "seconds": loop["step_s_mean"] * args.steps, "steps": args.steps,
+            "step_s_median": loop["step_s_median"]}
+
+
+# -- throughput -----------------------------------------------------------------------------
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def flops_info(model: nn.Module, shape: tuple[int, ...], device: torch.device, dtype: str,
+               peak_tflops: float | None) -> dict[str, Any]:
+    """Training FLOPs per sample (the trainer's own count: FlopCounterMode over one forward +
+    backward of a float batch of `shape` on the meta device) and the peak MFU is measured
+    against: the device's dense peak for `dtype` (the table's, or `peak_tflops`); none on a
+    CPU unless given."""
+    count = count_torch_flops(model, shape, torch.float32, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    peak = resolve_peak(name, dtype, peak_tflops)
+    return {"per_sample": count.per_sample, "method": count.method, "dtype": dtype,
+            "peak_tflops": peak.tflops, "peak_source": peak.source}
+
+
+def rates(samples_per_s: float | None, flops: dict[str, Any]) -> dict[str, float | None]:
+    """Achieved TFLOP/s and MFU of a row (None where unknown)."""
+    if not samples_per_s or not flops.get("per_sample"):
+        return {"achieved_tflops": None, "mfu": None}
+    achieved = samples_per_s * flops["per_sample"] / 1e12
+    peak = flops.get("peak_tflops")
+    return {"achieved_tflops": achieved, "mfu": achieved / peak if peak else None}
 
 
 # -- report ---------------------------------------------------------------------------------
-def fmt(x: float | None, pct: bool = False) -> str:
+def fmt(x: float | None, pct: bool = False, digits: int = 0) -> str:
     if x is None:
         return "-"
-    return f"{100 * x:.0f}%" if pct else (f"{x:,.0f}" if x >= 100 else f"{x:.3g}")
+    return f"{100 * x:.{digits}f}%" if pct else (f"{x:,.0f}" if x >= 100 else f"{x:.3g}")
 
 
-def make_rows(best: dict[tuple[str, int], dict[str, Any]]) -> list[dict[str, Any]]:
-    bound = (best.get(("in_memory", 0)) or {}).get("samples_per_s")
+def flops_line(flops: dict[str, Any]) -> str:
+    if not flops.get("per_sample"):
+        return f"FLOPs: {flops.get('method')}."
+    peak = (f"MFU against {flops['peak_tflops']:g} TFLOP/s ({flops['peak_source']})"
+            if flops.get("peak_tflops") else f"no MFU: {flops['peak_source']}")
+    return (f"Training FLOPs: {flops['per_sample'] / 1e9:.3g} GFLOP/sample ({flops['method']}:"
+            f" matmuls and convolutions, 2 per multiply-add); {peak}.")
+
+
+def compile_lines(rows: list[dict[str, Any]], info: dict[str, Any],
+                  opts: argparse.Namespace) -> list[str]:
+    """What torch.compile cost (the first step) and gave (compiled vs eager, same feed)."""
+    if not opts.compile:
+        return []
+    if info.get("compile_error"):
+        return ["", f"torch.compile failed: {info['compile_error'][:200]}"]
+    by = {(r["contender"], r["workers"]): r["samples_per_s"] for r in rows if not r["error"]}
+    gains = []
+    for name, short in (("in_memory", "in-memory"), ("ringfeed_off", "ringfeed cache off"),
+                        ("ringfeed_warm", "ringfeed cache warm")):
+        for (contender, workers), sps in by.items():
+            eager = by.get((name, workers))
+            if contender == name + COMPILED and sps and eager:
+                where = f" W={workers}" if workers else ""
+                gains.append(f"{short}{where} {sps / eager:.2f}x")
+    return ["", f"`torch.compile` (default mode, dynamic=False): the first step (compiling "
+                f"forward and backward) took {info['compile_s']:.1f} s; compiled / eager "
+                f"samples/s: {'; '.join(gains) or 'no pair measured'}."]
+
+
+def make_rows(best: dict[tuple[str, int], dict[str, Any]], flops: dict[str, Any]
+              ) -> list[dict[str, Any]]:
+    """One row per (contender, workers); each compared with the in-memory bound of the same
+    model (eager rows with the eager bound, compiled rows with the compiled one)."""
     rows = []
     for (contender, workers), r in best.items():
+        bound_key = "in_memory" + (COMPILED if contender.endswith(COMPILED) else "")
+        bound = (best.get((bound_key, 0)) or {}).get("samples_per_s")
         sps = r.get("samples_per_s")
         rows.append({
             "contender": contender, "label": LABELS[contender],
-            "workers": workers if contender != "in_memory" else None,
+            "workers": workers if not contender.startswith("in_memory") else None,
             "decode_threads": r.get("decode_threads"),
-            "samples_per_s": sps,
+            "samples_per_s": sps, **rates(sps, flops),
             "ratio_to_in_memory": sps / bound if sps and bound else None,
             "data_wait_fraction": r.get("data_wait_fraction"),
             "steps": r.get("steps"), "seconds": r.get("seconds"),
@@ -439,20 +541,26 @@ def table_md(rows: list[dict[str, Any]], small: dict[str, Any] | None,
         f"{opts.steps} timed steps after {opts.warmup} warm-up steps, best of {opts.rounds} "
         "interleaved round(s).",
         "",
-        "| contender | workers | decode threads | samples/s | / in-memory | data wait |",
-        "|---|---|---|---|---|---|",
+        flops_line(info["flops"]),
+        *compile_lines(rows, info, opts),
+        "",
+        "| contender | workers | decode threads | samples/s | / in-memory | data wait | "
+        "TFLOP/s | MFU |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["error"]:
             lines.append(f"| {r['label']} | {r['workers'] if r['workers'] is not None else '-'}"
-                         f" | - | FAILED: {r['error'][:120]} | - | - |")
+                         f" | - | FAILED: {r['error'][:120]} | - | - | - | - |")
             continue
         ratio = r["ratio_to_in_memory"]
+        bound = r["contender"].startswith("in_memory")
         lines.append(
             f"| {r['label']} | {r['workers'] if r['workers'] is not None else '-'} | "
             f"{r['decode_threads'] if r['decode_threads'] is not None else '-'} | "
             f"{fmt(r['samples_per_s'])} | {'-' if ratio is None else f'{ratio:.2f}x'} | "
-            f"{'-' if r['contender'] == 'in_memory' else fmt(r['data_wait_fraction'], True)} |")
+            f"{'-' if bound else fmt(r['data_wait_fraction'], True)} | "
+            f"{fmt(r['achieved_tflops'])} | {fmt(r['mfu'], True, 1)} |")
     ours = [r for r in rows if r["contender"].startswith("ringfeed") and r["ratio_to_in_memory"]
             and r["workers"] <= GOAL_MAX_WORKERS]
     if ours and dev["type"] == "cuda" and not opts.quick:
@@ -462,22 +570,37 @@ def table_md(rows: list[dict[str, Any]], small: dict[str, Any] | None,
                       f"{GOAL_MAX_WORKERS} workers: best {top['ratio_to_in_memory']:.2f}x "
                       f"({top['label']}, W={top['workers']}): {met}."]
     if small:
-        plain = small["plain"].get("samples_per_s")
-        lines += ["", f"Per-step overhead: built-in `cnn` (width {small['width']}), "
-                      f"{small['image']}x{small['image']}x3, batch {small['batch']}, "
-                      f"{small['precision']}, one in-memory batch, {small['steps']} timed steps "
-                      f"after {small['warmup']}.", "",
-                  "| loop | samples/s | / plain loop |", "|---|---|---|",
-                  f"| minimal plain torch loop (batch on the device, loss read every step) | "
-                  f"{fmt(plain)} | 1.00x |"]
-        ring = small["ringfeed"]
-        label = "ringfeed's training loop (`workers/ringfeed_loop.py`, one Horovod process)"
-        if ring.get("samples_per_s"):
-            lines.append(f"| {label} | {fmt(ring['samples_per_s'])} | "
-                         f"{ring['samples_per_s'] / plain:.2f}x |")
-        else:
-            lines.append(f"| {label} | {ring.get('error', 'not measured')[:160]} | - |")
+        lines += small_model_lines(small)
     return "\n".join(lines)
+
+
+def small_model_lines(small: dict[str, Any]) -> list[str]:
+    plain = small["plain"].get("samples_per_s")
+    flops = small.get("flops") or {}
+    lines = ["", f"Per-step overhead: built-in `cnn` (width {small['width']}), "
+                 f"{small['image']}x{small['image']}x3, batch {small['batch']}, "
+                 f"{small['precision']}, one in-memory batch, {small['steps']} timed steps "
+                 f"after {small['warmup']} (a compiled loop compiles in its warm-up).",
+             flops_line(flops), "",
+             "| loop | samples/s | / plain loop | TFLOP/s | MFU |", "|---|---|---|---|---|"]
+    labels = {
+        "plain": "minimal plain torch loop (batch on the device, loss read every step)",
+        "plain_compiled": "the same plain loop, model `torch.compile`d",
+        "ringfeed": "ringfeed's training loop (`workers/ringfeed_loop.py`, one Horovod process)",
+        "ringfeed_compiled": "ringfeed's training loop with `train.compile: true`"}
+    for key, label in labels.items():
+        row = small.get(key)
+        if row is None:
+            continue
+        sps = row.get("samples_per_s")
+        if not sps:
+            lines.append(f"| {label} | {row.get('error', 'not measured')[:160]} | - | - | - |")
+            continue
+        r = rates(sps, flops)
+        ratio = f"{sps / plain:.2f}x" if plain else "-"
+        lines.append(f"| {label} | {fmt(sps)} | {ratio} | {fmt(r['achieved_tflops'])} | "
+                     f"{fmt(r['mfu'], True, 1)} |")
+    return lines
 
 
 def device_info(device: torch.device) -> dict[str, Any]:
@@ -520,8 +643,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-small-model", action="store_true",
                     help="skip the per-step overhead table (trainer loop vs plain loop)")
     ap.add_argument("--timeout", type=float, default=600, help="ringfeed_loop.py launch (s)")
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                    help="also the torch.compile'd model (in-memory, ringfeed at the largest "
+                    "worker count <= 8, the small-model loops); auto: on for a full CUDA run")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the device's peak for MFU (default: ringfeed's table by GPU name)")
     opts = ap.parse_args(argv)
     q = opts.quick
+    opts.compile = {"on": True, "off": False}.get(opts.compile,
+                                                  opts.device == "cuda" and not q)
     opts.cpus = os.cpu_count() or 1
     # quick: a smoke run that a loaded 2-core CI box finishes in well under a minute of steps
     defaults = {"samples": 96 if q else 25600, "shards": 4 if q else 64,
@@ -568,6 +698,21 @@ def main(argv: list[str] | None = None) -> int:
     workers = opts.workers = [w for w in opts.workers if w <= len(urls)]
 
     step = Step(device, classes=10)
+    info["flops"] = flops_info(step.model, (opts.batch, 3, opts.image, opts.image), device,
+                               "bf16" if device.type == "cuda" else "fp32", opts.peak_tflops)
+    compiled = None
+    if opts.compile:
+        compiled = Step(device, classes=10, compiled=True)
+        print("compiling resnet18 (torch.compile, forward and backward)...", flush=True)
+        try:
+            info["compile_s"] = compiled.compile_now(opts.batch, opts.image)
+            print(f"  compiled in {info['compile_s']:.1f} s", flush=True)
+        except Exception as e:  # its rows say so; the eager rows still run
+            info["compile_error"] = f"{type(e).__name__}: {_first_line(e)}"
+            print(f"  torch.compile failed: {info['compile_error']}", flush=True)
+            compiled = None
+    # the compiled model is fed at one worker count: the largest of those asked within the goal
+    compiled_workers = max([w for w in workers if w <= GOAL_MAX_WORKERS] or workers[:1])
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
 
     def record(key: tuple[str, int], fn: Callable[[], Any], clock: bool = True) -> Any:
@@ -585,24 +730,29 @@ def main(argv: list[str] | None = None) -> int:
 
     fills: dict[int, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="ringfeed-gpu-feed-") as tmp:
+        def fed_by_ringfeed(step: Step, w: int, suffix: str = "") -> None:
+            started = time.perf_counter()
+            try:
+                out = ringfeed(step, shard_dir, w, opts, Path(tmp))
+            except Exception as e:
+                out = {k: {"error": f"{type(e).__name__}: {_first_line(e)}"}
+                       for k in ("ringfeed_off", "ringfeed_warm")}
+            print(f"  ringfeed{suffix} W={w}: {time.perf_counter() - started:.1f} s (both "
+                  "pipelines, the cache-filling epoch included)", flush=True)
+            for name in ("ringfeed_off", "ringfeed_warm"):
+                record((name + suffix, w), lambda name=name, out=out: out[name], clock=False)
+            if "ringfeed_fill" in out and not suffix:
+                fills.setdefault(w, []).append(out["ringfeed_fill"])
+
         for r in range(opts.rounds):
             print(f"round {r + 1}/{opts.rounds}", flush=True)
             record(("in_memory", 0), lambda: in_memory(step, opts))
             for w in workers:
                 record(("webdataset", w), lambda w=w: webdataset(step, urls, w, opts))
-                started = time.perf_counter()
-                try:
-                    out = ringfeed(step, shard_dir, w, opts, Path(tmp))
-                except Exception as e:
-                    why = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                    out = {k: {"error": f"{type(e).__name__}: {why}"}
-                           for k in ("ringfeed_off", "ringfeed_warm")}
-                print(f"  ringfeed W={w}: {time.perf_counter() - started:.1f} s (both "
-                      "pipelines, the cache-filling epoch included)", flush=True)
-                for name in ("ringfeed_off", "ringfeed_warm"):
-                    record((name, w), lambda name=name, out=out: out[name], clock=False)
-                if "ringfeed_fill" in out:
-                    fills.setdefault(w, []).append(out["ringfeed_fill"])
+                fed_by_ringfeed(step, w)
+            if compiled is not None:
+                record(("in_memory" + COMPILED, 0), lambda: in_memory(compiled, opts))
+                fed_by_ringfeed(compiled, compiled_workers, COMPILED)
         small = None
         if not opts.no_small_model:
             print("small model: plain loop vs ringfeed's loop", flush=True)
@@ -617,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = [v for v in values if "samples_per_s" in v]
         top = max(ok, key=lambda v: v["samples_per_s"]) if ok else values[-1]
         best[key] = {**top, "all": [v.get("samples_per_s") for v in values]}
-    rows = make_rows(best)
+    rows = make_rows(best, info["flops"])
     small_ok = small if small and "plain" in small else None
     table = table_md(rows, small_ok, info, opts)
     result = {
@@ -630,6 +780,9 @@ def main(argv: list[str] | None = None) -> int:
         # pass only, so the shuffle buffer's head start is inside it
         "ringfeed_first_epoch_filling_cache": {str(w): v for w, v in fills.items()},
         "small_model": small,
+        "compile": {"on": opts.compile, "workers": compiled_workers if compiled else None,
+                    "compile_s": info.get("compile_s"), "error": info.get("compile_error"),
+                    "how": "torch.compile(model, dynamic=False), default mode (inductor)"},
     }
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(opts.out, json.dumps(result, indent=2) + "\n")

@@ -5,7 +5,7 @@ minimal loops (hvd_torch_loop.py, hvd_tf_loop.py) it isolates the loop's own per
 Rank 0 writes --out; with --profile it also writes a cProfile of the timed steps there.
 
     horovodrun -np 2 python benchmarks/workers/ringfeed_loop.py --framework torch \\
-        --shards SHARD_DIR --run-dir DIR --out OUT.json [--profile OUT.prof]
+        --shards SHARD_DIR --run-dir DIR --out OUT.json [--profile OUT.prof] [--compile]
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def main() -> None:
     extra.add_argument("--run-dir", type=Path, required=True, help="the run's output.dir")
     extra.add_argument("--log-every", type=int, default=None, help="default: --warmup")
     extra.add_argument("--profile", type=Path, default=None, help="cProfile of rank 0's steps")
+    extra.add_argument("--compile", action="store_true", help="train.compile: true (torch)")
     own, rest = extra.parse_known_args()
     args = parse_args(rest)
     data = {"train": str(own.shards), "val_split": None, "batch_size": args.batch,
@@ -78,7 +79,7 @@ def main() -> None:
                   "args": {"width": args.width} if args.model == "cnn" else {}},
         "data": data,
         "optim": {"name": "sgd", "lr": args.lr, "momentum": 0.9},
-        "train": {"max_steps": args.warmup + args.steps, "seed": 0,
+        "train": {"max_steps": args.warmup + args.steps, "seed": 0, "compile": own.compile,
                   "log_every": own.log_every or args.warmup},
         "output": {"dir": str(own.run_dir), "tensorboard": False},
     })
