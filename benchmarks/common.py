@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 WORKERS = REPO / "benchmarks" / "workers"
 if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+    # appended: the installed package (or gpu-check's linked one) wins; the repository's own
+    # ringfeed/ folder alone lacks ringfeed.train, .pipeline and .shards (pyproject package-dir)
+    sys.path.append(str(REPO))
 
 from ringfeed.fsutil import atomic_open, atomic_write_text  # noqa: E402
 

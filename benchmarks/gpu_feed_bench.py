@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, WORKERS, machine, run  # noqa: E402
+from common import RESULTS, WORKERS, machine, run  # noqa: E402
 from datasets import CACHE, cached_dir, image_shards  # noqa: E402
 from pipeline_bench import write_jpeg_folder  # noqa: E402
 
@@ -164,20 +164,37 @@ def timed(step: Callable[[torch.Tensor, torch.Tensor], Any],
           batch: int, device: torch.device) -> dict[str, float]:
     """Train `warmup` untimed then `steps` timed steps; samples/s over the timed ones and the
     share of that time spent waiting in next(batches) (the loader plus the host-to-device
-    copy's launch)."""
+    copy's launch). Where the rest goes, per step: `host_step_ms`, the host's time inside
+    step() (launching its kernels; near the wall time per step when the host, not the GPU, is
+    the limit) and on CUDA `gpu_span_ms`, the GPU's time from a step's first to its last
+    kernel (CUDA events; the GPU is idle for the remainder between steps)."""
     for _ in range(warmup):
         step(*next(batches))
     synchronize(device)  # the warm-up's queued GPU work is not the timed steps'
-    waited, start = 0.0, time.perf_counter()
+    cuda = device.type == "cuda"
+    spans: list[tuple[Any, Any]] = []
+    waited = launching = 0.0
+    start = time.perf_counter()
     for _ in range(steps):
         t = time.perf_counter()
         x, y = next(batches)
-        waited += time.perf_counter() - t
+        got = time.perf_counter()
+        waited += got - t
+        if cuda:
+            first = torch.cuda.Event(enable_timing=True)
+            first.record()
         step(x, y)
+        if cuda:
+            last = torch.cuda.Event(enable_timing=True)
+            last.record()
+            spans.append((first, last))
+        launching += time.perf_counter() - got
     synchronize(device)
     seconds = time.perf_counter() - start
     return {"samples_per_s": steps * batch / seconds, "data_wait_fraction": waited / seconds,
-            "seconds": seconds, "steps": steps}
+            "seconds": seconds, "steps": steps, "step_ms": 1e3 * seconds / steps,
+            "host_step_ms": 1e3 * launching / steps,
+            "gpu_span_ms": (sum(a.elapsed_time(b) for a, b in spans) / steps) if spans else None}
 
 
 def on_device(loader: Any, unpack: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
@@ -407,8 +424,7 @@ def ringfeed_loop(device: torch.device, opts: argparse.Namespace, args: argparse
     """workers/ringfeed_loop.py (train.compile when `compiled`) in its own process."""
     shards = image_shards(1024, per_shard=1024)  # only the first batch is read
     out = tmp / "ringfeed_loop.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env = dict(os.environ)  # ringfeed as this process imports it (installed, or gpu-check's)
     env["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # the plain loop's thread count
     if device.type == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the trainer takes a GPU whenever it sees one
@@ -470,6 +486,10 @@ def fmt(x: float | None, pct: bool = False, digits: int = 0) -> str:
     return f"{100 * x:.{digits}f}%" if pct else (f"{x:,.0f}" if x >= 100 else f"{x:.3g}")
 
 
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def flops_line(flops: dict[str, Any]) -> str:
     if not flops.get("per_sample"):
         return f"FLOPs: {flops.get('method')}."
@@ -516,7 +536,8 @@ def make_rows(best: dict[tuple[str, int], dict[str, Any]], flops: dict[str, Any]
             "samples_per_s": sps, **rates(sps, flops),
             "ratio_to_in_memory": sps / bound if sps and bound else None,
             "data_wait_fraction": r.get("data_wait_fraction"),
-            "steps": r.get("steps"), "seconds": r.get("seconds"),
+            "steps": r.get("steps"), "seconds": r.get("seconds"), "step_ms": r.get("step_ms"),
+            "host_step_ms": r.get("host_step_ms"), "gpu_span_ms": r.get("gpu_span_ms"),
             "read_ahead": r.get("read_ahead"), "pipeline_stats": r.get("pipeline_stats"),
             "all_rounds_samples_per_s": r.get("all", []), "error": r.get("error")})
     return rows
@@ -544,14 +565,18 @@ def table_md(rows: list[dict[str, Any]], small: dict[str, Any] | None,
         flops_line(info["flops"]),
         *compile_lines(rows, info, opts),
         "",
+        "Per step: wall ms; host ms inside step() (launching kernels); GPU ms from its first "
+        "to its last kernel (CUDA events). Host near wall: the host is the limit; GPU near "
+        "wall: the GPU is.",
+        "",
         "| contender | workers | decode threads | samples/s | / in-memory | data wait | "
-        "TFLOP/s | MFU |",
-        "|---|---|---|---|---|---|---|---|",
+        "ms/step: wall, host, GPU | TFLOP/s | MFU |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["error"]:
             lines.append(f"| {r['label']} | {r['workers'] if r['workers'] is not None else '-'}"
-                         f" | - | FAILED: {r['error'][:120]} | - | - | - | - |")
+                         f" | - | FAILED: {r['error'][:120]} | - | - | - | - | - |")
             continue
         ratio = r["ratio_to_in_memory"]
         bound = r["contender"].startswith("in_memory")
@@ -560,6 +585,7 @@ def table_md(rows: list[dict[str, Any]], small: dict[str, Any] | None,
             f"{r['decode_threads'] if r['decode_threads'] is not None else '-'} | "
             f"{fmt(r['samples_per_s'])} | {'-' if ratio is None else f'{ratio:.2f}x'} | "
             f"{'-' if bound else fmt(r['data_wait_fraction'], True)} | "
+            f"{ms(r['step_ms'])}, {ms(r['host_step_ms'])}, {ms(r['gpu_span_ms'])} | "
             f"{fmt(r['achieved_tflops'])} | {fmt(r['mfu'], True, 1)} |")
     ours = [r for r in rows if r["contender"].startswith("ringfeed") and r["ratio_to_in_memory"]
             and r["workers"] <= GOAL_MAX_WORKERS]

@@ -44,7 +44,11 @@ ngpu="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
 say "$(nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader | head -n1), $ngpu GPU(s); $("$PY" -c 'import sys, torch; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}")')"
 
 # --- 1. Python packages and Horovod with NCCL -------------------------------------------------
-export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# this checkout as the installed package would be (links; the repository root alone is not
+# importable as ringfeed)
+SRC="$CACHE/gpu-src"
+bash "$HERE/ringfeed_links.sh" "$SRC" || die "cannot link this checkout as a package in $SRC"
+export PYTHONPATH="$SRC:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$SITE/bin:$PATH"
 hvd_nccl() { "$PY" -c "import sys, horovod.torch as h; sys.exit(not h.nccl_built())" 2>/dev/null; }
 torch_v="$("$PY" -c 'import torch; print(torch.__version__)')"

@@ -144,4 +144,30 @@ def test_gpu_feed_bench_runs_on_cpu(tmp_path):
     table = result["table_md"]
     assert "| contender |" in table and all(row["label"] in table for row in rows.values())
     assert table.strip() in r.stdout
+    # MFU's numerator: resnet18's training FLOPs at 32x32, counted analytically (2 per
+    # multiply-add; backward 2x forward, the first conv without an input gradient)
+    assert result["flops"]["per_sample"] == pytest.approx(resnet18_training_flops(32), rel=0.05)
+    assert result["flops"]["peak_tflops"] is None  # CPU: no peak, no MFU
+    for row in rows.values():
+        assert row["achieved_tflops"] == pytest.approx(
+            row["samples_per_s"] * result["flops"]["per_sample"] / 1e12) and row["mfu"] is None
+        # where each step's time went: the host's share of the wall time is inside it
+        assert 0 < row["host_step_ms"] <= row["step_ms"] and row["gpu_span_ms"] is None, row
+    assert result["compile"]["on"] is False  # compiled rows: on CUDA, or --compile on
+
+
+def resnet18_training_flops(side: int) -> float:
+    """torchvision's resnet18 (10 classes) on side x side: conv1 7x7/2, max-pool /2, four
+    stages of two BasicBlocks (64..512 channels, stride 2 and a 1x1 projection from stage 2)."""
+    def conv(cin: int, cout: int, k: int, out: int) -> float:
+        return 2.0 * cin * cout * k * k * out * out
+
+    first = conv(3, 64, 7, side // 2)
+    forward, size = first + 4 * conv(64, 64, 3, side // 4), side // 4
+    for cin, cout in ((64, 128), (128, 256), (256, 512)):
+        size //= 2
+        forward += conv(cin, cout, 3, size) + 3 * conv(cout, cout, 3, size)
+        forward += conv(cin, cout, 1, size)
+    forward += 2.0 * 512 * 10
+    return 3 * forward - first
 

@@ -338,3 +338,37 @@ def test_gpu_check_on_a_machine_without_gpu_says_so_in_one_line(tmp_path):
     assert res.returncode == 1
     assert res.stdout.strip().splitlines() == [
         "gpu-check: FAIL: nvidia-smi not found: this is not a GPU machine"]
+
+
+# A site hook that hides setuptools' editable finder: Python as on a machine where ringfeed was
+# never installed (the GPU machine gpu-check runs on).
+NOT_INSTALLED = """import sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+"""
+IMPORTS = "import ringfeed.train.cli, ringfeed.pipeline.torch, ringfeed.shards; print(ringfeed.train.__file__)"
+
+
+@pytest.mark.system
+def test_ringfeed_links_make_the_checkout_importable_without_installing(tmp_path):
+    """gpu-check runs this checkout where nothing can be installed from PyPI. The repository
+    root on PYTHONPATH is not enough (ringfeed/ lacks train, pipeline and shards: pyproject's
+    package-dir maps them); docker/ringfeed_links.sh lays the package out as links."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(NOT_INSTALLED)
+
+    def imports(pythonpath: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{pythonpath}"}
+        return subprocess.run([sys.executable, "-c", IMPORTS], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+
+    bare = imports(str(REPO))
+    assert bare.returncode != 0 and "No module named 'ringfeed.train'" in bare.stderr
+
+    site = tmp_path / "src"
+    subprocess.run(["bash", REPO / "docker" / "ringfeed_links.sh", site], check=True,
+                   timeout=60)
+    linked = imports(str(site))
+    assert linked.returncode == 0, linked.stderr[-2000:]
+    assert linked.stdout.strip() == str(site / "ringfeed" / "train" / "__init__.py")
+    assert (site / "ringfeed" / "train").resolve() == REPO / "train"
