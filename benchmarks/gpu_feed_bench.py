@@ -12,11 +12,19 @@ for the same number of steps on 64x64 JPEG shards fed by each contender, in one 
 Every contender converts the uint8 NHWC batch to float and normalises it on the device, then
 runs bf16 autocast + channels_last (CUDA; fp32 on CPU) with SGD momentum. Timing starts after
 the warm-up steps and ends after torch.cuda.synchronize(); data wait is the training loop's time
-spent getting its next batch onto the device. The timed steps run across epoch boundaries (with
-25,600 samples an epoch is ~100 steps), so every shuffle-buffer refill is paid as in training.
+spent getting its next batch onto the device; per step, the host's time inside the step
+(launching kernels) and, on CUDA, the GPU's span from the step's first to its last kernel (CUDA
+events) say which side limits. Every row also gives achieved TFLOP/s and MFU: FLOPs per sample
+counted as the trainer counts them (FlopCounterMode on the meta device), against the device's
+dense bf16 peak (train/throughput.py's table, or --peak-tflops). The timed steps run across
+epoch boundaries (with 25,600 samples an epoch is ~100 steps), so every shuffle-buffer refill
+is paid as in training. With --compile (default on for a full CUDA run) a second copy of the
+model goes through `torch.compile` (default mode, dynamic=False; its compile time reported)
+and is fed in memory and by ringfeed at the largest W <= 8.
 A second table sets ringfeed's own training loop (`benchmarks/workers/ringfeed_loop.py`, the
 trainer on one in-memory batch, run as a single Horovod process) against a minimal plain loop
-on the same small cnn, where per-step overhead dominates; it needs Horovod (skipped without).
+on the same small cnn, where per-step overhead dominates, each also compiled (the trainer with
+train.compile: true); it needs Horovod (skipped without).
 
     python benchmarks/gpu_feed_bench.py --device cuda [--out benchmarks/results/gpu.json]
     python benchmarks/gpu_feed_bench.py --device cpu --quick --out /tmp/gpu_quick.json  # smoke
