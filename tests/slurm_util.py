@@ -129,7 +129,7 @@ class Cluster:
 
     def release(self, job_id: str, timeout: float = 60) -> None:
         """A requeued job waits about 2 minutes (PENDING, Reason=BeginTime): start it now, once
-        the previous run's step daemons have ended. Slurm itself does not wait for them: a
+        the previous run's step daemons have ended and the second of its requeue has passed. Slurm itself does not wait for them: a
         `slurmstepd: [J.0]` may still be cleaning up when the job starts again, and with
         `srun --mpi=pmix` the new step J.0 then fails to launch (its PMIx socket
         SlurmdSpoolDir/stepd.slurm.pmix.J.0 is still bound: "Address already in use")."""
@@ -139,6 +139,10 @@ class Cluster:
                 raise AssertionError(f"job {job_id}'s step daemons still run after "
                                      f"{timeout:.0f} s\n{self.logs()}")
             time.sleep(0.2)
+        # Requeueing revoked the job's launch credential; slurmd rejects a new one created in
+        # the same second ("Killing non-startable batch JobId=N: Job credential revoked", seen
+        # once under load) - Slurm's own ~2 min BeginTime is that margin. One second of it:
+        time.sleep(1.5)
         self.check(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 
     def step_daemons(self, job_id: str) -> list[str]:

@@ -59,9 +59,11 @@ LR, MOMENTUM = 0.02, 0.9
 CHECKPOINT_EVERY = 100  # to disk, for restarts of the whole job
 # The replay of the audited committed steps in one process against the job: the largest
 # differences measured (3 runs per framework, CPU fp32) were 9.5e-7 in the final weights and
-# 1.3e-6 in a step's loss (absolute), from the allreduce's reduction order over some 300 steps.
-# Asserted: 1e-5.
-REPLAY_TOLERANCE = 1e-5
+# 1.3e-6 in a step's loss (absolute), from the allreduce's reduction order over some 300 steps;
+# one TensorFlow run of a full suite (2026-11-26) gave 1.06e-5 in the final weights. Asserted:
+# 5e-5. The test also shows that one committed step left out of the replay ends more than 10x
+# that far from the job (the smallest error the audit is there to catch).
+REPLAY_TOLERANCE = 5e-5
 
 
 @pytest.fixture(scope="module")
@@ -237,13 +239,21 @@ def test_elastic_worker_killed_then_host_back(tmp_path, shards, framework, full)
     # weights, and each step's loss as the job logged it.
     x, y = toy_arrays(N_TRAIN)
     batches = [(x[r], y[r]) for r in ([ids[h] for h in st.rows] for st in steps)]
-    reference = replay(framework, first_weights(audit, steps[0].weights), batches,
-                       [LR * size for size in sizes], MOMENTUM)
+    initial, lrs = first_weights(audit, steps[0].weights), [LR * size for size in sizes]
+    reference = replay(framework, initial, batches, lrs, MOMENTUM)
     final, _ = checkpoint_arrays(framework,
                                  run_dir / "checkpoints" / f"ckpt-{summary['step']:09d}")
     differences = {"final weights": max_difference(reference.weights, final),
                    "losses": max(abs(loss[s] - value)
                                  for s, value in enumerate(reference.losses, start=1))}
+    # the tolerance against the error it guards against: the replay without one committed step
+    # (the first at the smaller size, after the rollback) ends far from the job
+    gap = shrink["step"]
+    missing_one = replay(framework, initial, batches[:gap] + batches[gap + 1:],
+                         lrs[:gap] + lrs[gap + 1:], MOMENTUM)
+    differences["one step missing"] = max_difference(missing_one.weights, final)
     print(f"{framework} elastic: replay differences {differences}")
-    assert max(differences.values()) < REPLAY_TOLERANCE, differences
+    assert differences["one step missing"] > 10 * REPLAY_TOLERANCE, differences
+    assert max(differences["final weights"], differences["losses"]) < REPLAY_TOLERANCE, \
+        differences
 
