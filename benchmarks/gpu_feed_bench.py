@@ -60,7 +60,13 @@ from datasets import CACHE, cached_dir, image_shards  # noqa: E402
 from pipeline_bench import write_jpeg_folder  # noqa: E402
 
 from ringfeed.fsutil import atomic_write_text  # noqa: E402
-from ringfeed.train.throughput import count_torch_flops, resolve_peak  # noqa: E402
+from ringfeed.train.throughput import (  # noqa: E402
+    Accounting,
+    FlopCount,
+    Peak,
+    count_torch_flops,
+    resolve_peak,
+)
 
 NAME = "gpu_feed"
 MEAN = (0.485, 0.456, 0.406)  # ImageNet's, applied on the device by every contender
@@ -413,7 +419,7 @@ def small_model(device: torch.device, opts: argparse.Namespace, tmp: Path) -> di
         try:
             result[name] = plain_loop(device, args, compiled)
         except Exception as e:
-            result[name] = {"error": f"{type(e).__name__}: {_first_line(e)}"}
+            result[name] = {"error": failure(e)}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the trainer's process shares the GPU
 
@@ -461,8 +467,10 @@ def ringfeed_loop(device: torch.device, opts: argparse.Namespace, args: argparse
 
 
 # -- throughput -----------------------------------------------------------------------------
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+def failure(e: BaseException) -> str:
+    """A row's error: the exception's type and first line."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def flops_info(model: nn.Module, shape: tuple[int, ...], device: torch.device, dtype: str,
@@ -479,12 +487,11 @@ def flops_info(model: nn.Module, shape: tuple[int, ...], device: torch.device, d
 
 
 def rates(samples_per_s: float | None, flops: dict[str, Any]) -> dict[str, float | None]:
-    """Achieved TFLOP/s and MFU of a row (None where unknown)."""
-    if not samples_per_s or not flops.get("per_sample"):
-        return {"achieved_tflops": None, "mfu": None}
-    achieved = samples_per_s * flops["per_sample"] / 1e12
-    peak = flops.get("peak_tflops")
-    return {"achieved_tflops": achieved, "mfu": achieved / peak if peak else None}
+    """Achieved TFLOP/s and MFU of a row (None where unknown), as the trainer computes them."""
+    known = Accounting(FlopCount(flops.get("per_sample"), flops.get("method", "")),
+                       Peak(flops.get("peak_tflops"), flops.get("peak_source", "")),
+                       devices=1).rates(samples_per_s) if samples_per_s else {}
+    return {"achieved_tflops": known.get("tflops"), "mfu": known.get("mfu")}
 
 
 # -- report ---------------------------------------------------------------------------------
@@ -742,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
             info["compile_s"] = compiled.compile_now(opts.batch, opts.image)
             print(f"  compiled in {info['compile_s']:.1f} s", flush=True)
         except Exception as e:  # its rows say so; the eager rows still run
-            info["compile_error"] = f"{type(e).__name__}: {_first_line(e)}"
+            info["compile_error"] = failure(e)
             print(f"  torch.compile failed: {info['compile_error']}", flush=True)
             compiled = None
     # the compiled model is fed at one worker count: the largest of those asked within the goal
@@ -754,8 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             value = fn()
         except Exception as e:  # one contender's failure must not hide the others' rows
-            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            value = {"error": f"{type(e).__name__}: {why}"}
+            value = {"error": failure(e)}
         runs.setdefault(key, []).append(value)
         took = f"  ({time.perf_counter() - started:.1f} s)" if clock else ""
         print(f"  {key[0]:<14} W={key[1]:<3} {value.get('samples_per_s', 0):>10,.1f} samples/s"
@@ -769,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 out = ringfeed(step, shard_dir, w, opts, Path(tmp))
             except Exception as e:
-                out = {k: {"error": f"{type(e).__name__}: {_first_line(e)}"}
+                out = {k: {"error": failure(e)}
                        for k in ("ringfeed_off", "ringfeed_warm")}
             print(f"  ringfeed{suffix} W={w}: {time.perf_counter() - started:.1f} s (both "
                   "pipelines, the cache-filling epoch included)", flush=True)

@@ -129,7 +129,8 @@ class Cluster:
 
     def release(self, job_id: str, timeout: float = 60) -> None:
         """A requeued job waits about 2 minutes (PENDING, Reason=BeginTime): start it now, once
-        the previous run's step daemons have ended and the second of its requeue has passed. Slurm itself does not wait for them: a
+        the previous run's step daemons have ended and the second of its requeue has passed.
+        Slurm itself does not wait for the daemons: a
         `slurmstepd: [J.0]` may still be cleaning up when the job starts again, and with
         `srun --mpi=pmix` the new step J.0 then fails to launch (its PMIx socket
         SlurmdSpoolDir/stepd.slurm.pmix.J.0 is still bound: "Address already in use")."""

@@ -345,7 +345,8 @@ def test_gpu_check_on_a_machine_without_gpu_says_so_in_one_line(tmp_path):
 NOT_INSTALLED = """import sys
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
 """
-IMPORTS = "import ringfeed.train.cli, ringfeed.pipeline.torch, ringfeed.shards; print(ringfeed.train.__file__)"
+IMPORTS = ("import ringfeed.train.cli, ringfeed.pipeline.torch, ringfeed.shards; "
+           "print(ringfeed.train.__file__)")
 
 
 @pytest.mark.system
