@@ -99,16 +99,17 @@ class StepBackend(Protocol):
     dist: Dist
     cpu_threads: int | None  # the intra-op threads it computes with (None: the framework's own)
 
-    def build(self, spec: DataSpec) -> None:
-        """Create model, optimizer, loss scaler; make all ranks start from rank 0's weights."""
+    def build(self, spec: DataSpec, accumulate: int | None = None) -> None:
+        """Create model, optimizer, loss scaler for steps of `accumulate` micro-batches (None:
+        train.accumulate); nothing collective."""
 
     def loader(self, pipe) -> Any:
         """An iterable over `pipe`'s batches as framework tensors; iter() once per epoch."""
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
                    requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
-        """One optimizer step over len(micro_batches) accumulated micro-batches, one gradient
-        allreduce. `requests` = (save, stop) flags of this rank, agreed across ranks."""
+        """One optimizer step over the `accumulate` micro-batches given to build() (asserted),
+        one gradient allreduce. `requests` = (save, stop) flags of this rank, agreed across ranks."""
 
     def eval_batch(self, batch: dict[str, Any], groups: Groups | None = None
                    ) -> dict[str, float]:

@@ -64,6 +64,15 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 
+def refuse_earlier_run(resume: str, directory: Path) -> None:
+    """A run that does not resume (`resume: none`) must not write into a checkpoint.dir that
+    holds checkpoints of an earlier run: UserError."""
+    if resume == "none" and list_checkpoints(directory):
+        raise UserError(
+            f"checkpoint.dir {directory} already holds checkpoints of an earlier run; continue "
+            "it with --resume auto, or choose another output.dir / checkpoint.dir")
+
+
 def write_checkpoint(directory: Path, step: int, meta: dict[str, Any],
                      write_payload: Callable[[Path], None], keep: int) -> Path:
     """Write `ckpt-<step>` atomically, then delete all but the newest `keep`.

@@ -35,11 +35,11 @@ from ringfeed.errors import UserError
 from ringfeed.formats.manifest import ManifestError
 from ringfeed.formats.manifest_index import ManifestIndex, load_index
 from ringfeed.pipeline.config import PipelineConfig, WeightedSource
+from ringfeed.train.checkpoint import refuse_earlier_run
 from ringfeed.train.horovod_env import launch_problem
 from ringfeed.userhooks import IMPORT_PATH
 
 BUILTIN_MODELS = ("mlp", "cnn", "gpt")
-CHECKPOINT_GLOB = "ckpt-*"  # the checkpoint module's directory names; see train/checkpoint.py
 
 
 class _Section(BaseModel):
@@ -457,15 +457,13 @@ def _check_paths(cfg: RunConfig, path: str | Path) -> None:
             if key and fields and key not in fields:
                 raise UserError(f"{path}: data.{key_field}: {key!r} is not a field of {source} "
                                 f"(fields: {', '.join(fields)})")
-    ckpt_dir = cfg.checkpoint_dir
     # (Elastic runs check this when they start training: a worker joining a running job finds
     # the job's own checkpoints here.)
-    if cfg.checkpoint.resume == "none" and not cfg.elastic.enabled and ckpt_dir.is_dir() \
-            and any(ckpt_dir.glob(CHECKPOINT_GLOB)):
-        raise UserError(
-            f"{path}: checkpoint.dir {ckpt_dir} already holds checkpoints of an earlier run; "
-            "continue it with --resume auto, or choose another output.dir / checkpoint.dir"
-        )
+    if not cfg.elastic.enabled:
+        try:
+            refuse_earlier_run(cfg.checkpoint.resume, cfg.checkpoint_dir)
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
 
 
 def _paths(field: str, source: str | list[WeightedSource], split: str | None

@@ -25,28 +25,30 @@ from the pipeline's position. Checkpoints are still written to disk every
 
 `ElasticRun` is a strategy the loop (train/loop.py) holds and calls: `run()` in place of the
 loop's start/train/wrap_up, `after_step()` after every step. It owns Horovod's elastic State;
-the trainer's own state changes only through the trainer's methods (`progress()` for a commit,
-`rejoin()` after a reset, `count_elastic_reset()`).
+the trainer is reached only through its methods (`progress()`, `recovery_counts()`,
+`flush_samples()` for a commit, `rejoin()` and `elastic_reset()` after a reset, `position()`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from ringfeed.train.runstate import Recovery, SignalRequests
 
 if TYPE_CHECKING:  # (type hints only: the loop imports this module)
+    from ringfeed.train.backend import Backend
     from ringfeed.train.loop import Trainer
 
 
 class ElasticRun:
     trainer: Trainer
+    backend: Backend
+    commit_every: int  # elastic.commit_every_steps
     state: Any  # Horovod's elastic State (model, optimizer, scaler, progress, recovery)
     lost_steps: int | None  # trained past the last commit when a reset came
 
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
+    def __init__(self, trainer: Trainer, backend: Backend, commit_every: int):
+        self.trainer, self.backend, self.commit_every = trainer, backend, commit_every
         self.state = None
         self.lost_steps = None
 
@@ -54,32 +56,32 @@ class ElasticRun:
         """The trainer is prepared (pipelines, model), nothing collective has happened: a
         worker that joins a running job enters Horovod's retry loop straight away, and
         Horovod's sync is the first collective it meets. True when a signal stopped the run."""
-        t = self.trainer
-        self.state = t.backend.elastic_state(progress=None, recovery=asdict(t.recovery))
+        self.state = self.backend.elastic_state(progress=None,
+                                                recovery=self.trainer.recovery_counts())
         self.state.register_reset_callbacks([self._on_reset])
-        return t.backend.elastic_run(self._generation)(self.state, signals)
+        return self.backend.elastic_run(self._generation)(self.state, signals)
 
     def _generation(self, state: Any, signals: SignalRequests) -> bool:
         """One stretch of training at one world size; runs again after every reset."""
         t = self.trainer
         first = state.progress is None
         # the committed state (synced from rank 0) at this worker's rank and size
-        t.rejoin(t.backend.refresh_dist(), Recovery(**state.recovery), state.progress)
+        dist = self.backend.refresh_dist()
+        t.rejoin(dist, Recovery(**state.recovery), state.progress)
         if first:  # the checkpoint on disk, if any; errors agreed across ranks
-            t.start(note=f"; elastic, commit every {t.cfg.elastic.commit_every_steps} steps")
+            t.start(note=f"; elastic, commit every {self.commit_every} steps")
         else:
             # Rank 0 lived through the reset (Horovod keeps the oldest hosts first); a worker
             # that just joined learns from it what the reset cost.
-            lost = t.backend.broadcast_object(self.lost_steps)
-            t.count_elastic_reset(lost)
-            r = t.recovery
-            rolled = f"rolled back {lost} step(s); " if lost else ""
-            t.start(resume=False, note=(
-                f"\nelastic: {t.dist.size} rank(s) from step {t.state.step} (epoch "
-                f"{t.state.epoch}); {rolled}so far {r.elastic_resets} reset(s), "
-                f"{r.rollbacks} rollback(s)"))
-            t.logger.event(t.state.step, {"event": "elastic_reset", "size": t.dist.size,
-                                          "steps_redone": lost})
+            lost = self.backend.broadcast_object(self.lost_steps)
+            step, epoch = t.position()
+
+            def note(r: Recovery) -> str:
+                rolled = f"rolled back {lost} step(s); " if lost else ""
+                return (f"\nelastic: {dist.size} rank(s) from step {step} (epoch {epoch}); "
+                        f"{rolled}so far {r.elastic_resets} reset(s), {r.rollbacks} rollback(s)")
+
+            t.elastic_reset(lost, note)
         self.commit()
         stopped = t.train(signals)
         t.wrap_up(stopped)
@@ -90,18 +92,19 @@ class ElasticRun:
         Steps past the committed one were trained and are lost; Horovod's sync, which comes
         next, resets plain values to the committed ones, so this is only kept locally."""
         committed = self.state.progress["step"] if self.state.progress else 0
-        self.lost_steps = max(0, self.trainer.state.step - committed)
-        self.trainer.backend.after_rollback()
+        self.lost_steps = max(0, self.trainer.position()[0] - committed)
+        self.backend.after_rollback()
 
-    def after_step(self) -> None:
-        if self.trainer.state.step % self.trainer.cfg.elastic.commit_every_steps == 0:
+    def after_step(self, step: int) -> None:
+        """Optimizer step `step` is done: commit every commit_every steps."""
+        if step % self.commit_every == 0:
             self.commit()
 
     def commit(self) -> None:
         """Copy progress into the elastic state and commit it (new objects every time:
         Horovod keeps references to the committed values)."""
         t = self.trainer
-        t.flush_sample_log()  # samples.jsonl holds every committed step
+        t.flush_samples()  # samples.jsonl holds every committed step
         self.state.progress = t.progress()
-        self.state.recovery = asdict(t.recovery)
+        self.state.recovery = t.recovery_counts()
         self.state.commit()

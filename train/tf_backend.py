@@ -102,9 +102,11 @@ class TFBackend(StepCounting):
         self.span = no_span  # named profiler ranges: train/profile.py sets them while tracing
 
     # -- setup --------------------------------------------------------------------------------
-    def build(self, spec: DataSpec) -> None:
+    def build(self, spec: DataSpec, accumulate: int | None = None) -> None:
         cfg, t = self.cfg, self.cfg.train
         self.spec = spec
+        # k micro-batches per step: the trainer's (train.accumulate when built on its own)
+        self.accumulate = t.accumulate if accumulate is None else accumulate
         keras.mixed_precision.set_dtype_policy(POLICIES[t.precision])
         keras.utils.set_random_seed(t.seed)
         self.model = build_model("tensorflow", cfg.model.name, dict(cfg.model.args), spec)
@@ -183,7 +185,7 @@ class TFBackend(StepCounting):
                      for g, v in zip(grads, variables, strict=True)]
             total = grads if total is None else [a + g for a, g in zip(total, grads, strict=True)]
             loss_sum += loss
-        k = float(len(micro))
+        k = float(self.accumulate)
         reduced = [g / k for g in total]
         if self.sync_every == 1:  # (local SGD: this rank's own gradients)
             reduced = hvd.grouped_allreduce(reduced, op=hvd.Average,
@@ -211,13 +213,14 @@ class TFBackend(StepCounting):
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
                    requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
-        keys = self._step_keys
+        keys, k = self._step_keys, self.accumulate
+        assert len(micro_batches) == k, f"{len(micro_batches)} micro-batches, accumulate={k}"
         micro = [{k: tf.convert_to_tensor(b[k]) for k in keys} for b in micro_batches]
         out = self._step(micro, tf.constant((*requests, lr), tf.float32)).numpy().tolist()
         stats, (applied, norm, scale) = out[:3], out[3:]
         if not np.isfinite(stats[STATS_LOSS]):
             return StepResult.from_stats(stats, applied=False)
-        self._count_step(int(micro[0][keys[0]].shape[0]) * len(micro))
+        self._count_step(int(micro[0][keys[0]].shape[0]) * k)
         fp16 = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         return StepResult.from_stats(
             stats, applied=applied > 0 or not fp16,

@@ -154,9 +154,11 @@ class TorchBackend(StepCounting):
         self._loaded_rng: list[dict[str, torch.Tensor]] | None = None
 
     # -- setup --------------------------------------------------------------------------------
-    def build(self, spec: DataSpec) -> None:
+    def build(self, spec: DataSpec, accumulate: int | None = None) -> None:
         cfg, t = self.cfg, self.cfg.train
         self.spec = spec
+        # k micro-batches per step: the trainer's (train.accumulate when built on its own)
+        self.accumulate = t.accumulate if accumulate is None else accumulate
         torch.manual_seed(t.seed)
         self.model = build_model("torch", cfg.model.name, dict(cfg.model.args), spec)
         self.model.to(self.device)
@@ -177,7 +179,7 @@ class TorchBackend(StepCounting):
                 named_parameters=self.model.named_parameters(),
                 compression=DenseLayout(hvd.Compression.fp16 if t.fp16_allreduce
                                         else hvd.Compression.none),
-                backward_passes_per_step=t.accumulate,
+                backward_passes_per_step=self.accumulate,
                 op=hvd.Average,
             )
         # what one step's gradient allreduce hands to Horovod (fp16 compression halves it)
@@ -233,7 +235,8 @@ class TorchBackend(StepCounting):
         # moments yet (an fp16 overflow skipping a rank's first steps leaves them uncreated),
         # so every rank averages the same list of tensors.
         extra = (float(self._has_moments()),) if local else ()
-        k = len(micro_batches)
+        k = self.accumulate
+        assert len(micro_batches) == k, f"{len(micro_batches)} micro-batches, accumulate={k}"
         loss_sum = stats = None
         samples = 0
         for i, batch in enumerate(micro_batches):
