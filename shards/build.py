@@ -57,9 +57,18 @@ def created_by() -> str:
 
 def shard_dataset(opts: ShardOptions) -> ShardRun:
     start = time.monotonic()
+    if opts.src_url or opts.out_url:
+        from ringfeed.shards.remote_build import fetch_src, remove_staging, shard_to_store
+
+        fetch_src(opts)
+        if opts.out_url:
+            return shard_to_store(opts, start)
     check_out_dir(opts.out, opts.overwrite, opts.src)
     try:
-        return _shard(opts, start)
+        run = _shard(opts, start)
+        if opts.src_url:
+            remove_staging(opts)
+        return run
     except OSError as e:  # disk full, no permission, input gone: the file, the reason, resume
         raise UserError(f"{e.filename or opts.out}: {e.strerror or e}; fix that and run the same "
                         "command again (finished shards are kept)") from e
@@ -68,6 +77,7 @@ def shard_dataset(opts: ShardOptions) -> ShardRun:
 def _shard(opts: ShardOptions, start: float) -> ShardRun:
     source = open_source(opts)
     try:
+        adopt_src_url(source, opts)
         shards = plan_shards(source, opts)
         plan_id = fingerprint(source, opts, shards)
         journal = Journal(opts.out)
@@ -89,6 +99,16 @@ def _shard(opts: ShardOptions, start: float) -> ShardRun:
         source.close()
     return ShardRun(manifest, opts.out, time.monotonic() - start,
                     written=[s.name for s in todo], kept=sorted(kept))
+
+
+def adopt_src_url(source: Source, opts: ShardOptions) -> None:
+    """A SRC fetched from a URL is recorded (manifest, plan) as that URL, not its local copy."""
+    if not opts.src_url:
+        return
+    local = str(opts.src)
+    source.path = opts.src_url  # type: ignore[assignment]
+    source.inputs = [(opts.src_url + name[len(local):] if name.startswith(local) else name,
+                      size, mtime) for name, size, mtime in source.inputs]
 
 
 def check_out_dir(out: Path, overwrite: bool, src: Path) -> None:

@@ -67,24 +67,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "name, e.g. val-0001.tar, else train)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: when stderr is a terminal)")
+    _storage_option(p)
+    p.add_argument("--staging", metavar="DIR",
+                   help="OUT or SRC a URL: the local folder shards are written to before their "
+                        "upload and a remote SRC is fetched into (default: "
+                        "~/.cache/ringfeed/shard/<hash of SRC and OUT>, the same for a rerun)")
     p.set_defaults(func=run_shard)
 
     v = subparsers.add_parser("verify", help="re-hash and re-count shards against manifest.json "
                                              "and check their index sidecars")
     v.add_argument("out", metavar="OUT", help="the folder holding manifest.json")
     v.add_argument("--workers", type=int, default=1, metavar="K")
+    _storage_option(v)
     v.set_defaults(func=run_verify)
 
     i = subparsers.add_parser("inspect", help="summarize a sharded dataset")
     i.add_argument("out", metavar="OUT", help="the folder holding manifest.json")
     i.add_argument("--samples", type=int, default=3, metavar="N", help="samples to show per split")
     i.add_argument("--workers", type=int, default=1, metavar="K")
+    _storage_option(i)
     i.set_defaults(func=run_inspect)
+
+
+def _storage_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an fsspec option for a URL's storage (repeatable), e.g. "
+                             "endpoint_url=http://127.0.0.1:9000, key=..., secret=..., anon=true "
+                             "(a JSON VALUE is taken as such); the pipeline's storage_options")
 
 
 def options_from_args(args: argparse.Namespace) -> ShardOptions:
     """Validate the command line; every problem is one UserError line."""
     from ringfeed.fsutil import parse_size
+    from ringfeed.shards.remote import default_staging, is_url, parse_storage_options
 
     if args.format not in FORMATS:
         raise UserError(f"unknown --format {args.format!r} (choose from: {', '.join(FORMATS)})")
@@ -116,15 +131,27 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
             raise UserError(f"{flag} {value}: must be at least {low}")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val-fraction {args.val_fraction}: must be in [0, 1)")
-    src = Path(args.src).expanduser().resolve()
+    storage_options = parse_storage_options(args.storage_option)
+    out_arg = args.out if args.out else args.src
+    src_url = args.src if is_url(args.src) else None
+    out_url = out_arg.rstrip("/") if is_url(out_arg) else None
+    src = Path(args.src).expanduser().resolve() if src_url is None else Path(args.src)
+    out = Path(out_arg) if out_url is None else Path()
+    staging = Path(args.staging).expanduser().resolve() if args.staging else None
+    if (src_url or out_url) and args.format != "wds-index":
+        staging = staging or default_staging(out_url or str(out.resolve()), args.src)
+        # the shards are written here before their upload; a remote SRC is fetched here
+        out = staging if out_url else out
+        src = staging / "src" if src_url else src
     return ShardOptions(
-        src=src, out=Path(args.out) if args.out else src, format=args.format, fields=fields,
+        src=src, out=out, format=args.format, fields=fields,
         key_field=args.key_field, features=features, categorical=list(args.categorical),
         fill=args.fill, max_size=max_size, max_count=args.max_count,
         val_fraction=args.val_fraction, shuffle_seed=args.shuffle_seed, workers=args.workers,
         strict=args.strict, overwrite=args.overwrite, seq_len=args.seq_len,
         tokenizer=args.tokenizer, text_field=args.text_field, glob=args.glob, split=args.split,
-        progress=args.progress)
+        progress=args.progress, out_url=out_url, src_url=src_url,
+        storage_options=storage_options, staging=staging)
 
 
 def _name_ext(spec: str, flag: str, example: str, last: bool = False) -> tuple[str, str]:
@@ -159,7 +186,7 @@ def run_shard(args: argparse.Namespace) -> int:
         notes += f"; skipped {len(m.skipped)} input file(s), listed in the manifest"
     print(f"ringfeed shard: {samples:,} samples, {sum(len(s.shards) for s in m.splits.values())} "
           f"shards ({per_split}), {human_bytes(nbytes)}, {run.seconds:.1f} s, "
-          f"{rate(nbytes, run.seconds)} -> {run.out / 'manifest.json'}{notes}")
+          f"{rate(nbytes, run.seconds)} -> {opts.out_url or run.out}/manifest.json{notes}")
     return 0
 
 
@@ -167,7 +194,7 @@ def run_verify(args: argparse.Namespace) -> int:
     from ringfeed.shards.progress import human_bytes
     from ringfeed.shards.verify import verify
 
-    result = verify(Path(args.out), args.workers)
+    result = verify(args.out, args.workers, _storage_options(args))
     for check in result.bad:
         print(f"BAD {check.split}/{check.name}: {'; '.join(check.problems)}")
     if result.unlisted:
@@ -185,5 +212,11 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     from ringfeed.shards.inspection import inspect_dataset
 
-    print(inspect_dataset(Path(args.out), args.samples, args.workers))
+    print(inspect_dataset(args.out, args.samples, args.workers, _storage_options(args)))
     return 0
+
+
+def _storage_options(args: argparse.Namespace) -> dict:
+    from ringfeed.shards.remote import parse_storage_options
+
+    return parse_storage_options(args.storage_option)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +18,22 @@ from ringfeed.formats.manifest import Manifest
 from ringfeed.formats.tarread import TarReadError, read_ints, scan_tar, shard_url
 from ringfeed.shards.parallel import parallel_map
 from ringfeed.shards.progress import human_bytes
+from ringfeed.shards.remote import is_url, storage_call, storage_defaults
 from ringfeed.shards.verify import load_manifest
 
 PREVIEW_CHARS = 60
 
 
-def inspect_dataset(out: Path, samples: int = 3, workers: int = 1) -> str:
-    """The report, as text."""
-    m = load_manifest(out)
+def inspect_dataset(out: str | Path, samples: int = 3, workers: int = 1,
+                    storage_options: dict[str, Any] | None = None) -> str:
+    """The report, as text. OUT is a folder or a URL (`s3://bucket/prefix`)."""
+    m = load_manifest(out, storage_options)
+    out = str(out).rstrip("/") if is_url(out) else out
+    with storage_defaults(out, storage_options or {}):
+        return _report(m, out, samples, workers)
+
+
+def _report(m: Manifest, out: str | Path, samples: int, workers: int) -> str:
     lines = [f"{out}/manifest.json: {m.source.get('format')} from {m.source.get('path')} "
              f"({m.created_by or 'unknown writer'})"]
     lines.append("fields: " + ", ".join(f"{ext} ({kind})" for ext, kind in m.fields.items()))
@@ -60,7 +69,7 @@ def _spread(values: list[int], fmt: Any) -> str:
 def _count_classes(out: str, name: str) -> Counter:
     url = shard_url(out, name)
     try:
-        return read_ints(url, "cls")
+        return storage_call(lambda: read_ints(url, "cls"), url, "count its classes")
     except (TarReadError, OSError) as e:
         raise _unreadable(out, url, e) from None
     except ValueError as e:  # int() of a cls member
@@ -74,7 +83,7 @@ def _unreadable(out: str, url: str, e: Exception) -> UserError:
                      "checks every shard)")
 
 
-def _class_balance(m: Manifest, out: Path, workers: int) -> list[str]:
+def _class_balance(m: Manifest, out: str | Path, workers: int) -> list[str]:
     lines = []
     for split_name, split in m.splits.items():
         names = [s.name for s in split.shards]
@@ -88,7 +97,7 @@ def _class_balance(m: Manifest, out: Path, workers: int) -> list[str]:
     return lines
 
 
-def _samples(m: Manifest, out: Path, count: int) -> list[str]:
+def _samples(m: Manifest, out: str | Path, count: int) -> list[str]:
     lines = []
     for split_name, split in m.splits.items():
         if not split.shards or count <= 0:
@@ -97,7 +106,8 @@ def _samples(m: Manifest, out: Path, count: int) -> list[str]:
         lines.append(f"first samples of {split_name} ({first}):")
         url = shard_url(str(out), first)
         try:
-            shown = scan_tar(url, keep_first=count).first
+            shown = storage_call(partial(scan_tar, url, keep_first=count), url,
+                                 "read its first samples").first
         except (TarReadError, OSError) as e:
             raise _unreadable(str(out), url, e) from None
         for sample in shown:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 FORMATS = ("imagefolder", "jsonl", "csv", "parquet", "npz", "npy", "text", "wds-index")
 TABLE_FORMATS = ("jsonl", "csv", "parquet")  # one sample per row of typed columns
@@ -35,6 +36,12 @@ class ShardOptions:
     glob: str = "*"
     split: str | None = None  # wds-index: put every shard in this split
     progress: bool | None = None  # None: a bar only when stderr is a terminal
+    # object storage (remote.py): OUT and/or SRC given as URLs. Then `out` (for a remote OUT)
+    # and `src` (for a remote SRC, once fetched) are local paths under `staging`.
+    out_url: str | None = None
+    src_url: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec's, as the pipeline's
+    staging: Path | None = None
 
     def limits(self) -> tuple[int | None, int | None]:
         """(max bytes, max samples) per shard; None = no limit."""

@@ -5,14 +5,17 @@ cannot be read says what is wrong with its compressed data or with the tar insid
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ringfeed.errors import UserError
 from ringfeed.formats.manifest import Manifest, ManifestError, ShardInfo
 from ringfeed.formats.tarindex import TarIndex, build_index
 from ringfeed.formats.tarread import TAR_SUFFIXES, TarReadError, open_shard, scan_tar, shard_url
 from ringfeed.shards.parallel import parallel_map
+from ringfeed.shards.remote import Store, is_url, storage_call, storage_defaults
 
 
 @dataclass
@@ -35,28 +38,52 @@ class Verification:
         return [c for c in self.checks if c.problems]
 
 
-def load_manifest(out: Path) -> Manifest:
+def load_manifest(out: str | Path, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """OUT's manifest: a local folder's, or a URL's (`s3://bucket/prefix`: its manifest.json
+    object, whose presence says the dataset is complete)."""
     try:
-        return Manifest.load(out)
+        if not is_url(out):
+            return Manifest.load(Path(out))
+        url = f"{str(out).rstrip('/')}/manifest.json"
+        try:
+            data = Store(str(out), storage_options or {}).read("manifest.json")
+        except FileNotFoundError:
+            raise UserError(f"{url}: no manifest.json (run `ringfeed shard` first, or let it "
+                            "finish: the manifest is uploaded last)") from None
+        try:
+            return Manifest.from_dict(json.loads(data), origin=url)
+        except ValueError as e:  # JSONDecodeError, or ManifestError
+            raise ManifestError(str(e) if isinstance(e, ManifestError)
+                                else f"{url}: not valid JSON ({e})") from None
     except ManifestError as e:
         raise UserError(str(e)) from None
 
 
-def verify(out: Path, workers: int = 1) -> Verification:
-    manifest = load_manifest(out)
+def verify(out: str | Path, workers: int = 1,
+           storage_options: dict[str, Any] | None = None) -> Verification:
+    manifest = load_manifest(out, storage_options)
     tasks = [(split, info) for split, s in manifest.splits.items() for info in s.shards]
-    checks = list(parallel_map(_check, tasks, workers, str(out), 1))
-    listed = {Path(shard_url(str(out), info.name)).resolve() for _, info in tasks}
-    unlisted = sorted(p.name for p in out.iterdir()
-                      if p.name.endswith(TAR_SUFFIXES) and p.resolve() not in listed)
+    out = str(out).rstrip("/") if is_url(out) else str(out)
+    with storage_defaults(out, storage_options or {}):
+        checks = list(parallel_map(_check, tasks, workers, out, 1))
+    if is_url(out):
+        listed = {info.name for _, info in tasks}
+        unlisted = sorted(name for name in Store(out, storage_options or {}).list()
+                          if "/" not in name and name.endswith(TAR_SUFFIXES)
+                          and name not in listed)
+    else:
+        local = {Path(shard_url(out, info.name)).resolve() for _, info in tasks}
+        unlisted = sorted(p.name for p in Path(out).iterdir()
+                          if p.name.endswith(TAR_SUFFIXES) and p.resolve() not in local)
     return Verification(manifest, checks, unlisted)
 
 
 def _check(out: str, task: tuple[str, ShardInfo]) -> ShardCheck:
     split, info = task
     check = ShardCheck(split, info.name)
+    url = shard_url(out, info.name)
     try:
-        scan = scan_tar(shard_url(out, info.name))
+        scan = storage_call(lambda: scan_tar(url), url, "verify")
     except FileNotFoundError:
         check.problems.append("missing")
         return check
@@ -85,18 +112,22 @@ def _check(out: str, task: tuple[str, ShardInfo]) -> ShardCheck:
 def _check_index(out: str, name: str, index: str) -> str | None:
     """What is wrong with shard `name`'s index sidecar `index`, or None when it is the shard's
     index."""
-    try:
+    def read() -> bytes:
         with open_shard(shard_url(out, index)) as f:
-            recorded = TarIndex.from_bytes(f.read())
+            return f.read()
+    try:
+        recorded = TarIndex.from_bytes(storage_call(read, shard_url(out, index), "verify"))
     except FileNotFoundError:
         return f"index sidecar {index} is missing"
     except ValueError as e:
         return f"index sidecar {index} is not a valid index ({e})"
     except OSError as e:
         return f"index sidecar {index} is unreadable ({e})"
-    try:
+    def index_of_shard() -> TarIndex:
         with open_shard(shard_url(out, name)) as f:
-            actual, _ = build_index(f)
+            return build_index(f)[0]
+    try:
+        actual = storage_call(index_of_shard, shard_url(out, name), "verify")
     except OSError as e:
         return f"index sidecar {index} cannot be checked: the shard is unreadable ({e})"
     if actual != recorded:

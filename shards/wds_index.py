@@ -22,23 +22,29 @@ from __future__ import annotations
 
 import glob
 import os
+import posixpath
 import re
 import tarfile
+import tempfile
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import braceexpand
 
 from ringfeed.errors import UserError
 from ringfeed.formats.kinds import kind_of
 from ringfeed.formats.manifest import INDEX_SUFFIX, Manifest, ShardInfo, Split
+from ringfeed.formats.manifest_format import INDEX_NAME
 from ringfeed.formats.tarindex import build_index
 from ringfeed.formats.tarread import (
     COMPRESSED_TAR_SUFFIXES,
     TAR_SUFFIXES,
     TarReadError,
     TarScan,
+    open_shard,
     read_ints,
     scan_tar,
 )
@@ -47,14 +53,18 @@ from ringfeed.shards.build import ShardRun, created_by
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.packing import SPLIT_ORDER
 from ringfeed.shards.parallel import parallel_map
+from ringfeed.shards.remote import Store, is_url, storage_call, storage_defaults
 from ringfeed.shards.sources.base import SPLIT_NAMES, class_record
 
 _SPLIT_PREFIX = re.compile(r"^([a-z]+)[-_.]", re.IGNORECASE)
 
 
-def find_tars(src: str) -> list[Path]:
+def find_tars(src: str, storage_options: dict[str, Any] | None = None) -> list[Path] | list[str]:
     """SRC is a folder of tar shards (.tar, or compressed: .tar.gz, .tgz, ...), one of them, or
-    a brace/glob pattern of them."""
+    a brace/glob pattern of them; or the same in object storage (`s3://bucket/wds`: the
+    objects directly under that prefix), as URLs."""
+    if is_url(src):
+        return _find_remote_tars(src, storage_options or {})
     path = Path(src)
     if path.is_dir():
         files = [p for p in path.iterdir()
@@ -70,7 +80,27 @@ def find_tars(src: str) -> list[Path]:
     return sorted(set(files), key=_natural)
 
 
-def _natural(path: Path) -> list:
+def _find_remote_tars(src: str, storage_options: dict[str, Any]) -> list[str]:
+    store = Store(src, storage_options)
+    protocol = src.split("://", 1)[0]
+    if any(c in src for c in "*?[{"):
+        paths = [p for pattern in braceexpand.braceexpand(src)
+                 for p in store.call(partial(store.fs.glob, pattern), "", "list")]
+        urls = [f"{protocol}://{p}" for p in paths]
+    elif store.is_file():
+        urls = [store.url]
+    else:
+        urls = [store.url_of(name) for name in store.list()
+                if "/" not in name and name.endswith(TAR_SUFFIXES) and not name.startswith(".")]
+    if not urls:
+        raise UserError(f"{src}: no tar shards found (.tar, .tar.gz, .tgz, .tar.bz2, .tar.xz "
+                        "objects directly under it; or give one object or a pattern like "
+                        "'s3://bucket/shard-{000000..000099}.tar')")
+    return sorted(set(urls), key=_natural)
+
+
+def _natural(path: Path | str) -> list:
+    path = Path(path)
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
 
 
@@ -79,24 +109,30 @@ def split_of(path: Path) -> str:
     return SPLIT_NAMES.get(m.group(1).lower(), "train") if m else "train"
 
 
-def _scan(_shared: None, path: Path) -> tuple[TarScan, bytes | None, Counter] | str:
+def _scan(_shared: None, path: Path | str) -> tuple[TarScan, bytes | None, Counter] | str:
     """(the shard's scan, its index as bytes (None: compressed), counts of its class ids), or
-    what is wrong."""
-    compressed = path.name.endswith(COMPRESSED_TAR_SUFFIXES)
-    try:
+    what is wrong. A remote shard is read again while storage fails transiently."""
+    compressed = str(path).endswith(COMPRESSED_TAR_SUFFIXES)
+
+    def read() -> tuple[TarScan, Counter, Any]:
         # (a compressed tar's class ids come from the scan's own decompressed copy)
         scan = scan_tar(str(path), ints_of="cls" if compressed else None)
         if compressed:
-            return scan, None, scan.ints
+            return scan, scan.ints, None
         classes = read_ints(str(path), "cls") if "cls" in scan.fields else Counter()
-        with open(path, "rb") as f:
-            index, reason = build_index(f)
+        with open_shard(str(path)) as f:
+            return scan, classes, build_index(f)
+    try:
+        scan, classes, built = storage_call(read, str(path), "index")
     except (TarReadError, OSError) as e:
         return str(e)
     except tarfile.TarError as e:
         return f"not a readable tar ({e})"
     except ValueError as e:  # int() of a cls member
         return f"a cls member is not a class index ({e})"
+    if built is None:
+        return scan, None, classes
+    index, reason = built
     if reason is not None:
         return f"cannot be indexed: {reason}"
     if index.num_samples != scan.num_samples:  # not expected: the index groups as webdataset
@@ -106,21 +142,29 @@ def _scan(_shared: None, path: Path) -> tuple[TarScan, bytes | None, Counter] | 
 
 
 def sidecar_name(shard: str, sha256: str) -> str:
-    """Where a shard's index goes, relative to OUT, for the shard at `shard` (relative to OUT)."""
-    if ".." in Path(shard).parts:
+    """Where a shard's index goes, relative to OUT, for the shard at `shard` (relative to OUT,
+    or a URL: a shard in other storage than OUT)."""
+    if ".." in Path(shard).parts or "://" in shard:
         return f"index/{sha256[:16]}-{Path(shard).name}{INDEX_SUFFIX}"
     return shard + INDEX_SUFFIX
 
 
 def index_shards(opts: ShardOptions) -> ShardRun:
     start = time.monotonic()
-    tars = find_tars(str(opts.src))
-    out = opts.out
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: exists and is not a folder")
-    if (out / "manifest.json").exists() and not opts.overwrite:
-        raise UserError(f"{out}/manifest.json exists; pass --overwrite to replace it")
-    scans = list(parallel_map(_scan, tars, opts.workers, None, 1))
+    src = opts.src_url or str(opts.src)
+    with storage_defaults(src, opts.storage_options):
+        tars = find_tars(src, opts.storage_options)
+        out = opts.out_url or opts.out
+        store = Store(out, opts.storage_options) if isinstance(out, str) else None
+        if store is not None:
+            if "manifest.json" in store.list() and not opts.overwrite:
+                raise UserError(f"{out}/manifest.json exists; pass --overwrite to replace it")
+        else:
+            if out.exists() and not out.is_dir():
+                raise UserError(f"{out}: exists and is not a folder")
+            if (out / "manifest.json").exists() and not opts.overwrite:
+                raise UserError(f"{out}/manifest.json exists; pass --overwrite to replace it")
+        scans = list(parallel_map(_scan, tars, opts.workers, None, 1))
     splits: dict[str, Split] = {}
     fields: dict[str, str] = {}
     sidecars: dict[str, bytes] = {}
@@ -128,7 +172,7 @@ def index_shards(opts: ShardOptions) -> ShardRun:
     for path, result in zip(tars, scans, strict=True):
         if isinstance(result, str):
             raise UserError(f"{path}: {result}; re-download or re-create it, or move it out of "
-                            f"{opts.src}")
+                            f"{src}")
         scan, index, counts = result
         if counts and min(counts) < 0:
             raise UserError(f"{path}: class id {min(counts)} in a cls member (class ids are "
@@ -137,26 +181,50 @@ def index_shards(opts: ShardOptions) -> ShardRun:
         if scan.duplicate_keys:
             raise UserError(f"{path}: sample key {scan.duplicate_keys[0]!r} appears more than "
                             "once; the pipeline would see two samples")
-        name = os.path.relpath(path.resolve(), out.resolve())
+        name = _relative(path, out)
         sidecar = None if index is None else sidecar_name(name, scan.sha256)
         if sidecar is not None and sidecars.setdefault(sidecar, index) != index:
             # same sha256 prefix and file name
             raise UserError(f"{path}: its index sidecar {sidecar} would be another shard's")
-        split = opts.split or split_of(path)
+        split = opts.split or split_of(Path(str(path)))
         splits.setdefault(split, Split()).shards.append(
             ShardInfo(name, scan.num_samples, scan.bytes, scan.sha256, sidecar))
         fields.update({ext: kind_of(ext) for ext in sorted(scan.fields)})
     order = sorted(splits, key=lambda s: (SPLIT_ORDER.index(s) if s in SPLIT_ORDER else 9, s))
     manifest = Manifest(splits={s: splits[s] for s in order}, fields=dict(sorted(fields.items())),
-                        source={"format": "wds-index", "path": str(opts.src),
+                        source={"format": "wds-index", "path": src,
                                 "options": {"split": opts.split}},
                         classes=class_record(classes), created_by=created_by())
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        for sidecar, index in sidecars.items():
-            atomic_write_bytes(out / sidecar, index)
-        manifest.save(out)
+        if store is not None:
+            _upload(store, sidecars, manifest)
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            for sidecar, index in sidecars.items():
+                atomic_write_bytes(out / sidecar, index)
+            manifest.save(out)
     except OSError as e:  # no permission (OUT defaults to SRC), disk full: one line
         raise UserError(f"{e.filename or out}: {e.strerror or e}") from e
-    return ShardRun(manifest, out, time.monotonic() - start,
+    return ShardRun(manifest, opts.out, time.monotonic() - start,
                     written=[*sidecars, "manifest.json"])
+
+
+def _relative(path: Path | str, out: Path | str) -> str:
+    """A shard's name in the manifest: its path relative to OUT; a URL where OUT is in other
+    storage (a local OUT for shards in a bucket)."""
+    if is_url(path) or is_url(out):
+        path, out = str(path), str(out)
+        if not (is_url(path) and is_url(out)) or path.split("://")[0] != out.split("://")[0]:
+            return path if is_url(path) else str(Path(path).resolve())
+        return posixpath.relpath(path.split("://", 1)[1], out.split("://", 1)[1])
+    return os.path.relpath(Path(path).resolve(), Path(out).resolve())
+
+
+def _upload(store: Store, sidecars: dict[str, bytes], manifest: Manifest) -> None:
+    """Sidecars, then manifest.bin, then manifest.json: whole objects, the manifest last."""
+    for sidecar, index in sidecars.items():
+        store.write(sidecar, index)
+    with tempfile.TemporaryDirectory(prefix="ringfeed-manifest-") as tmp:
+        manifest.save(tmp)
+        store.write(INDEX_NAME, (Path(tmp) / INDEX_NAME).read_bytes())
+        store.write("manifest.json", (Path(tmp) / "manifest.json").read_bytes())

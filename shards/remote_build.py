@@ -1,0 +1,197 @@
+"""`ringfeed shard SRC s3://bucket/prefix`: the local run of build.py, with a local staging folder
+as its OUT, each finished shard uploaded as a whole object, the journal kept in the bucket and
+the manifest uploaded last.
+
+Order of effects: the bucket is listed and checked (empty, an unfinished run of ours, or
+--overwrite); the source is scanned (a remote SRC was first fetched into the staging folder);
+with --overwrite the old manifest.json is deleted first, then the old shards; the journal object
+names the plan; each shard is written (temp file + fsync + rename) into the staging folder, then
+its sidecar is uploaded, then the tar (a PUT, or a multipart upload that appears only when
+complete: an object is all there or absent), each checked (size; bytes by MD5 where the ETag is
+one), then its line, with the two objects' ETags, goes into the journal object, and the local
+copies are deleted. When every shard is up, the bucket is listed once more and every shard and
+sidecar the manifest names must be there with the size and ETag recorded at its upload; then
+manifest.bin and, last, manifest.json are uploaded, and the journal object is deleted.
+
+So a reader takes the presence of OUT/manifest.json as "complete": S3 has no rename, and nothing
+is written after it. A rerun of the same command (after kill -9, from any machine) reads the
+journal object and keeps every shard whose tar and sidecar still have the size and ETags
+recorded (an object written again since has another ETag); the rest are written again,
+byte-identical, since the plan decides every byte.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from typing import Any
+
+from ringfeed.errors import UserError
+from ringfeed.formats.manifest import ShardInfo
+from ringfeed.formats.manifest_format import INDEX_NAME
+from ringfeed.shards.build import (
+    SHARD_FILE,
+    ShardRun,
+    _clean_out_dir,
+    _manifest,
+    _write_all,
+    adopt_src_url,
+)
+from ringfeed.shards.options import ShardOptions
+from ringfeed.shards.packing import PlannedShard, fingerprint, plan_shards
+from ringfeed.shards.remote import JOURNAL, RemoteJournal, Store, fetch_source, version_of
+from ringfeed.shards.sources import open_source
+
+Kept = dict[str, tuple[ShardInfo, str | None, str | None]]  # name: (info, tar, sidecar ETag)
+
+
+def fetch_src(opts: ShardOptions) -> None:
+    """A remote SRC is fetched into the staging folder; `opts.src` becomes the local copy."""
+    if not opts.src_url:
+        return
+    assert opts.staging is not None
+    try:
+        opts.src = fetch_source(opts.src_url, opts.storage_options, opts.staging / "src")
+    except OSError as e:
+        raise UserError(f"{failure(e, opts.src_url)}; fix that and run the same command "
+                        "again") from e
+
+
+def shard_to_store(opts: ShardOptions, start: float) -> ShardRun:
+    assert opts.out_url is not None
+    store = Store(opts.out_url, opts.storage_options)
+    try:
+        return _shard_to_store(opts, store, start)
+    except OSError as e:  # the staging disk full, a bucket that is not there: one line
+        raise UserError(f"{failure(e, opts.out_url)}; fix that and run the same command again "
+                        "(finished shards are kept)") from e
+
+
+def failure(e: OSError, url: str) -> str:
+    """An OSError as 'what: why', naming the file or object."""
+    if e.filename:
+        return f"{e.filename}: {e.strerror or e}"
+    return str(e) if "://" in str(e) else f"{url}: {e}"
+
+
+def remove_staging(opts: ShardOptions) -> None:
+    """After a complete run: the fetched SRC, and the staging folder itself while empty
+    (--staging may name a folder holding other things)."""
+    if opts.staging is None:
+        return
+    if opts.src_url:
+        shutil.rmtree(opts.staging / "src", ignore_errors=True)
+    try:
+        opts.staging.rmdir()
+    except OSError:
+        pass
+
+
+def _shard_to_store(opts: ShardOptions, store: Store, start: float) -> ShardRun:
+    listing = store.list()
+    check_out_store(store, listing, opts.overwrite)
+    staging = opts.out
+    staging.mkdir(parents=True, exist_ok=True)
+    _clean_out_dir(staging, fresh=True)  # local leftovers of a killed run are written again
+    journal = RemoteJournal(store)
+    source = open_source(opts)
+    try:
+        adopt_src_url(source, opts)
+        shards = plan_shards(source, opts)
+        plan_id = fingerprint(source, opts, shards)
+        if opts.overwrite:
+            _clear(store, listing)
+            listing = {}
+        kept = _kept(store, journal, listing, plan_id, shards)
+        journal.start(plan_id, kept)
+        todo = [s for s in shards if s.name not in kept]
+        infos = {name: info for name, (info, _, _) in kept.items()}
+        versions = {name: (tar, index) for name, (_, tar, index) in kept.items()}
+
+        def finished(info: ShardInfo) -> None:  # in build's publishing thread, in order
+            assert info.index is not None
+            index = version_of(store.upload(staging / info.index, info.index))
+            tar = version_of(store.upload(staging / info.name, info.name))
+            journal.record(info, tar, index)
+            infos[info.name], versions[info.name] = info, (tar, index)
+            (staging / info.name).unlink()
+            (staging / info.index).unlink()
+
+        _write_all(source, todo, opts, finished)
+        manifest = _manifest(source, opts, shards, infos)
+        manifest.save(staging)
+        _check_uploaded(store, infos, versions)
+        store.upload(staging / INDEX_NAME, INDEX_NAME)
+        store.upload(staging / "manifest.json", "manifest.json")  # last: the run is complete
+        journal.remove()
+    finally:
+        source.close()
+    for name in ("manifest.json", INDEX_NAME):
+        (staging / name).unlink(missing_ok=True)
+    remove_staging(opts)
+    return ShardRun(manifest, staging, time.monotonic() - start,
+                    written=[s.name for s in todo], kept=sorted(kept))
+
+
+def check_out_store(store: Store, listing: dict[str, Any], overwrite: bool) -> None:
+    """OUT must hold no objects, an unfinished run of ours (to resume), or --overwrite."""
+    if overwrite or JOURNAL in listing:
+        return
+    if "manifest.json" in listing:
+        raise UserError(f"{store.url} already holds shards (manifest.json); pass --overwrite to "
+                        "replace them, or choose another OUT")
+    if listing:
+        first = sorted(listing)[0]
+        raise UserError(f"{store.url} is not empty ({len(listing)} objects, e.g. {first!r}); "
+                        "choose an empty or new prefix, or pass --overwrite")
+
+
+def _clear(store: Store, listing: dict[str, Any]) -> None:
+    """--overwrite: the old manifest goes first (no reader may see it without its shards)."""
+    if "manifest.json" in listing:
+        store.remove(["manifest.json"])
+    store.remove(sorted(name for name in listing
+                        if SHARD_FILE.match(name) or name in (INDEX_NAME, JOURNAL)))
+
+
+def _kept(store: Store, journal: RemoteJournal, listing: dict[str, Any], plan_id: str,
+          shards: list[PlannedShard]) -> Kept:
+    """Shards a previous run of this plan uploaded whose objects are still the ones it
+    uploaded (size and ETag of the tar and of its sidecar)."""
+    recorded, done = journal.read(listing)
+    if recorded is None:
+        return {}
+    if recorded != plan_id:
+        raise UserError(f"{store.url} holds an unfinished run with other input or options; run "
+                        "that command again to finish it, or pass --overwrite to start over")
+    planned = {s.name: s for s in shards}
+    kept: Kept = {}
+    for name, (info, tar, index) in done.items():
+        if name not in planned or info.bytes != planned[name].bytes or info.index is None:
+            continue
+        if _same(listing.get(name), info.bytes, tar) and _same(listing.get(info.index), None,
+                                                                index):
+            kept[name] = (info, tar, index)
+    return kept
+
+
+def _same(info: dict[str, Any] | None, size: int | None, version: str | None,
+          unversioned: bool = False) -> bool:
+    """Whether a listed object has `size` (None: any) and `version`; a store that tells no
+    versions counts as the same only where `unversioned` (a resume cannot trust it)."""
+    if info is None or (size is not None and info.get("size") != size):
+        return False
+    return version_of(info) == version and (version is not None or unversioned)
+
+
+def _check_uploaded(store: Store, infos: dict[str, ShardInfo],
+                    versions: dict[str, tuple[str | None, str | None]]) -> None:
+    """Before the manifest: every shard and sidecar it names is in the bucket as uploaded."""
+    listing = store.list()
+    for name, info in infos.items():
+        tar, index = versions[name]
+        if not (_same(listing.get(name), info.bytes, tar, unversioned=True)
+                and _same(listing.get(info.index or ""), None, index, unversioned=True)):
+            raise UserError(f"{store.url_of(name)} (or its index sidecar) is missing or was "
+                            "changed since it was uploaded; run the same command again (it is "
+                            "uploaded again)")

@@ -1,0 +1,219 @@
+"""`ringfeed shard | verify | inspect` on object storage, against moto's S3 server on 127.0.0.1:
+shards written to s3:// are the bytes of a local run (manifest included), remote sources shard
+as their local copies do, a run killed with SIGKILL mid-upload resumes to the same bytes and
+shows no manifest.json before it is complete, and verify/inspect read a bucket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from helpers import BIN, ringfeed, test_env
+from shards_util import cli, tree_bytes
+
+pytestmark = pytest.mark.integration
+
+JSONL_ARGS = ["--format", "jsonl", "--field", "text=txt", "--field", "label=cls",
+              "--val-fraction", "0.2", "--shuffle-seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """(endpoint, s3fs filesystem, --storage-option flags) of a moto server with a bucket."""
+    moto_server = pytest.importorskip("moto.server")
+    s3fs = pytest.importorskip("s3fs")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+        fs = s3fs.S3FileSystem(**options)
+        fs.mkdir("bucket")
+        flags = [f for k, v in options.items() for f in ("--storage-option", f"{k}={v}")]
+        yield endpoint, fs, flags
+    finally:
+        server.stop()
+
+
+def s3_env() -> dict[str, str]:
+    return test_env(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                    AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+
+
+def bucket_tree(fs, prefix: str) -> dict[str, bytes]:
+    """Every object under s3://bucket/PREFIX (name relative to it -> content)."""
+    fs.invalidate_cache()
+    root = f"bucket/{prefix}/"
+    return {path[len(root):]: fs.cat_file(path) for path in fs.find(root)}
+
+
+def jsonl(path, rows: int):
+    with open(path, "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"text": f"row {i} " + "x" * (i % 17), "label": i % 3,
+                                "a": i * 0.5, "b": i % 7}) + "\n")
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_shard_to_s3_is_the_local_bytes_and_verify_inspect_read_it(capsys, tmp_path, s3):
+    _, fs, flags = s3
+    src = jsonl(tmp_path / "t.jsonl", 90)
+    args = [*JSONL_ARGS, "--max-count", "8"]
+    assert cli(capsys, "shard", src, tmp_path / "local", *args)[0] == 0
+    staging = tmp_path / "staging"
+    code, out, err = cli(capsys, "shard", src, "s3://bucket/one", *args, *flags,
+                         "--staging", staging, "--workers", "2")
+    assert code == 0, err
+    assert "-> s3://bucket/one/manifest.json" in out
+    local = tree_bytes(tmp_path / "local")
+    assert bucket_tree(fs, "one") == local  # shards, sidecars, manifest.json and manifest.bin
+    assert not staging.exists()  # nothing left behind locally
+
+    code, out, _ = cli(capsys, "verify", "s3://bucket/one", *flags)
+    assert code == 0 and "12 shards, 90 samples" in out and "all OK" in out
+    code, out, _ = cli(capsys, "inspect", "s3://bucket/one", *flags)
+    assert code == 0
+    assert "s3://bucket/one/manifest.json: jsonl" in out and "total: 90 samples in 12 shards" in out
+    assert "classes in train (3)" in out and "first samples of val (val-000000.tar)" in out
+
+    # a second run refuses the full prefix, --overwrite replaces it with the same bytes
+    code, _, err = cli(capsys, "shard", src, "s3://bucket/one", *args, *flags)
+    assert code == 2 and "already holds shards (manifest.json)" in err
+    assert cli(capsys, "shard", src, "s3://bucket/one", *args, *flags, "--staging", staging,
+               "--overwrite")[0] == 0
+    assert bucket_tree(fs, "one") == local
+
+    # a damaged object and a stray one: verify names both
+    fs.pipe_file("bucket/one/train-000001.tar", local["train-000001.tar"][:-1024])
+    fs.pipe_file("bucket/one/stray-000000.tar", b"\0" * 1024)
+    code, out, _ = cli(capsys, "verify", "s3://bucket/one", *flags)
+    assert code == 1
+    assert "BAD train/train-000001.tar:" in out and "stray-000000.tar" in out
+    code, _, err = cli(capsys, "verify", "s3://bucket/none", *flags)
+    assert code == 2 and "s3://bucket/none/manifest.json: no manifest.json" in err
+
+
+@pytest.mark.timeout(120)
+def test_shard_from_s3_sources(capsys, tmp_path, s3):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _, fs, flags = s3
+    src = jsonl(tmp_path / "t.jsonl", 60)
+    rows = [json.loads(line) for line in src.read_text().splitlines()]
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), table, row_group_size=16)
+    fs.put_file(str(src), "bucket/src/t.jsonl")
+    fs.put_file(str(table), "bucket/src/t.parquet")
+    for name in ("t.jsonl", "t.parquet"):
+        fmt = ["--format", name.split(".")[1], *JSONL_ARGS[2:], "--max-count", "8"]
+        local, remote = tmp_path / f"local-{name}", tmp_path / f"remote-{name}"
+        assert cli(capsys, "shard", tmp_path / name, local, *fmt)[0] == 0
+        code, _, err = cli(capsys, "shard", f"s3://bucket/src/{name}", remote, *fmt, *flags,
+                           "--staging", tmp_path / "staging")
+        assert code == 0, err
+        expected, got = tree_bytes(local), tree_bytes(remote)
+        assert {n for n in expected if n.endswith(".tar")} == {n for n in got if n.endswith(".tar")}
+        assert {n: b for n, b in got.items() if not n.startswith("manifest")} == {
+            n: b for n, b in expected.items() if not n.startswith("manifest")}
+        manifest = json.loads(got["manifest.json"])
+        assert manifest["source"]["path"] == f"s3://bucket/src/{name}"  # not the local copy
+        manifest["source"]["path"] = str(tmp_path / name)
+        assert manifest == json.loads(expected["manifest.json"])
+        assert not (tmp_path / "staging").exists()  # the fetched copy is removed
+
+    # both ends in the bucket: the Parquet file's shards again, now as objects
+    code, _, err = cli(capsys, "shard", "s3://bucket/src/t.parquet", "s3://bucket/fromparquet",
+                       "--format", "parquet", *JSONL_ARGS[2:], "--max-count", "8", *flags,
+                       "--staging", tmp_path / "staging2")
+    assert code == 0, err
+    got = bucket_tree(fs, "fromparquet")
+    expected = tree_bytes(tmp_path / "remote-t.parquet")
+    assert got == expected
+    code, _, err = cli(capsys, "shard", "s3://bucket/src/none.jsonl", tmp_path / "x",
+                       "--format", "jsonl", *flags, "--staging", tmp_path / "staging3")
+    assert code == 2 and "s3://bucket/src/none.jsonl" in err
+
+
+@pytest.mark.system  # starts the CLI, kills it
+@pytest.mark.timeout(240)
+def test_kill_9_mid_upload_then_rerun_is_byte_identical(capsys, tmp_path, s3):
+    _, fs, flags = s3
+    src = jsonl(tmp_path / "t.jsonl", 240)
+    args = [*JSONL_ARGS, "--max-count", "2"]  # 120 shards: the kill lands mid-run
+    assert cli(capsys, "shard", src, tmp_path / "reference", *args)[0] == 0
+    expected = tree_bytes(tmp_path / "reference")
+    staging = tmp_path / "staging"
+    command = ["shard", str(src), "s3://bucket/killed", *args, *flags, "--staging", str(staging)]
+
+    def journal() -> list[dict]:
+        fs.invalidate_cache()
+        try:
+            text = fs.cat_file("bucket/killed/.ringfeed-journal.jsonl").decode()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines()[1:]]
+
+    proc = subprocess.Popen([str(BIN / "ringfeed"), *command], env=s3_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if len(journal()) >= 3:  # a few shards are uploaded and recorded
+                break
+            time.sleep(0.01)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, err
+    done = journal()
+    assert 3 <= len(done) < 120, "the kill should land mid-run"
+    left = bucket_tree(fs, "killed")
+    assert "manifest.json" not in left and "manifest.bin" not in left  # not complete
+    for name, data in left.items():  # every object there is whole
+        assert name == ".ringfeed-journal.jsonl" or data == expected[name]
+
+    result = ringfeed(*command, timeout=120, env=s3_env())
+    assert result.returncode == 0, result.output
+    assert f"kept {len(done)} finished shard(s)" in result.stdout
+    assert bucket_tree(fs, "killed") == expected  # no journal left either
+    assert not staging.exists()
+
+
+@pytest.mark.timeout(120)
+def test_wds_index_of_a_bucket_of_shards(capsys, tmp_path, s3):
+    _, fs, flags = s3
+    src = jsonl(tmp_path / "t.jsonl", 40)
+    assert cli(capsys, "shard", src, tmp_path / "local", *JSONL_ARGS, "--max-count", "8")[0] == 0
+    local = tree_bytes(tmp_path / "local")
+    for name, data in local.items():
+        if name.endswith(".tar"):
+            fs.pipe_file(f"bucket/wds/{name}", data)
+    # OUT defaults to SRC: the manifest and sidecars go beside the shards in the bucket
+    code, out, err = cli(capsys, "shard", "s3://bucket/wds", "--format", "wds-index", *flags)
+    assert code == 0, err
+    assert "-> s3://bucket/wds/manifest.json" in out
+    got = bucket_tree(fs, "wds")
+    assert {n: b for n, b in got.items() if n.endswith((".tar", ".idx"))} == {
+        n: b for n, b in local.items() if n.endswith((".tar", ".idx"))}
+    manifest = json.loads(got["manifest.json"])
+    assert manifest["source"]["path"] == "s3://bucket/wds"
+    assert [s["name"] for s in manifest["splits"]["val"]["shards"]] == ["val-000000.tar"]
+    code, out, _ = cli(capsys, "verify", "s3://bucket/wds", *flags)
+    assert code == 0 and "all OK" in out
+    code, _, err = cli(capsys, "shard", "s3://bucket/wds", "--format", "wds-index", *flags)
+    assert code == 2 and "manifest.json exists" in err
+    # a local manifest for the bucket's shards names them by URL
+    code, _, err = cli(capsys, "shard", "s3://bucket/wds/train-{000000..000003}.tar",
+                       tmp_path / "idx", "--format", "wds-index", *flags)
+    assert code == 0, err
+    names = [s["name"] for s in json.loads((tmp_path / "idx" / "manifest.json").read_text())[
+        "splits"]["train"]["shards"]]
+    assert names == [f"s3://bucket/wds/train-00000{i}.tar" for i in range(4)]
