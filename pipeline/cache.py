@@ -30,7 +30,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 import zlib
 from collections.abc import Iterable, Iterator
@@ -52,6 +51,7 @@ from ringfeed.fsutil import (
 from ringfeed.pipeline.background import BackgroundIterator
 from ringfeed.pipeline.errors import PipelineDataError
 from ringfeed.pipeline.source import ShardRef, local_path
+from ringfeed.remote import BodyCutShort, RetryCounts, RetryPolicy, retrying, with_timeouts
 
 log = logging.getLogger("ringfeed.pipeline")
 
@@ -65,6 +65,7 @@ PART_SUFFIX = ".tmp"  # atomic_open's temp files: .<name>.<random>.tmp
 # tarfile reads its stream in 10 KiB pieces; a large buffer turns those into memory copies
 # instead of one read() system call each.
 READ_BUFFER = 1 << 20
+DOWNLOAD_CHUNK = 1 << 20
 DECOMPRESS_CHECK_CHUNK = 4 << 20  # reads of a plain copy's crc32 check
 
 
@@ -111,6 +112,7 @@ class ShardHandle:
     # short: corrupt data may have gone wrong anywhere before its checksum failed)
     damage: str | None = None
     damage_after_samples: bool = False
+    storage: RetryCounts | None = None  # what storage faults cost the download (remote only)
 
     def close(self) -> None:
         self.file.close()  # releases the shared lock
@@ -119,13 +121,17 @@ class ShardHandle:
 class ShardCache:
     def __init__(self, cache_dir: str | None = None, cache_limit: int | None = None,
                  storage_options: dict[str, Any] | None = None, retries: int = 3,
-                 backoff_s: float = 0.5, lock_timeout_s: float = 600.0) -> None:
+                 backoff_s: float = 0.5, lock_timeout_s: float = 600.0,
+                 policy: RetryPolicy | None = None) -> None:
+        """`retries`: attempts at a shard whose checksum does not match (or a local file that
+        cannot be read); `policy`: how long storage faults are retried (ringfeed/remote.py)."""
         self.cache_dir = Path(cache_dir or default_cache_dir())
         self.cache_limit = cache_limit
         self.storage_options = dict(storage_options or {})
         self.retries = max(1, retries)
         self.backoff_s = backoff_s
         self.lock_timeout_s = lock_timeout_s
+        self.policy = policy or RetryPolicy()
         self._checked: set[tuple[int, int, int]] = set()  # plain copies whose crc32 matched
         # shard identity -> why it cannot be decompressed, whether the data was just cut short
         self._undecompressable: dict[str, tuple[str, bool]] = {}
@@ -196,6 +202,7 @@ class ShardCache:
         if not ref.is_local:  # the plain copy replaces the download
             _remove_if_unused(self.entry_path(ref))
         handle.cache_hit, handle.downloaded = source.cache_hit, source.downloaded
+        handle.storage = source.storage
         self.evict()
         return handle
 
@@ -214,6 +221,11 @@ class ShardCache:
         return self.cache_dir / PLAIN_RECORDS / (plain.name + ".json")
 
     def _open(self, ref: ShardRef) -> ShardHandle:
+        """The shard, opened (a remote one downloaded first). Storage faults are retried under
+        the retry policy (ringfeed/remote.py: StorageUnavailable when its budget is spent); a
+        checksum mismatch or a missing local file is tried `retries` times; a missing or
+        forbidden remote object is named at once."""
+        counts = RetryCounts()
         last: Exception | None = None
         for attempt in range(self.retries):
             if attempt:
@@ -222,14 +234,20 @@ class ShardCache:
                 if ref.is_local:
                     return ShardHandle(ref, open(local_path(ref.url), "rb", buffering=READ_BUFFER),
                                        cache_hit=None)
-                return self._open_cached(ref)
+                handle = self._open_cached(ref, counts)
+                handle.storage = counts
+                return handle
             except _ChecksumMismatch as e:
                 last = e
-            except OSError as e:  # missing file, connection refused, HTTP errors (fsspec)
+            except (FileNotFoundError, PermissionError) as e:
+                last = e
+                if not ref.is_local:  # the service answered: no such object, or no access
+                    break
+            except OSError as e:  # a local file that cannot be read (NFS hiccup, EIO)
                 last = e
         what = "checksum mismatch" if isinstance(last, _ChecksumMismatch) else "cannot read shard"
-        raise PipelineDataError(
-            f"{ref.url}: {what} after {self.retries} attempts ({_describe(last)})")
+        tries = f"after {attempt + 1} attempt{'s' if attempt else ''}"
+        raise PipelineDataError(f"{ref.url}: {what} {tries} ({_describe(last)})")
 
     def entry_path(self, ref: ShardRef) -> Path:
         digest = hashlib.sha1(ref.url.encode()).hexdigest()[:16]
@@ -256,7 +274,7 @@ class ShardCache:
         return freed
 
     # -- internals ----------------------------------------------------------------------
-    def _open_cached(self, ref: ShardRef) -> ShardHandle:
+    def _open_cached(self, ref: ShardRef, counts: RetryCounts) -> ShardHandle:
         path = self.entry_path(ref)
         handle = self._open_entry(ref, path, hit=True)
         if handle is not None:
@@ -266,7 +284,7 @@ class ShardCache:
             handle = self._open_entry(ref, path, hit=True)  # another process fetched it
             if handle is not None:
                 return handle
-            size = self._download(ref, path)
+            size = self._download(ref, path, counts)
             handle = self._open_entry(ref, path, hit=False)
         if handle is None:
             raise OSError(f"{path}: vanished right after download")
@@ -344,27 +362,61 @@ class ShardCache:
         self._checked.add((st.st_dev, st.st_ino, st.st_size))
         return ShardHandle(source.ref, f, cache_hit=False, plain_of=identity, decompressed=size)
 
-    def _download(self, ref: ShardRef, path: Path) -> int:
+    def _download(self, ref: ShardRef, path: Path, counts: RetryCounts) -> int:
         """Stream the shard into a temp file (hashing as it goes) and rename it into place;
-        on any error the temp file is removed and `path` untouched."""
-        with atomic_open(path) as f, self._remote(ref) as src:
+        on any error the temp file is removed and `path` untouched. A transfer broken by a
+        storage fault resumes where it stopped (a range read) where the store allows it."""
+        with atomic_open(path) as f:
             out = HashingIO(f, write_behind=WRITE_BEHIND)
-            shutil.copyfileobj(src, out, 1 << 20)
+
+            def fetch_rest() -> None:
+                nonlocal out
+                if out.size and not self._resumable(ref):  # start over
+                    f.seek(0)
+                    f.truncate()
+                    out = HashingIO(f, write_behind=WRITE_BEHIND)
+                with self._remote(ref, out.size) as src:
+                    while chunk := src.read(DOWNLOAD_CHUNK):
+                        try:
+                            out.write(chunk)
+                        except OSError as e:  # the local disk, not the store: not retried
+                            raise _LocalWriteError(e) from e
+                    stored = getattr(src, "size", None)  # what the store says it holds
+                if isinstance(stored, int) and out.size < stored:
+                    raise BodyCutShort(f"got {out.size} of {stored} bytes")
+
+            try:
+                retrying(fetch_rest, ref.url, "download", self.policy, counts)
+            except _LocalWriteError as e:
+                raise e.error from None
+            if ref.bytes is not None and out.size != ref.bytes:
+                raise _ChecksumMismatch(f"expected {ref.bytes} bytes, the object holds "
+                                        f"{out.size}")
             digest = out.sha256.hexdigest()
             if ref.sha256 is not None and digest != ref.sha256:
                 raise _ChecksumMismatch(f"expected sha256 {ref.sha256[:12]}..., "
                                         f"got {digest[:12]}...")
         return out.size
 
-    def _remote(self, ref: ShardRef) -> IO[bytes]:
+    @staticmethod
+    def _resumable(ref: ShardRef) -> bool:
+        """Whether a broken transfer can go on from an offset: object stores serve ranges;
+        plain HTTP servers may not, and a pipe cannot seek."""
+        return not ref.url.startswith(("pipe:", "http://", "https://"))
+
+    def _remote(self, ref: ShardRef, offset: int = 0) -> IO[bytes]:
         if ref.url.startswith("pipe:"):
             from webdataset.gopen import gopen
 
             return gopen(ref.url, "rb")
-        fs, rpath = fsspec.core.url_to_fs(ref.url, **self.storage_options)
+        fs, rpath = fsspec.core.url_to_fs(ref.url, **with_timeouts(ref.url,
+                                                                   self.storage_options))
         # plain HTTP servers may not do range requests: read http(s) as one stream
         options = {"block_size": 0} if "http" in fs.protocol else {}
-        return fs.open(rpath, "rb", **options)
+        src = fs.open(rpath, "rb", **options)
+        if offset:
+            src.seek(offset)
+        return src
 
 
 class Prefetcher:
@@ -399,6 +451,15 @@ class Prefetcher:
 
 class _ChecksumMismatch(Exception):
     pass
+
+
+class _LocalWriteError(Exception):
+    """A write to the cache's disk failed during a download (carried past the retry policy,
+    which retries only the store's faults)."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _describe(e: Exception | None) -> str:

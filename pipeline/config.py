@@ -16,6 +16,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -71,7 +72,11 @@ class PipelineConfig(BaseModel):
         default_factory=dict, description="fsspec options for remote shards")
     fields: dict[str, str] | None = Field(
         None, description="extension -> kind, over the manifest's")
-    retries: NonNegativeInt = Field(3, description="download attempts per shard")
+    retries: NonNegativeInt = Field(
+        3, description="attempts at a shard whose checksum does not match")
+    retry_budget_s: NonNegativeFloat = Field(
+        600.0, description="seconds a storage outage is retried before the job exits 75 "
+                           "(restartable)")
     read_ahead: bool = Field(
         False, description="start reading the next epoch when the last batch of one goes out")
     decoded_cache: bool | PathStr = Field(

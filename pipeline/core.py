@@ -50,6 +50,7 @@ from ringfeed.pipeline.source import (
 from ringfeed.pipeline.state import PipelineState
 from ringfeed.pipeline.stats import PipelineStats
 from ringfeed.pipeline.stream import Booked, StreamContext, WorkerStream
+from ringfeed.remote import RetryPolicy
 from ringfeed.userhooks import load_callable
 
 # decoded_cache="auto" turns the cache on when the split's decoded samples fit cache_limit,
@@ -106,8 +107,10 @@ class ShardPipeline:
                 check_available(c.decode_device)
             except (ValueError, ImportError, RuntimeError) as e:
                 raise PipelineError(str(e)) from None
-        self.cache = ShardCache(c.cache_dir, c.cache_limit, c.storage_options, retries=c.retries)
-        self.indexes = (IndexStore(self.cache.cache_dir, c.storage_options) if c.indexed
+        self.cache = ShardCache(c.cache_dir, c.cache_limit, c.storage_options, retries=c.retries,
+                                policy=RetryPolicy(budget_s=c.retry_budget_s))
+        self.indexes = (IndexStore(self.cache.cache_dir, c.storage_options, self.cache.policy)
+                        if c.indexed
                         else None)
         mixed = as_mixture(source)
         if mixed is None:
@@ -401,6 +404,7 @@ class ShardPipeline:
             location = os.fspath(source)
             check_pipe_allowed([location], allow_pipe)
             manifest, refs = manifest_refs(location, split, self.config.storage_options,
+                                           self.cache.policy,
                                            Path(self.cache.cache_dir) / "manifests")
             check_pipe_allowed(refs.urls_starting_with("pipe:"), allow_pipe)
         if not len(refs) or not sample_counts(refs).any():

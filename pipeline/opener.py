@@ -137,6 +137,8 @@ class ShardOpener:
         if not ref.is_local:
             counts["cache_hits" if handle.cache_hit else "cache_misses"] += 1
             counts["bytes_downloaded"] += handle.downloaded
+            if handle.storage is not None:
+                counts.update(handle.storage.as_counts())
         samples = open_samples(handle, context.indexes, self.reads.run_positions(r))
         if path is not None and isinstance(samples, IndexedSamples):
             entry = fill_decoded(context.decoded, path, samples, ref, context.decoder,

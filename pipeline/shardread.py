@@ -33,6 +33,7 @@ from ringfeed.fsutil import atomic_write_bytes
 from ringfeed.pipeline.cache import COMPRESSED_SUFFIXES as COMPRESSED_SUFFIXES
 from ringfeed.pipeline.cache import ShardHandle, is_compressed, shard_identity
 from ringfeed.pipeline.source import is_local_url, local_path
+from ringfeed.remote import RetryPolicy, StorageUnavailable, read_url, retrying
 
 if TYPE_CHECKING:
     from ringfeed.formats.tarindex import TarIndex
@@ -74,9 +75,11 @@ class IndexStore:
     MEMO = 256  # shards remembered
 
     def __init__(self, cache_dir: str | os.PathLike,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None,
+                 policy: RetryPolicy | None = None) -> None:
         self.directory = Path(cache_dir) / "index"
         self.storage_options = dict(storage_options or {})
+        self.policy = policy or RetryPolicy()
         self._memo: OrderedDict[tuple, tuple[TarIndex, int, str | None, list]] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:  # loader workers start with an empty memo
@@ -141,12 +144,12 @@ class IndexStore:
         path = self.directory / f"{hashlib.sha256(url.encode()).hexdigest()[:32]}.sidecar.idx"
         if not path.exists():
             try:
-                import fsspec
-
-                with fsspec.open(url, "rb", **self.storage_options) as f:
-                    data = f.read()
+                data = retrying(lambda: read_url(url, self.storage_options), url,
+                                "read tar index", self.policy)
                 atomic_write_bytes(path, data)
-            except Exception:  # unreachable or missing: build the index from the tar
+            except StorageUnavailable:
+                raise
+            except Exception:  # missing or unreadable: build the index from the tar
                 return None
         return path
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import braceexpand
-import fsspec
 import numpy as np
 
 from ringfeed.formats.manifest import Manifest, ManifestError
 from ringfeed.formats.manifest_index import SplitIndex, index_of_bytes, load_index
 from ringfeed.formats.tarread import TAR_SUFFIXES
 from ringfeed.pipeline.errors import PipelineError
+from ringfeed.remote import RetryPolicy, read_url, retrying
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ def _join(base: str, name: str) -> str:
 
 
 def manifest_refs(location: str, split: str, storage_options: dict[str, Any],
-                  cache_dir: str | os.PathLike | None) -> tuple[Manifest, ShardRefs]:
+                  policy: RetryPolicy, cache_dir: str | os.PathLike | None
+                  ) -> tuple[Manifest, ShardRefs]:
     """The manifest at a local/remote directory or manifest URL, and its split's shards.
 
     Read from the manifest's compact binary index (ringfeed/formats/manifest_index.py), never by parsing
@@ -103,8 +104,8 @@ def manifest_refs(location: str, split: str, storage_options: dict[str, Any],
         index = load_index(local_path(manifest_url), cache_dir)
     else:
         try:
-            with fsspec.open(manifest_url, "rb", **storage_options) as f:
-                data = f.read()
+            data = retrying(lambda: read_url(manifest_url, storage_options), manifest_url,
+                            "read manifest", policy)
         except FileNotFoundError:
             raise PipelineError(f"{manifest_url}: no manifest.json (run `ringfeed shard` first, "
                                 "or pass a list of shard URLs)") from None

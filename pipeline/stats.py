@@ -96,6 +96,11 @@ class PipelineStats:
                 # entries found changed since written: removed, never served, written again
                 "decoded_cache_damaged": c["decoded_damaged"],
                 "cached_samples": c["cached_samples"],  # samples gathered from those arrays
+                # storage faults retried (ringfeed/remote.py): retries, of them throttles
+                # (429/503 SlowDown), seconds spent waiting out the backoff
+                "storage_retries": c["storage_retries"],
+                "storage_throttles": c["storage_throttles"],
+                "storage_wait_s": c["storage_wait_s"],
                 "data_wait_s": self.data_wait_s,
                 "data_wait_fraction": self.data_wait_s / elapsed if elapsed > 0 else 0.0,
             }

@@ -39,10 +39,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
 
+from ringfeed.errors import UserError
 from ringfeed.pipeline.core import ShardPipeline
 from ringfeed.pipeline.errors import PipelineDataError
 from ringfeed.pipeline.plan import Planner, Segment
 from ringfeed.pipeline.stream import Booked, StreamContext, WorkerStream
+from ringfeed.remote import StorageUnavailable
 
 _STATE_BYTES = 1 << 16
 # per-sample arrays small enough to travel from worker processes as lists (see _StreamDataset)
@@ -50,9 +52,11 @@ _SMALL_FIELDS = {"__index__": torch.int64, "__valid__": torch.bool}
 
 
 class _WorkerError(NamedTuple):
-    """A data error in a loader worker process, sent in place of its next batch and raised in
-    the training process as the same one-line PipelineDataError."""
+    """A data or storage error in a loader worker process, sent in place of its next batch and
+    raised in the training process as the same one-line error (PipelineDataError,
+    StorageUnavailable)."""
 
+    error: type[UserError]
     message: str
 
 
@@ -95,8 +99,8 @@ class _StreamDataset(IterableDataset):
                 for name in _SMALL_FIELDS:
                     booked.batch[name] = booked.batch[name].tolist()
                 yield booked
-        except PipelineDataError as e:  # a clean one-line error, not a worker traceback
-            yield _WorkerError(str(e))
+        except (PipelineDataError, StorageUnavailable) as e:  # one line, not a traceback
+            yield _WorkerError(type(e), str(e))
 
 
 class _PassDataset(IterableDataset):
@@ -264,7 +268,7 @@ class TorchLoader:
                 # Stop the workers now: left to the garbage collector, torch's shutdown of an
                 # iterator whose pass failed waited out its join timeouts (20 s for two).
                 self.close()
-                raise PipelineDataError(booked.message)
+                raise booked.error(booked.message)
             batch = booked.batch
             for name, dtype in _SMALL_FIELDS.items():
                 if isinstance(batch[name], list):

@@ -8,6 +8,7 @@ class UserError(Exception):
     with `exit_code` (2 by default), without a traceback."""
 
     exit_code = 2
+    label = "error"  # the CLI prints `ringfeed: <label>: <message>`
 
     def __init__(self, message: str, exit_code: int | None = None):
         super().__init__(message)

@@ -13,6 +13,7 @@ from pipeline_util import collect, http_server, write_shards
 from ringfeed.pipeline import PipelineDataError, ShardPipeline
 from ringfeed.pipeline.cache import ShardCache
 from ringfeed.pipeline.source import ShardRef
+from ringfeed.remote import StorageUnavailable
 
 # servers on 127.0.0.1 / loader worker processes (tests/conftest.py: tiers)
 pytestmark = pytest.mark.integration
@@ -115,8 +116,10 @@ def test_missing_and_unreachable_urls_are_clear_errors(shard_dir, tmp_path):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    with pytest.raises(PipelineDataError, match="cannot read manifest|cannot read shard"):
-        make(f"{dead}/train-000000.tar", tmp_path / "cache", retries=2)
+    # nobody answers: a storage outage, retried for the budget, then the restartable error
+    with pytest.raises(StorageUnavailable, match=r"train-000000\.tar: download failed for "
+                                                 r"1\.\ds, the retry budget \(1\.0s\)"):
+        make(f"{dead}/train-000000.tar", tmp_path / "cache", retries=2, retry_budget_s=1)
 
 
 @pytest.fixture

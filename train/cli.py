@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as e:
-        print(f"ringfeed: error: {e}", file=sys.stderr)
+        print(f"ringfeed: {e.label}: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("ringfeed: interrupted", file=sys.stderr)

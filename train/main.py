@@ -8,6 +8,8 @@ An error is one line on stderr, `ringfeed: error: <why>` (train/cli.py prints it
 error is one a relaunch cannot fix (bad config or data, NaN loss, a checkpoint that cannot be
 written: exit 2-4), so that line is also what `ringfeed run` stops relaunching on (launchers
 such as horovodrun do not pass a rank's exit code on): nothing else is printed for it.
+Storage that stays unreachable for the retry budget is `ringfeed: storage unavailable: <why>`,
+exit 75: a restart can help, and `ringfeed run` relaunches it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def register(subparsers) -> None:
         description="Train on 1 process, or on N under `horovodrun -np N` / `mpirun`. "
                     "One YAML config drives either framework (framework: torch|tensorflow).",
         epilog="Exit codes: 0 done, 2 bad config or data, 3 loss became NaN/inf, 4 a "
-               "checkpoint could not be written, 143 stopped by SIGTERM after saving a "
+               "checkpoint could not be written, 75 storage unavailable for the whole "
+               "data.retry_budget_s (restart it), 143 stopped by SIGTERM after saving a "
                "checkpoint. Recovery (restarts, elastic): train/RECOVERY.md.",
     )
     p.add_argument("config", nargs="?", help="YAML config (see --print-config for all keys)")

@@ -9,7 +9,8 @@ attempt it is (the trainer reports it). Errors a restart cannot fix stop it at o
 exits with code 2 (bad config or input), 3 (loss became NaN: it would again) or 4 (checkpoint
 cannot be written), or whose output carries ringfeed's error line, `ringfeed: error: <why>`,
 which the trainer prints (once, on stderr) for exactly those errors (launchers like horovodrun
-do not pass exit codes on).
+do not pass exit codes on). Anything else is relaunched: a crash, a lost rank, and storage that
+stayed unreachable for the pipeline's retry budget (`ringfeed: storage unavailable:`, exit 75).
 SIGTERM/SIGINT to the supervisor are forwarded to the job and end supervision (a scheduler asked
 the job to stop).
 """
