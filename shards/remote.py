@@ -34,7 +34,7 @@ from ringfeed.fsutil import publish, temp_open
 T = TypeVar("T")
 
 JOURNAL = ".ringfeed-journal.jsonl"  # the same name as the local journal (journal.py)
-_MD5_ETAG = re.compile(r'^"?([0-9a-f]{32})"?$')
+_MD5_ETAG = re.compile(r'^"?([0-9a-f]{32})(-\d+)?"?$')  # S3: MD5, or multipart "MD5-N"
 
 
 def is_url(text: str | os.PathLike | None) -> bool:
@@ -138,12 +138,46 @@ def mtime_ns_of(info: dict[str, Any]) -> int:
     return 0
 
 
-def file_md5(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.md5(usedforsecurity=False)
+def s3_etag(path: Path, part_size: int | None = None) -> str:
+    """The ETag S3 gives a file uploaded in one PUT (its MD5), or in parts of `part_size`
+    bytes (the MD5 of the parts' MD5s, then `-<number of parts>`)."""
+    digests: list[bytes] = []
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        while True:
+            h, n = hashlib.md5(usedforsecurity=False), 0
+            while part_size is None or n < part_size:
+                block = f.read(1 << 20 if part_size is None else min(1 << 20, part_size - n))
+                if not block:
+                    break
+                h.update(block)
+                n += len(block)
+            if part_size is None:
+                return h.hexdigest()
+            if n == 0:
+                break
+            digests.append(h.digest())
+            if n < part_size:
+                break
+    return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{len(digests)}"
+
+
+def expected_etag(path: Path, etag: str) -> str | None:
+    """What `etag` must be if the object holds `path`'s bytes: None where that cannot be told
+    (not an S3 ETag; a multipart upload in parts of another size than s3fs's)."""
+    match = _MD5_ETAG.match(etag)
+    if not match:
+        return None
+    if not match.group(2):
+        return s3_etag(path)
+    try:
+        from s3fs.core import calculate_chunksize
+    except ImportError:
+        return None
+    size, parts = path.stat().st_size, int(match.group(2)[1:])
+    part_size = calculate_chunksize(size)
+    if -(-size // part_size) != parts:
+        return None
+    return s3_etag(path, part_size)
 
 
 class Store:
@@ -214,22 +248,21 @@ class Store:
     def upload(self, local: Path, name: str) -> dict[str, Any]:
         """Upload a local file as object `name` (a PUT, or a multipart upload that appears
         whole on completion) and check it: its size, and its bytes where the ETag is their MD5
-        (a single-part S3 upload). The object's info."""
+        (S3's ETag: the MD5 of a single PUT, of the parts' MD5s of a multipart upload). The
+        object's info."""
         size = local.stat().st_size
-        md5 = None
 
         def put_and_check() -> dict[str, Any]:
-            nonlocal md5
             self.fs.put_file(str(local), self._path(name))
             self.fs.invalidate_cache(self._path(name))
             info = self.fs.info(self._path(name))
             if info.get("size") != size:
                 raise UploadMismatch(f"{info.get('size')} bytes stored, {size} sent")
-            match = _MD5_ETAG.match(str(info.get("ETag", "")))
-            if match:
-                md5 = md5 or file_md5(local)
-                if match.group(1) != md5:
-                    raise UploadMismatch("its ETag is not the MD5 of the bytes sent")
+            etag = str(info.get("ETag", "")).strip('"')
+            expected = expected_etag(local, etag)
+            if expected is not None and expected != etag:
+                raise UploadMismatch(f"its ETag {etag} is not {expected}, the MD5 of the bytes "
+                                     "sent")
             return info
         try:
             return self.call(put_and_check, name, "upload")

@@ -7,9 +7,9 @@ Order of effects: the bucket is listed and checked (empty, an unfinished run of 
 with --overwrite the old manifest.json is deleted first, then the old shards; the journal object
 names the plan; each shard is written (temp file + fsync + rename) into the staging folder, then
 its sidecar is uploaded, then the tar (a PUT, or a multipart upload that appears only when
-complete: an object is all there or absent), each checked (size; bytes by MD5 where the ETag is
-one), then its line, with the two objects' ETags, goes into the journal object, and the local
-copies are deleted. When every shard is up, the bucket is listed once more and every shard and
+complete: an object is all there or absent), each checked (size; S3's ETag, the MD5 of the
+bytes or of the parts' MD5s, against the local file's), then its line, with the two objects'
+ETags, goes into the journal object, and the local copies are deleted. When every shard is up, the bucket is listed once more and every shard and
 sidecar the manifest names must be there with the size and ETag recorded at its upload; then
 manifest.bin and, last, manifest.json are uploaded, and the journal object is deleted.
 

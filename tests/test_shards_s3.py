@@ -217,3 +217,19 @@ def test_wds_index_of_a_bucket_of_shards(capsys, tmp_path, s3):
     names = [s["name"] for s in json.loads((tmp_path / "idx" / "manifest.json").read_text())[
         "splits"]["train"]["shards"]]
     assert names == [f"s3://bucket/wds/train-00000{i}.tar" for i in range(4)]
+
+
+@pytest.mark.timeout(60)
+def test_uploads_are_checked_against_s3s_etag(tmp_path, s3):
+    """The ETag an upload is checked against is the one S3 computes, single-part and
+    multipart (the MD5 of the parts' MD5s)."""
+    from ringfeed.shards.remote import s3_etag
+
+    _, fs, _ = s3
+    data = os.urandom(11 << 20)
+    (tmp_path / "f").write_bytes(data)
+    fs.put_file(str(tmp_path / "f"), "bucket/etag/multi", chunksize=5 << 20)  # 5+5+1 MiB
+    fs.put_file(str(tmp_path / "f"), "bucket/etag/single")
+    assert fs.info("bucket/etag/multi")["ETag"].strip('"') == s3_etag(tmp_path / "f", 5 << 20)
+    assert s3_etag(tmp_path / "f", 5 << 20).endswith("-3")
+    assert fs.info("bucket/etag/single")["ETag"].strip('"') == s3_etag(tmp_path / "f")
