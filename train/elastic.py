@@ -25,8 +25,8 @@ from the pipeline's position. Checkpoints are still written to disk every
 
 `ElasticRun` is a strategy the loop (train/loop.py) holds and calls: `run()` in place of the
 loop's start/train/wrap_up, `after_step()` after every step. It owns Horovod's elastic State;
-the trainer is reached only through its methods (`progress()`, `recovery_counts()`,
-`flush_samples()` for a commit, `rejoin()` and `elastic_reset()` after a reset, `position()`).
+the trainer is reached only through its methods (`commit_values()` for a commit,
+`recovery_counts()`, `rejoin()` and `elastic_reset()` after a reset, `position()`).
 """
 
 from __future__ import annotations
@@ -103,8 +103,6 @@ class ElasticRun:
     def commit(self) -> None:
         """Copy progress into the elastic state and commit it (new objects every time:
         Horovod keeps references to the committed values)."""
-        t = self.trainer
-        t.flush_samples()  # samples.jsonl holds every committed step
-        self.state.progress = t.progress()
-        self.state.recovery = t.recovery_counts()
+        # (samples.jsonl holds every committed step)
+        self.state.progress, self.state.recovery = self.trainer.commit_values()
         self.state.commit()

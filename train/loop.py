@@ -22,7 +22,7 @@ validation and checkpoints are functions of it; the pipeline's own state (epoch,
 consumed) travels in every checkpoint so a resumed run sees exactly the batches it would have.
 Elastic runs (train/elastic.py) wrap train() and wrap_up() in Horovod Elastic's retry loop and
 commit every N steps: a strategy the loop calls, not a subclass, which changes the trainer only
-through its methods (progress() to commit, rejoin() and elastic_reset() after a reset).
+through its methods (commit_values() to commit, rejoin() and elastic_reset() after a reset).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,6 +55,14 @@ class TrainingDiverged(UserError):
     """The loss became NaN/inf: stop before the update is applied (exit 3)."""
 
     exit_code = 3
+
+    @classmethod
+    def at(cls, loss: float, state: TrainState) -> TrainingDiverged:
+        """The error for a step after `state` whose averaged loss is `loss`."""
+        return cls(f"loss is {loss} at step {state.step + 1} (epoch {state.epoch}); stopped "
+                   f"before applying that update; last checkpoint: "
+                   f"{state.last_checkpoint or 'none'} (try a lower optim.lr, "
+                   "optim.warmup_steps, train.grad_clip, or fp32/bf16)")
 
 
 def micro_batch_groups(loader: Iterable, k: int, profiler: StepProfiler | None = None
@@ -83,9 +90,11 @@ def micro_batch_groups(loader: Iterable, k: int, profiler: StepProfiler | None =
             group, waited = [], 0.0
 
 
-def evaluate(backend: Backend, pipe, loader) -> dict[str, float]:
-    """Exact validation metrics over the whole split, all ranks together (padding masked); for
-    a mixture also per source, as "{source}/{metric}"."""
+def evaluate(backend: Backend, pipe: Any, loader: Iterable) -> dict[str, float]:
+    """Collective: exact validation metrics over the whole split, all ranks together (padding
+    masked); for a mixture also per source, as "{source}/{metric}". Local SGD's replicas are
+    averaged first: the score is the averaged model's, not each replica's."""
+    backend.sync_replicas()
     if pipe.batches_remaining != pipe.batches_per_epoch:  # a pass left unfinished
         pipe.set_epoch(pipe.epoch + 1)
     names = pipe.source_names if pipe.mixture is not None else []
@@ -224,11 +233,7 @@ class Trainer:
         with self.reporter.span("ringfeed.step", step=state.step + 1):
             result = self.backend.train_step(micro, lr, signals.take())
         if not result.finite:  # every rank sees the same averaged loss: all stop here
-            raise TrainingDiverged(
-                f"loss is {result.loss} at step {state.step + 1} (epoch "
-                f"{state.epoch}); stopped before applying that update; last "
-                f"checkpoint: {state.last_checkpoint or 'none'} (try a lower "
-                "optim.lr, optim.warmup_steps, train.grad_clip, or fp32/bf16)")
+            raise TrainingDiverged.at(result.loss, state)
         state.step += 1
         self.reporter.on_step(state, result, micro, lr, waited)
         if val_every and state.step % val_every == 0:
@@ -242,10 +247,9 @@ class Trainer:
         return result.stop_requested
 
     def validate(self) -> None:
-        """Collective: the validation metrics of the model as it is now (local SGD: averaged)."""
+        """Collective: the validation metrics of the model as it is now."""
         if self.val_pipe is None:
             return
-        self.backend.sync_replicas()  # local SGD: score the averaged model, not each replica
         metrics = evaluate(self.backend, self.val_pipe, self.val_loader)
         self.state.last_val_step = self.state.step
         self.reporter.on_validate(self.state, metrics)
@@ -277,30 +281,15 @@ class Trainer:
     # -- data and steps -----------------------------------------------------------------------
     def build_pipelines(self) -> None:
         """The train (and val) pipelines of this rank at the current world size."""
-        cfg, dist, k = self.cfg, self.dist, self.accumulate
         self.close_loaders()  # made for another rank/size; new ones when training starts
-        self.train_pipe = make_pipeline(cfg, "train", dist.rank, dist.size)
-        self.val_pipe = (make_pipeline(cfg, "val", dist.rank, dist.size)
-                         if cfg.val_source else None)
-        self.steps_per_epoch = self.train_pipe.batches_per_epoch // k
-        if self.steps_per_epoch == 0:
-            raise UserError(
-                f"data.train: {self.train_pipe.batches_per_epoch} batches of "
-                f"{cfg.data.batch_size} per rank per epoch on {dist.size} ranks is fewer than "
-                f"train.accumulate={k} (lower data.batch_size or train.accumulate)")
+        self.train_pipe, self.val_pipe, self.steps_per_epoch = make_pipelines(
+            self.cfg, self.dist, self.accumulate)
 
     def count_steps(self) -> None:
-        """Steps to run and the lr schedule, from the pipeline's position and the world size:
-        the steps done, what is left of this epoch, and the epochs after it."""
-        cfg, k = self.cfg, self.accumulate
-        if cfg.train.max_steps:
-            self.total_steps = cfg.train.max_steps
-        else:
-            epochs_after = max(0, cfg.train.epochs - self.train_pipe.epoch - 1)
-            self.total_steps = (self.state.step + self.train_pipe.batches_remaining // k
-                                + epochs_after * self.steps_per_epoch)
-        self.global_batch = self.dist.size * cfg.data.batch_size * k
-        self.schedule = make_schedule(cfg.optim, self.dist.size, k, self.total_steps)
+        """total_steps, global_batch and the lr schedule at this position and world size."""
+        self.total_steps, self.global_batch, self.schedule = plan_steps(
+            self.cfg, self.train_pipe, self.state.step, self.steps_per_epoch, self.dist.size,
+            self.accumulate)
 
     def header(self) -> str:
         cfg, spec, k = self.cfg, self.spec, self.accumulate
@@ -317,31 +306,26 @@ class Trainer:
         return self.reporter.recent_losses
 
     # -- elastic resets (train/elastic.py calls these) ----------------------------------------
-    def progress(self) -> dict[str, Any]:
-        """The run's position as plain values, what an elastic commit holds: the TrainState
-        (the checkpoint path as text) and the train pipeline's state."""
-        progress = asdict(self.state)
-        progress["last_checkpoint"] = (str(self.state.last_checkpoint)
-                                       if self.state.last_checkpoint else None)
-        progress["pipeline"] = self.train_pipe.state_dict()
-        return progress
+    def commit_values(self) -> tuple[dict[str, Any], dict[str, int]]:
+        """Collective: samples.jsonl flushed up to this step, then what an elastic commit
+        holds as plain values: (the TrainState with the train pipeline's state, the recovery
+        counts)."""
+        self.reporter.on_checkpoint()
+        progress = {**self.state.as_plain(), "pipeline": self.train_pipe.state_dict()}
+        return progress, self.recovery_counts()
 
     def recovery_counts(self) -> dict[str, int]:
-        """What the run survived so far, as plain values (an elastic commit holds them)."""
+        """What the run survived so far, as plain values."""
         return asdict(self.recovery)
 
     def position(self) -> tuple[int, int]:
         """(optimizer steps done, epoch)."""
         return self.state.step, self.state.epoch
 
-    def flush_samples(self) -> None:
-        """Collective: samples.jsonl up to this step (before an elastic commit)."""
-        self.reporter.on_checkpoint()
-
     def rejoin(self, dist: Dist, recovery: Recovery, progress: dict[str, Any] | None) -> None:
         """Go on after Horovod (re-)formed the ring: as `dist` (pipelines rebuilt if the rank
         or world size changed), with the commit's recovery counts and its progress (what
-        progress() returned on rank 0; None before the first commit)."""
+        commit_values() gave on rank 0; None before the first commit)."""
         before, self.dist = self.dist, dist
         if (before.rank, before.size) != (dist.rank, dist.size):
             self.build_pipelines()
@@ -349,19 +333,14 @@ class Trainer:
         if progress is not None:
             progress = dict(progress)
             self.train_pipe.load_state_dict(progress.pop("pipeline"))
-            checkpoint = progress.pop("last_checkpoint")
-            self.state = TrainState(**progress,
-                                    last_checkpoint=Path(checkpoint) if checkpoint else None)
+            self.state = TrainState.from_plain(progress)
 
     def elastic_reset(self, lost_steps: int, note: Callable[[Recovery], str]) -> None:
         """Collective: go on after an elastic reset; the `lost_steps` trained past the last
         commit are redone (a rollback when there are any). The header ends with
         `note(recovery)`; metrics.jsonl records the reset."""
-        r = self.recovery
-        r.elastic_resets += 1
-        r.rollbacks += int(lost_steps > 0)
-        r.steps_redone += lost_steps
-        self.start(resume=False, note=note(r))
+        self.recovery.count_reset(lost_steps)
+        self.start(resume=False, note=note(self.recovery))
         self.reporter.event(self.state.step, {"event": "elastic_reset", "size": self.dist.size,
                                               "steps_redone": lost_steps})
 
@@ -378,6 +357,34 @@ class Trainer:
     def close(self) -> None:
         self.reporter.close()
         self.close_loaders()
+
+
+def make_pipelines(cfg: RunConfig, dist: Dist, k: int) -> tuple[Any, Any | None, int]:
+    """(train pipeline, val pipeline or None, optimizer steps per epoch) of rank `dist.rank` of
+    `dist.size`, for steps of k micro-batches; UserError when an epoch holds no step."""
+    train_pipe = make_pipeline(cfg, "train", dist.rank, dist.size)
+    val_pipe = make_pipeline(cfg, "val", dist.rank, dist.size) if cfg.val_source else None
+    steps_per_epoch = train_pipe.batches_per_epoch // k
+    if steps_per_epoch == 0:
+        raise UserError(
+            f"data.train: {train_pipe.batches_per_epoch} batches of {cfg.data.batch_size} per "
+            f"rank per epoch on {dist.size} ranks is fewer than train.accumulate={k} (lower "
+            "data.batch_size or train.accumulate)")
+    return train_pipe, val_pipe, steps_per_epoch
+
+
+def plan_steps(cfg: RunConfig, pipe: Any, step: int, steps_per_epoch: int, world_size: int,
+               k: int) -> tuple[int, int, LRSchedule]:
+    """(total steps, global batch, lr schedule) from the pipeline's position and the world
+    size: train.max_steps, or the steps done, what is left of this epoch and the epochs
+    after it."""
+    if cfg.train.max_steps:
+        total = cfg.train.max_steps
+    else:
+        epochs_after = max(0, cfg.train.epochs - pipe.epoch - 1)
+        total = step + pipe.batches_remaining // k + epochs_after * steps_per_epoch
+    return (total, world_size * cfg.data.batch_size * k,
+            make_schedule(cfg.optim, world_size, k, total))
 
 
 def train(cfg: RunConfig) -> int:

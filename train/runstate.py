@@ -5,7 +5,7 @@ loop (train/loop.py) and the elastic strategy (train/elastic.py) both use them."
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,18 @@ class TrainState:
     saved_step: int = -1
     last_val_step: int = -1
 
+    def as_plain(self) -> dict[str, Any]:
+        """Plain values (the checkpoint path as text): what an elastic commit holds."""
+        plain = asdict(self)
+        plain["last_checkpoint"] = str(self.last_checkpoint) if self.last_checkpoint else None
+        return plain
+
+    @classmethod
+    def from_plain(cls, plain: dict[str, Any]) -> TrainState:
+        """The inverse of as_plain()."""
+        checkpoint = plain.get("last_checkpoint")
+        return cls(**{**plain, "last_checkpoint": Path(checkpoint) if checkpoint else None})
+
 
 @dataclass
 class Recovery:
@@ -30,6 +42,13 @@ class Recovery:
     rollbacks: int = 0  # resets that went back to the last commit
     steps_redone: int = 0  # optimizer steps lost to those rollbacks
     failed_checkpoints: int = 0  # saves that failed under checkpoint.on_error: warn
+
+    def count_reset(self, lost_steps: int) -> None:
+        """An elastic reset; the `lost_steps` trained past the last commit are redone (a
+        rollback when there are any)."""
+        self.elastic_resets += 1
+        self.rollbacks += int(lost_steps > 0)
+        self.steps_redone += lost_steps
 
     def describe(self) -> str:
         text = (f"{self.restarts} restart(s), {self.elastic_resets} elastic reset(s), "
