@@ -15,9 +15,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "shard", help="turn a raw dataset into WebDataset tar shards + manifest.json",
         description="Write SRC as WebDataset shards OUT/{split}-{000000..}.tar and "
                     "OUT/manifest.json. Rerunning an interrupted command resumes it.")
-    p.add_argument("src", metavar="SRC", help="the raw dataset (file or folder)")
+    p.add_argument("src", metavar="SRC", help="the raw dataset (file or folder, or its URL: s3://...)")
     p.add_argument("out", metavar="OUT", nargs="?",
-                   help="output folder (new or empty; wds-index: defaults to SRC)")
+                   help="output folder or URL (new or empty; wds-index: defaults to SRC)")
     p.add_argument("--format", required=True, metavar="FORMAT",
                    help=f"input format: {', '.join(FORMATS)}")
     p.add_argument("--field", action="append", default=[], metavar="NAME=EXT",
@@ -76,13 +76,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     v = subparsers.add_parser("verify", help="re-hash and re-count shards against manifest.json "
                                              "and check their index sidecars")
-    v.add_argument("out", metavar="OUT", help="the folder holding manifest.json")
+    v.add_argument("out", metavar="OUT", help="the folder or URL holding manifest.json")
     v.add_argument("--workers", type=int, default=1, metavar="K")
     _storage_option(v)
     v.set_defaults(func=run_verify)
 
     i = subparsers.add_parser("inspect", help="summarize a sharded dataset")
-    i.add_argument("out", metavar="OUT", help="the folder holding manifest.json")
+    i.add_argument("out", metavar="OUT", help="the folder or URL holding manifest.json")
     i.add_argument("--samples", type=int, default=3, metavar="N", help="samples to show per split")
     i.add_argument("--workers", type=int, default=1, metavar="K")
     _storage_option(i)
@@ -94,12 +94,16 @@ def _storage_option(parser: argparse.ArgumentParser) -> None:
                         help="an fsspec option for a URL's storage (repeatable), e.g. "
                              "endpoint_url=http://127.0.0.1:9000, key=..., secret=..., anon=true "
                              "(a JSON VALUE is taken as such); the pipeline's storage_options")
+    parser.add_argument("--retry-budget", type=float, metavar="SECONDS",
+                        help="how long one call to storage may keep failing (connection "
+                             "errors, 5xx, throttling) before the command stops with exit 75 "
+                             "(default 600)")
 
 
 def options_from_args(args: argparse.Namespace) -> ShardOptions:
     """Validate the command line; every problem is one UserError line."""
     from ringfeed.fsutil import parse_size
-    from ringfeed.shards.remote import default_staging, is_url, parse_storage_options
+    from ringfeed.shards.remote import default_staging, is_url
 
     if args.format not in FORMATS:
         raise UserError(f"unknown --format {args.format!r} (choose from: {', '.join(FORMATS)})")
@@ -131,13 +135,17 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
             raise UserError(f"{flag} {value}: must be at least {low}")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val-fraction {args.val_fraction}: must be in [0, 1)")
-    storage_options = parse_storage_options(args.storage_option)
+    storage_options = _storage_options(args)
     out_arg = args.out if args.out else args.src
     src_url = args.src if is_url(args.src) else None
     out_url = out_arg.rstrip("/") if is_url(out_arg) else None
     src = Path(args.src).expanduser().resolve() if src_url is None else Path(args.src)
     out = Path(out_arg) if out_url is None else Path()
     staging = Path(args.staging).expanduser().resolve() if args.staging else None
+    if (src_url and out_url and args.format != "wds-index"
+            and f"{out_url}/".startswith(f"{src_url.rstrip('/')}/")):
+        raise UserError(f"{out_url} is inside SRC {src_url}: the shards would be read as input; "
+                        "choose an OUT outside SRC")
     if (src_url or out_url) and args.format != "wds-index":
         staging = staging or default_staging(out_url or str(out.resolve()), args.src)
         # the shards are written here before their upload; a remote SRC is fetched here
@@ -217,6 +225,10 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def _storage_options(args: argparse.Namespace) -> dict:
-    from ringfeed.shards.remote import parse_storage_options
+    """--storage-option's dictionary; --retry-budget set for this command's storage calls."""
+    from ringfeed.shards.remote import parse_storage_options, set_retry_budget
 
+    if args.retry_budget is not None and args.retry_budget <= 0:
+        raise UserError(f"--retry-budget {args.retry_budget}: must be more than 0 seconds")
+    set_retry_budget(args.retry_budget)
     return parse_storage_options(args.storage_option)

@@ -3,8 +3,9 @@
 (the pipeline's `storage_options`: endpoint_url, key, secret, anon, ...).
 
 Every call to storage goes through `remote_call`, which retries transient failures under the
-shared policy (`ringfeed.remote`: backoff within a time budget, then `StorageUnavailable`, exit
-75, "run again"); permanent ones (no such bucket, no access) are one line naming the URL.
+shared policy (ringfeed/remote.py: backoff within a time budget, `--retry-budget`, then
+`StorageUnavailable`, exit 75, "run again"); permanent ones (no such bucket, no access) are one
+line naming the URL. S3 requests get the shared bounded timeouts (`with_timeouts`).
 
 `Store` is a folder of objects; `RemoteJournal` is the record of an unfinished run kept in the
 bucket beside its shards (`OUT/.ringfeed-journal.jsonl`), so a rerun from any machine finds it;
@@ -30,6 +31,7 @@ import fsspec
 from ringfeed.errors import UserError
 from ringfeed.formats.manifest import ShardInfo
 from ringfeed.fsutil import publish, temp_open
+from ringfeed.remote import RetryPolicy, retrying, with_timeouts
 
 T = TypeVar("T")
 
@@ -58,14 +60,21 @@ def parse_storage_options(specs: list[str]) -> dict[str, Any]:
     return options
 
 
+_policy = RetryPolicy()
+
+
+def set_retry_budget(seconds: float | None) -> None:
+    """`--retry-budget`: how long one storage call of this command may keep failing
+    transiently before the run stops with exit 75 (default: the shared policy's)."""
+    global _policy
+    _policy = RetryPolicy() if seconds is None else RetryPolicy(budget_s=seconds)
+
+
 def remote_call(fn: Callable[[], T], url: str, what: str) -> T:
     """`fn()`, a call to storage about `url` (`what`: "upload", "list", ...), retried while it
-    fails transiently. The one place the retry policy is chosen."""
-    try:
-        from ringfeed.remote import RetryPolicy, retrying
-    except ImportError:  # before the shared policy exists: a short fixed retry
-        return _retry_few(fn)
-    return retrying(fn, url, what, RetryPolicy())
+    fails transiently (ringfeed/remote.py's policy; StorageUnavailable, exit 75, once the budget
+    is spent). The one place this package calls storage through."""
+    return retrying(fn, url, what, _policy)
 
 
 def storage_call(fn: Callable[[], T], url: str, what: str) -> T:
@@ -74,27 +83,12 @@ def storage_call(fn: Callable[[], T], url: str, what: str) -> T:
     return remote_call(fn, url, what) if is_url(url) else fn()
 
 
-def _retry_few(fn: Callable[[], T], attempts: int = 3) -> T:
-    import time
-
-    for attempt in range(attempts):
-        try:
-            return fn()
-        except (FileNotFoundError, PermissionError):
-            raise
-        except (OSError, TimeoutError):
-            if attempt == attempts - 1:
-                raise
-            time.sleep(0.5 * 2 ** attempt)
-    raise AssertionError("unreachable")
-
-
 @contextmanager
 def storage_defaults(url: str | os.PathLike, options: dict[str, Any]) -> Iterator[None]:
     """While inside: `options` are fsspec's defaults for `url`'s protocol, so readers that open
     shards by URL alone (ringfeed.formats.tarread) reach the same bucket with the same
-    credentials and endpoint. Nothing changes for a local path or without options."""
-    if not is_url(url) or not options:
+    credentials and endpoint (and bounded timeouts). Nothing changes for a local path."""
+    if not is_url(url):
         yield
         return
     cls = fsspec.get_filesystem_class(str(url).split("://", 1)[0])
@@ -102,7 +96,7 @@ def storage_defaults(url: str | os.PathLike, options: dict[str, Any]) -> Iterato
     conf = fsspec.config.conf
     saved = {p: conf.get(p) for p in protocols}
     for p in protocols:
-        conf[p] = {**(conf.get(p) or {}), **options}
+        conf[p] = {**(conf.get(p) or {}), **with_timeouts(str(url), options)}
     try:
         yield
     finally:
@@ -186,7 +180,8 @@ class Store:
     def __init__(self, url: str, storage_options: dict[str, Any]):
         self.url = url.rstrip("/")
         try:
-            self.fs, root = fsspec.core.url_to_fs(self.url, **storage_options)
+            self.fs, root = fsspec.core.url_to_fs(self.url,
+                                                  **with_timeouts(self.url, storage_options))
         except (ImportError, ValueError, TypeError) as e:
             raise UserError(f"{url}: cannot open this location ({e}); check the URL and "
                             "--storage-option") from None
@@ -210,6 +205,8 @@ class Store:
         except PermissionError as e:
             raise UserError(f"{url}: no permission to {what} ({e}); check the credentials "
                             "(--storage-option key=... secret=...)") from e
+        except TypeError as e:  # fsspec connects lazily: an unknown option fails here
+            raise UserError(f"{url}: cannot {what} ({e}); check --storage-option") from e
         except OSError as e:
             raise UserError(f"{url}: {what} failed ({e})") from e
 

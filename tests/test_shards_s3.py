@@ -136,6 +136,9 @@ def test_shard_from_s3_sources(capsys, tmp_path, s3):
     got = bucket_tree(fs, "fromparquet")
     expected = tree_bytes(tmp_path / "remote-t.parquet")
     assert got == expected
+    code, _, err = cli(capsys, "shard", "s3://bucket/src", "s3://bucket/src/shards",
+                       "--format", "jsonl", *flags)
+    assert code == 2 and "is inside SRC" in err
     code, _, err = cli(capsys, "shard", "s3://bucket/src/none.jsonl", tmp_path / "x",
                        "--format", "jsonl", *flags, "--staging", tmp_path / "staging3")
     assert code == 2 and "s3://bucket/src/none.jsonl" in err
@@ -233,3 +236,25 @@ def test_uploads_are_checked_against_s3s_etag(tmp_path, s3):
     assert fs.info("bucket/etag/multi")["ETag"].strip('"') == s3_etag(tmp_path / "f", 5 << 20)
     assert s3_etag(tmp_path / "f", 5 << 20).endswith("-3")
     assert fs.info("bucket/etag/single")["ETag"].strip('"') == s3_etag(tmp_path / "f")
+
+
+@pytest.mark.timeout(120)
+def test_unreachable_storage_is_exit_75_after_the_retry_budget(capsys, tmp_path):
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    flags = ["--storage-option", f"endpoint_url=http://127.0.0.1:{port}", "--storage-option",
+             "key=testing", "--storage-option", "secret=testing", "--retry-budget", "1",
+             # no retries inside botocore, so each failing call returns sooner
+             "--storage-option", 'config_kwargs={"retries": {"max_attempts": 1}}']
+    code, _, err = cli(capsys, "verify", "s3://bucket/one", *flags)
+    assert code == 75 and "storage unavailable" in err and "s3://bucket/one" in err, err
+    src = jsonl(tmp_path / "t.jsonl", 10)
+    code, _, err = cli(capsys, "shard", src, "s3://bucket/one", *JSONL_ARGS, *flags,
+                       "--staging", tmp_path / "staging")
+    assert code == 75 and "storage unavailable" in err, err
+    code, _, err = cli(capsys, "verify", "s3://bucket/one", *flags,
+                       "--storage-option", "no_such_option=1")
+    assert code == 2 and "check --storage-option" in err and "\n" not in err.strip(), err
