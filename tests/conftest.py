@@ -76,3 +76,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(file_group(item.nodeid), len(rank)))  # stable sort
+
+
+# -- S3 on 127.0.0.1: moto's server, and a fault/shaping proxy in front of it (s3_proxy.py) ---
+# Modules may define their own `s3_server` (test_pipeline_cache.py does); theirs wins there.
+@pytest.fixture
+def s3_server(monkeypatch: pytest.MonkeyPatch):
+    """moto's S3 server in this process's threads, fake AWS credentials set: its URL."""
+    pytest.importorskip("moto.server")
+    from s3_proxy import moto_server_fixture
+
+    yield from moto_server_fixture(monkeypatch)
+
+
+@pytest.fixture
+def s3_proxy(s3_server: str):
+    """A started `s3_proxy.FaultProxy` in front of `s3_server` (mode "pass", no shaping)."""
+    from s3_proxy import fault_proxy_fixture
+
+    yield from fault_proxy_fixture(s3_server)
