@@ -20,8 +20,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from ringfeed.errors import UserError
-from ringfeed.train.data import DataSpec
+from ringfeed.train.data import REGRESS, DataSpec
 from ringfeed.train.horovod_env import apply_horovod_env, check_controller
+from ringfeed.train.losses import regression_fns
+from ringfeed.train.profile import no_span
+from ringfeed.userhooks import load_callable
 
 # Per-step agreement vector, allreduced with op=Average on every step. Any rank's request
 # makes the average > 0 on all ranks, so every rank takes the same decision at the same step.
@@ -184,21 +187,75 @@ class Backend(StepBackend, CheckpointBackend, Collectives, ReplicaSync, ElasticB
     """Everything the loop needs from one framework (torch_backend.py, tf_backend.py)."""
 
 
-class StepCounting:
-    """What both backends do after an applied step (mixed into them): count the gradient
-    allreduce's bytes (synchronous), or the local step and, every sync_every-th one, the
-    replicas' averaging (local SGD)."""
+class HorovodBackend:
+    """The set-up and bookkeeping both framework backends share (torch_backend.py,
+    tf_backend.py subclass it): Horovod started with the config's knobs, the GPU choice's
+    gather, k micro-batches per step, the sync period and allreduce counts, the task's loss and
+    metrics (or the user's), the per-rank seed, Horovod's plain-object collectives.
 
+    Rules: `start()` runs first in the subclass's __init__ and `setup_steps()` first in its
+    build(); after an applied step the subclass calls `_count_step()`."""
+
+    name: str  # "torch" | "tensorflow"
+    hvd: Any  # horovod.torch | horovod.tensorflow
+    sep: str  # in Horovod op names: "." (torch) or "_" (TensorFlow's names allow no dots)
+    cfg: Any  # RunConfig
+    dist: Dist
+    spec: DataSpec
+    accumulate: int  # k micro-batches per optimizer step (asserted by train_step)
     sync_every: int
     comm: CommStats
+    loss_fn: Callable
+    metrics_fn: Callable
     _local_steps: int  # optimizer steps taken; a sync follows every sync_every-th
     _unsynced: int  # local steps since the last sync
     _grad_bytes: int  # one gradient allreduce's payload
+
+    def start(self, cfg: Any) -> None:
+        """hvd.init() with the config's knobs; the profiler's named ranges are off."""
+        self.dist = start_horovod(self.hvd, cfg)
+        self.cfg = cfg
+        self.span = no_span  # named profiler ranges: train/profile.py sets them while tracing
+
+    def gpu_gather(self) -> Callable[[GpuView], list[GpuView]] | None:
+        """The gather choose_gpu() needs: every rank's view (None in elastic runs)."""
+        if self.cfg.elastic.enabled:
+            return None
+        return lambda view: self.hvd.allgather_object(view, name="ringfeed.gpus")
+
+    def setup_steps(self, spec: DataSpec, accumulate: int | None,
+                    default_fns: tuple[Callable, Callable]) -> None:
+        """What a step needs besides the model: `accumulate` (None: train.accumulate), the
+        sync period and its counters, the loss and metrics (train.loss/metrics, else MSE for
+        float targets, else `default_fns`)."""
+        t = self.cfg.train
+        self.spec = spec
+        self.accumulate = t.accumulate if accumulate is None else accumulate
+        self.sync_every = t.sync_every
+        self.comm = CommStats(t.sync_every)
+        self._local_steps = 0
+        self._unsynced = 0
+        loss_fn, metrics_fn = (regression_fns(self.name, spec) if spec.task == REGRESS
+                               else default_fns)
+        self.loss_fn = load_callable(t.loss, "train.loss") if t.loss else loss_fn
+        self.metrics_fn = load_callable(t.metrics, "train.metrics") if t.metrics else metrics_fn
+
+    def rank_seed(self) -> int:
+        """This rank's own random stream (dropout masks differ across replicas, as in DDP)."""
+        return self.cfg.train.seed * 1000 + self.dist.rank + 1
+
+    def check_accumulate(self, micro_batches: list[Any]) -> int:
+        """k, asserted to be the number of micro-batches given."""
+        k = self.accumulate
+        assert len(micro_batches) == k, f"{len(micro_batches)} micro-batches, accumulate={k}"
+        return k
 
     def sync_replicas(self) -> None:
         raise NotImplementedError
 
     def _count_step(self, samples: int) -> None:
+        """After an applied step: count the gradient allreduce's bytes (synchronous), or the
+        local step and, every sync_every-th one, the replicas' averaging (local SGD)."""
         self._local_steps += 1
         self.comm.step(samples)
         if self.sync_every == 1:
@@ -207,6 +264,20 @@ class StepCounting:
         self._unsynced += 1
         if self._local_steps % self.sync_every == 0:
             self.sync_replicas()
+
+    def comm_stats(self) -> dict[str, float]:
+        return self.comm.as_dict()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return self.hvd.broadcast_object(obj, root_rank=0, name=f"ringfeed{self.sep}object")
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        return self.hvd.allgather_object(obj, name=f"ringfeed{self.sep}gather")
+
+    def refresh_dist(self) -> Dist:
+        hvd = self.hvd
+        self.dist = Dist(hvd.rank(), hvd.size(), hvd.local_rank())
+        return self.dist
 
 
 GpuView = tuple[int, Any, int]  # (host, the identity of the devices a rank sees, their count)

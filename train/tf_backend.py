@@ -35,21 +35,15 @@ from horovod.common.exceptions import HorovodInternalError
 
 from ringfeed.train.backend import (
     STATS_LOSS,
-    CommStats,
-    Dist,
     Groups,
-    StepCounting,
+    HorovodBackend,
     StepResult,
     choose_gpu,
     metric_sums,
-    start_horovod,
 )
-from ringfeed.train.data import REGRESS, DataSpec, split_batch
-from ringfeed.train.losses import regression_fns
+from ringfeed.train.data import DataSpec, split_batch
 from ringfeed.train.models import build_model
-from ringfeed.train.profile import no_span
 from ringfeed.train.throughput import FlopCount, count_tf_flops
-from ringfeed.userhooks import load_callable
 
 CHECKPOINT_PREFIX = "tf_checkpoint"
 POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
@@ -80,33 +74,71 @@ def make_optimizer(optim, grad_clip: float | None) -> keras.optimizers.Optimizer
     return cls(beta_1=beta_1, beta_2=beta_2, epsilon=1e-8, **common)
 
 
-class TFBackend(StepCounting):
-    name = "tensorflow"
+class TFCheckpoints:
+    """The checkpoint payload of TFBackend (CheckpointBackend, train/backend.py): model and
+    optimizer variables in one tf.train.Checkpoint (Keras keeps the dropout RNG state in the
+    model's variables); a resume gives every rank rank 0's state."""
+
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer
+    checkpoint: tf.train.Checkpoint
+    sync_every: int
+    _payload: dict[str, list]
+    _steps_var: tf.Variable
+    _local_steps: int
+    _unsynced: int
+
+    def rng_states(self) -> None:
+        # Keras keeps dropout RNG state in each layer's SeedGenerator variable, so it is
+        # saved with the model; nothing per rank to gather.
+        return None
+
+    def write_payload(self, directory: Path, rng_states: Any) -> None:
+        if self.sync_every > 1:
+            self._steps_var.assign(self._local_steps)
+        try:
+            self.checkpoint.write(str(Path(directory) / CHECKPOINT_PREFIX))
+        except tf.errors.OpError as e:  # a full disk, a read-only directory: the I/O error
+            raise OSError(e.message.strip().splitlines()[0]) from e
+
+    def read_payload(self, directory: Path) -> None:
+        prefix = str(Path(directory) / CHECKPOINT_PREFIX)
+        tf.train.Checkpoint(**self._payload).read(prefix).assert_existing_objects_matched()
+        if self.sync_every > 1:  # (absent from a sync_every: 1 checkpoint: starts at 0)
+            self._steps_var.assign(0)
+            tf.train.Checkpoint(local_sgd_steps=self._steps_var).read(prefix).expect_partial()
+
+    def sync_from_root(self, resumed: bool) -> None:
+        values = [v.value for v in self.model.variables + self.optimizer.variables]
+        if self.sync_every > 1:
+            values.append(self._steps_var)
+        hvd.broadcast_variables(values, root_rank=0)
+        if self.sync_every > 1:
+            self._local_steps = int(self._steps_var.numpy())
+            self._unsynced = 0  # every rank holds rank 0's state now
+
+
+class TFBackend(TFCheckpoints, HorovodBackend):
+    name, hvd, sep = "tensorflow", hvd, "_"
 
     def __init__(self, cfg):
-        self.dist = start_horovod(hvd, cfg)
-        self.cfg = cfg
+        self.start(cfg)
         # TensorFlow's pools block rather than spin: splitting them per rank measured no
         # reliably faster demo on the 2-core box, so they keep TensorFlow's sizes
         self.cpu_threads = None
         gpus = tf.config.list_physical_devices("GPU")
         for gpu in gpus:
             tf.config.experimental.set_memory_growth(gpu, True)
-        gather = None if cfg.elastic.enabled else (
-            lambda view: hvd.allgather_object(view, name="ringfeed.gpus"))
         gpu = choose_gpu((hvd.cross_rank(), os.environ.get("CUDA_VISIBLE_DEVICES"), len(gpus)),
                          self.dist.rank, self.dist.local_rank, hvd.local_size(),
-                         cfg.train.share_gpus, gather)
+                         cfg.train.share_gpus, self.gpu_gather())
         if gpu is not None:
             tf.config.set_visible_devices(gpus[gpu], "GPU")
-        self.span = no_span  # named profiler ranges: train/profile.py sets them while tracing
 
     # -- setup --------------------------------------------------------------------------------
     def build(self, spec: DataSpec, accumulate: int | None = None) -> None:
         cfg, t = self.cfg, self.cfg.train
-        self.spec = spec
-        # k micro-batches per step: the trainer's (train.accumulate when built on its own)
-        self.accumulate = t.accumulate if accumulate is None else accumulate
+        self.setup_steps(spec, accumulate, (cross_entropy, accuracy))
         keras.mixed_precision.set_dtype_policy(POLICIES[t.precision])
         keras.utils.set_random_seed(t.seed)
         self.model = build_model("tensorflow", cfg.model.name, dict(cfg.model.args), spec)
@@ -115,18 +147,10 @@ class TFBackend(StepCounting):
                           if t.precision == "fp16" else self.inner_optimizer)
         self.optimizer.build(self.model.trainable_variables)
         self.compression = hvd.Compression.fp16 if t.fp16_allreduce else hvd.Compression.none
-        self.sync_every = t.sync_every
-        self.comm = CommStats(t.sync_every)
-        self._local_steps = 0  # optimizer steps taken; a sync follows every sync_every-th
-        self._unsynced = 0  # local steps since the replicas were last averaged
         # what one step's gradient allreduce hands to Horovod (fp16 compression halves it)
         self._grad_bytes = sum(int(np.prod(v.shape)) * (2 if t.fp16_allreduce
                                                          else np.dtype(v.dtype).itemsize)
                                for v in self.model.trainable_variables)
-        loss_fn, metrics_fn = (regression_fns("tensorflow", spec) if spec.task == REGRESS
-                               else (cross_entropy, accuracy))  # MSE for float targets
-        self.loss_fn = load_callable(t.loss, "train.loss") if t.loss else loss_fn
-        self.metrics_fn = load_callable(t.metrics, "train.metrics") if t.metrics else metrics_fn
         # Explicit variable lists: a Keras 3 model is not a trackable tree of its variables
         # for tf.train.Checkpoint, and model.variables also holds the dropout RNG states.
         self._payload = {"model": [v.value for v in self.model.variables],
@@ -143,7 +167,7 @@ class TFBackend(StepCounting):
         self._step = tf.function(self._step_fn, autograph=False)
         self._step_keys = [key for key in (spec.input_key, spec.target_key) if key]
         self._evaluate = tf.function(self._evaluate_fn, autograph=False)
-        keras.utils.set_random_seed(t.seed * 1000 + self.dist.rank + 1)  # per-rank stream
+        keras.utils.set_random_seed(self.rank_seed())  # per-rank stream
 
     def loader(self, pipe):
         from ringfeed.pipeline.tf import TensorLoader
@@ -213,8 +237,7 @@ class TFBackend(StepCounting):
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
                    requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
-        keys, k = self._step_keys, self.accumulate
-        assert len(micro_batches) == k, f"{len(micro_batches)} micro-batches, accumulate={k}"
+        keys, k = self._step_keys, self.check_accumulate(micro_batches)
         micro = [{k: tf.convert_to_tensor(b[k]) for k in keys} for b in micro_batches]
         out = self._step(micro, tf.constant((*requests, lr), tf.float32)).numpy().tolist()
         stats, (applied, norm, scale) = out[:3], out[3:]
@@ -277,9 +300,6 @@ class TFBackend(StepCounting):
                            for v in self._replica_variables()))
         self._unsynced = 0
 
-    def comm_stats(self) -> dict[str, float]:
-        return self.comm.as_dict()
-
     def _evaluate_fn(self, x, y):
         out = self.model(x, training=False)
         return {"loss": tf.cast(self.loss_fn(out, y), tf.float32),
@@ -299,50 +319,10 @@ class TFBackend(StepCounting):
                                name="ringfeed_sums")
         return dict(zip(values, summed.numpy().tolist(), strict=True))
 
-    def broadcast_object(self, obj: Any) -> Any:
-        return hvd.broadcast_object(obj, root_rank=0, name="ringfeed_object")
-
-    # -- checkpoints --------------------------------------------------------------------------
-    def rng_states(self) -> None:
-        # Keras keeps dropout RNG state in each layer's SeedGenerator variable, so it is
-        # saved with the model; nothing per rank to gather.
-        return None
-
-    def write_payload(self, directory: Path, rng_states: Any) -> None:
-        if self.sync_every > 1:
-            self._steps_var.assign(self._local_steps)
-        try:
-            self.checkpoint.write(str(Path(directory) / CHECKPOINT_PREFIX))
-        except tf.errors.OpError as e:  # a full disk, a read-only directory: the I/O error
-            raise OSError(e.message.strip().splitlines()[0]) from e
-
-    def read_payload(self, directory: Path) -> None:
-        prefix = str(Path(directory) / CHECKPOINT_PREFIX)
-        tf.train.Checkpoint(**self._payload).read(prefix).assert_existing_objects_matched()
-        if self.sync_every > 1:  # (absent from a sync_every: 1 checkpoint: starts at 0)
-            self._steps_var.assign(0)
-            tf.train.Checkpoint(local_sgd_steps=self._steps_var).read(prefix).expect_partial()
-
-    def sync_from_root(self, resumed: bool) -> None:
-        values = [v.value for v in self.model.variables + self.optimizer.variables]
-        if self.sync_every > 1:
-            values.append(self._steps_var)
-        hvd.broadcast_variables(values, root_rank=0)
-        if self.sync_every > 1:
-            self._local_steps = int(self._steps_var.numpy())
-            self._unsynced = 0  # every rank holds rank 0's state now
-
     def weights(self) -> list[Any]:
         return [v.numpy().copy() for v in self.model.weights]
 
-    def gather_object(self, obj: Any) -> list[Any]:
-        return hvd.allgather_object(obj, name="ringfeed_gather")
-
     # -- elastic ------------------------------------------------------------------------------
-    def refresh_dist(self) -> Dist:
-        self.dist = Dist(hvd.rank(), hvd.size(), hvd.local_rank())
-        return self.dist
-
     def elastic_state(self, **values: Any) -> ObjectState:
         variables = self.model.variables + self.optimizer.variables
         return VariablesState([v.value for v in variables], **values)

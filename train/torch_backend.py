@@ -27,23 +27,18 @@ import torch.nn.functional as F
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 
 from ringfeed.train.backend import (
-    CommStats,
     Dist,
     Groups,
-    StepCounting,
+    HorovodBackend,
     StepResult,
     choose_gpu,
     cpu_threads_per_rank,
     metric_sums,
-    start_horovod,
 )
 from ringfeed.train.checkpoint import open_for_write
-from ringfeed.train.data import REGRESS, DataSpec, split_batch
-from ringfeed.train.losses import regression_fns
+from ringfeed.train.data import DataSpec, split_batch
 from ringfeed.train.models import build_model
-from ringfeed.train.profile import no_span
 from ringfeed.train.throughput import FlopCount, count_torch_flops
-from ringfeed.userhooks import load_callable
 
 STATE_FILE = "state.pt"
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -128,240 +123,24 @@ def average_tensors(tensors: list[torch.Tensor], name: str) -> int:
     return total
 
 
-class TorchBackend(StepCounting):
-    name = "torch"
+class TorchCheckpoints:
+    """The checkpoint payload of TorchBackend (CheckpointBackend, train/backend.py): model,
+    optimizer, GradScaler and every rank's RNG state in one `state.pt`, loadable with
+    weights_only=True; a resume gives every rank rank 0's state."""
 
-    def __init__(self, cfg):
-        self.dist = start_horovod(hvd, cfg)
-        self.cfg = cfg
-        threads = cpu_threads_per_rank(hvd.local_size())
-        if threads is not None:
-            torch.set_num_threads(threads)
-        self.cpu_threads = torch.get_num_threads()
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        devices = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(count))
-        gather = None if cfg.elastic.enabled else (
-            lambda view: hvd.allgather_object(view, name="ringfeed.gpus"))
-        gpu = choose_gpu((hvd.cross_rank(), devices, count), self.dist.rank,
-                         self.dist.local_rank, hvd.local_size(), cfg.train.share_gpus, gather)
-        if gpu is None:
-            self.device = torch.device("cpu")
-        else:
-            torch.cuda.set_device(gpu)
-            self.device = torch.device("cuda", gpu)
-        self.amp_dtype = AMP_DTYPES.get(cfg.train.precision)
-        self.span = no_span  # named profiler ranges: train/profile.py sets them while tracing
-        self._loaded_rng: list[dict[str, torch.Tensor]] | None = None
+    dist: Dist
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    sync_every: int
+    _local_steps: int
+    _unsynced: int
+    _moments_everywhere: bool
+    _loaded_rng: list[dict[str, torch.Tensor]] | None
+    broadcast_object: Callable[[Any], Any]
+    _has_moments: Callable[[], bool]
 
-    # -- setup --------------------------------------------------------------------------------
-    def build(self, spec: DataSpec, accumulate: int | None = None) -> None:
-        cfg, t = self.cfg, self.cfg.train
-        self.spec = spec
-        # k micro-batches per step: the trainer's (train.accumulate when built on its own)
-        self.accumulate = t.accumulate if accumulate is None else accumulate
-        torch.manual_seed(t.seed)
-        self.model = build_model("torch", cfg.model.name, dict(cfg.model.args), spec)
-        self.model.to(self.device)
-        if t.channels_last:
-            self.model.to(memory_format=torch.channels_last)
-        # the compiled callable shares the module's parameters: the optimizer, Horovod's
-        # gradient hooks, broadcasts and checkpoints all see the plain module
-        self.forward = torch.compile(self.model) if t.compile else self.model
-        self.sync_every = t.sync_every
-        self.comm = CommStats(t.sync_every)
-        self._local_steps = 0  # optimizer steps taken; a sync follows every sync_every-th
-        self._unsynced = 0  # local steps since the replicas were last averaged
-        self._moments_everywhere = False  # agreed: every rank's optimizer has its moments
-        self.optimizer = make_optimizer(cfg.optim, self.model.parameters())
-        if self.sync_every == 1:
-            self.optimizer = hvd.DistributedOptimizer(
-                self.optimizer,
-                named_parameters=self.model.named_parameters(),
-                compression=DenseLayout(hvd.Compression.fp16 if t.fp16_allreduce
-                                        else hvd.Compression.none),
-                backward_passes_per_step=self.accumulate,
-                op=hvd.Average,
-            )
-        # what one step's gradient allreduce hands to Horovod (fp16 compression halves it)
-        self._grad_bytes = sum(p.numel() * (2 if t.fp16_allreduce else p.element_size())
-                               for p in self.model.parameters() if p.requires_grad)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
-        loss_fn, metrics_fn = (regression_fns("torch", spec) if spec.task == REGRESS
-                               else (cross_entropy, accuracy))  # MSE for float targets
-        self.loss_fn = load_callable(t.loss, "train.loss") if t.loss else loss_fn
-        self.metrics_fn = load_callable(t.metrics, "train.metrics") if t.metrics else metrics_fn
-        # Each rank its own random stream (dropout masks differ across replicas, as in DDP).
-        torch.manual_seed(t.seed * 1000 + self.dist.rank + 1)
-
-    def loader(self, pipe):
-        from ringfeed.pipeline.torch import make_loader
-
-        return make_loader(pipe)
-
-    # -- steps --------------------------------------------------------------------------------
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=self.amp_dtype,
-                              enabled=self.amp_dtype is not None)
-
-    def _inputs(self, x: Any) -> torch.Tensor:
-        x = torch.as_tensor(x).to(self.device, non_blocking=True)
-        if x.dtype == torch.uint8:
-            return x.float().div_(255.0)
-        return x.float() if x.is_floating_point() else x
-
-    def _prepare(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        x, y, valid = split_batch(batch, self.spec)
-        y = torch.as_tensor(y).to(self.device, non_blocking=True)
-        if valid is not None:
-            valid = torch.as_tensor(valid).to(self.device).float()
-        return self._inputs(x), y, valid
-
-    def _submit_stats(self, mean_loss: torch.Tensor, requests: tuple[float, float],
-                      extra: tuple[float, ...] = ()):
-        """Start the step's agreement allreduce of [loss, save, stop, *extra] on the gradients'
-        device (filled from Python numbers: no host-to-device copy, no synchronisation).
-        Submitted just before the last backward pass, it is negotiated with the gradient
-        allreduces that pass starts (or done while it runs), instead of in a Horovod cycle of
-        its own after them."""
-        stats = torch.stack([mean_loss, *(mean_loss.new_full((), v) for v in (*requests, *extra))])
-        return hvd.allreduce_async_(stats, op=hvd.Average, name="ringfeed.step_stats")
-
-    def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
-                   requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        local = self.sync_every > 1
-        # Local SGD: the agreement vector also says whether this rank's optimizer holds its
-        # moments yet (an fp16 overflow skipping a rank's first steps leaves them uncreated),
-        # so every rank averages the same list of tensors.
-        extra = (float(self._has_moments()),) if local else ()
-        k = self.accumulate
-        assert len(micro_batches) == k, f"{len(micro_batches)} micro-batches, accumulate={k}"
-        loss_sum = stats = None
-        samples = 0
-        for i, batch in enumerate(micro_batches):
-            x, y, _ = split_batch(batch, self.spec)  # (the valid mask only matters to eval)
-            x, y = self._inputs(x), torch.as_tensor(y).to(self.device, non_blocking=True)
-            samples += len(y)
-            with self.span("ringfeed.forward"), self._autocast():
-                loss = self.loss_fn(self.forward(x), y).float().mean()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-            if i == k - 1:
-                stats = self._submit_stats(loss_sum / k, requests, extra)
-            # The k-th backward triggers Horovod's allreduce (backward_passes_per_step=k);
-            # dividing by k makes the accumulated gradient the mean over k micro-batches.
-            # (Local SGD: plain accumulation in .grad, no allreduce.)
-            with self.span("ringfeed.backward"):
-                self.scaler.scale(loss / k).backward()
-        with self.span("ringfeed.allreduce"):
-            if not local:
-                self.optimizer.synchronize()
-            # The one host synchronisation of a step: every rank decides on the same numbers.
-            stats = hvd.synchronize(stats).tolist()
-        if not math.isfinite(stats[0]):
-            # Nothing is applied: the loop stops the run on every rank (exit 3).
-            self.optimizer.zero_grad()
-            return StepResult.from_stats(stats, applied=False)
-        if local:
-            self._moments_everywhere = stats[-1] == 1.0
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = None
-        if self.cfg.train.grad_clip:  # a tensor, read on log steps only
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                       self.cfg.train.grad_clip)
-        scale = applied = None
-        if self.scaler.is_enabled():
-            # (GradScaler.step reads its overflow flag on the host right after this anyway)
-            scale = self.scaler.get_scale()
-        # Local SGD: each rank's GradScaler decides on its own gradients (a rank may skip a
-        # step the others apply); the sync below averages the replicas again.
-        with self.span("ringfeed.optimizer_step"), \
-                contextlib.nullcontext() if local else self.optimizer.skip_synchronize():
-            self.scaler.step(self.optimizer)
-        self.scaler.update()
-        if scale is not None:
-            # update() lowers the scale exactly when it skipped the step for an inf/NaN
-            # gradient; compared on the device, read only when the result is looked at.
-            current = getattr(self.scaler, "_scale", None)
-            applied = (current >= scale).squeeze() if isinstance(current, torch.Tensor) \
-                else self.scaler.get_scale() >= scale
-        self.optimizer.zero_grad()
-        self._count_step(samples)
-        return StepResult.from_stats(stats, applied=True if applied is None else applied,
-                                     grad_norm=grad_norm, loss_scale=scale)
-
-    # -- throughput accounting (train/throughput.py) ------------------------------------------
-    def count_flops(self, batch: dict[str, Any]) -> FlopCount:
-        """Training FLOPs per sample of the model at this batch's shape (meta device: no
-        compute, no gradient on the real parameters, RNG states kept)."""
-        x = torch.as_tensor(split_batch(batch, self.spec)[0])
-        dtype = torch.float32 if x.is_floating_point() else x.dtype  # as _inputs() feeds it
-        return count_torch_flops(self.model, tuple(x.shape), dtype, self.device)
-
-    def accounting_device(self) -> tuple[str | None, str]:
-        """(this rank's GPU name, or None on CPU; the dtype its matmuls run in): fp32 counts
-        as tf32 when torch lets matmuls use TF32 (torch.set_float32_matmul_precision)."""
-        precision = self.cfg.train.precision
-        if precision == "fp32" and torch.get_float32_matmul_precision() != "highest":
-            precision = "tf32"
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
-        return name, precision
-
-    # -- local SGD and communication ----------------------------------------------------------
-
-    def _has_moments(self) -> bool:
-        state = self.optimizer.state
-        return all(len(state.get(p, ())) > 0 for p in self.model.parameters())
-
-    def _replica_tensors(self) -> list[torch.Tensor]:
-        """What a sync averages, in the same order on every rank: the parameters, then (with
-        sync_optimizer_state, once every rank's optimizer has them) each parameter's
-        optimizer tensors of its shape - SGD's momentum buffer, Adam's exp_avg and
-        exp_avg_sq - but not Adam's step count, the same on every rank."""
-        params = list(self.model.parameters())
-        tensors = [p.data for p in params]
-        if self.cfg.train.sync_optimizer_state and self._moments_everywhere:
-            for p in params:
-                tensors += [v for v in self.optimizer.state[p].values()
-                            if isinstance(v, torch.Tensor) and v.shape == p.shape
-                            and v.is_floating_point()]
-        return tensors
-
-    @torch.no_grad()
-    def sync_replicas(self) -> None:
-        if self._unsynced == 0:
-            return
-        self.comm.sync(average_tensors(self._replica_tensors(), "ringfeed.local_sgd"))
-        self._unsynced = 0
-
-    def comm_stats(self) -> dict[str, float]:
-        return self.comm.as_dict()
-
-    @torch.no_grad()
-    def eval_batch(self, batch: dict[str, Any], groups: Groups | None = None
-                   ) -> dict[str, float]:
-        self.model.eval()
-        try:
-            x, y, valid = self._prepare(batch)
-            with self._autocast():
-                out = self.forward(x)
-            per_sample = {"loss": self.loss_fn(out, y), **self.metrics_fn(out, y)}
-        finally:
-            self.model.train()
-        per_sample = {k: v.float().expand(len(y)) if v.dim() == 0 else v.float()
-                      for k, v in per_sample.items()}
-        return metric_sums(per_sample, valid, lambda v: float(v.sum()), groups,
-                           lambda m: torch.from_numpy(m).to(self.device).float())
-
-    def allreduce_sum(self, values: dict[str, float]) -> dict[str, float]:
-        summed = hvd.allreduce(torch.tensor(list(values.values()), dtype=torch.float64),
-                               op=hvd.Sum, name="ringfeed.sums")
-        return dict(zip(values, summed.tolist(), strict=True))
-
-    def broadcast_object(self, obj: Any) -> Any:
-        return hvd.broadcast_object(obj, root_rank=0, name="ringfeed.object")
-
-    # -- checkpoints --------------------------------------------------------------------------
     def rng_states(self) -> list[dict[str, torch.Tensor]] | None:
         state = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
@@ -407,17 +186,228 @@ class TorchBackend(StepCounting):
             if "cuda" in rng[self.dist.rank] and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng[self.dist.rank]["cuda"], self.device)
 
+
+class TorchBackend(TorchCheckpoints, HorovodBackend):
+    name, hvd, sep = "torch", hvd, "."
+
+    def __init__(self, cfg):
+        self.start(cfg)
+        threads = cpu_threads_per_rank(hvd.local_size())
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.cpu_threads = torch.get_num_threads()
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        devices = tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(count))
+        gpu = choose_gpu((hvd.cross_rank(), devices, count), self.dist.rank,
+                         self.dist.local_rank, hvd.local_size(), cfg.train.share_gpus,
+                         self.gpu_gather())
+        if gpu is None:
+            self.device = torch.device("cpu")
+        else:
+            torch.cuda.set_device(gpu)
+            self.device = torch.device("cuda", gpu)
+        self.amp_dtype = AMP_DTYPES.get(cfg.train.precision)
+        self._loaded_rng: list[dict[str, torch.Tensor]] | None = None
+
+    # -- setup --------------------------------------------------------------------------------
+    def build(self, spec: DataSpec, accumulate: int | None = None) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        self.setup_steps(spec, accumulate, (cross_entropy, accuracy))
+        torch.manual_seed(t.seed)
+        self.model = build_model("torch", cfg.model.name, dict(cfg.model.args), spec)
+        self.model.to(self.device)
+        if t.channels_last:
+            self.model.to(memory_format=torch.channels_last)
+        # the compiled callable shares the module's parameters: the optimizer, Horovod's
+        # gradient hooks, broadcasts and checkpoints all see the plain module
+        self.forward = torch.compile(self.model) if t.compile else self.model
+        self._moments_everywhere = False  # agreed: every rank's optimizer has its moments
+        self.optimizer = make_optimizer(cfg.optim, self.model.parameters())
+        if self.sync_every == 1:
+            self.optimizer = hvd.DistributedOptimizer(
+                self.optimizer,
+                named_parameters=self.model.named_parameters(),
+                compression=DenseLayout(hvd.Compression.fp16 if t.fp16_allreduce
+                                        else hvd.Compression.none),
+                backward_passes_per_step=self.accumulate,
+                op=hvd.Average,
+            )
+        # what one step's gradient allreduce hands to Horovod (fp16 compression halves it)
+        self._grad_bytes = sum(p.numel() * (2 if t.fp16_allreduce else p.element_size())
+                               for p in self.model.parameters() if p.requires_grad)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
+        torch.manual_seed(self.rank_seed())
+
+    def loader(self, pipe):
+        from ringfeed.pipeline.torch import make_loader
+
+        return make_loader(pipe)
+
+    # -- steps --------------------------------------------------------------------------------
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.amp_dtype,
+                              enabled=self.amp_dtype is not None)
+
+    def _inputs(self, x: Any) -> torch.Tensor:
+        x = torch.as_tensor(x).to(self.device, non_blocking=True)
+        if x.dtype == torch.uint8:
+            return x.float().div_(255.0)
+        return x.float() if x.is_floating_point() else x
+
+    def _prepare(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        x, y, valid = split_batch(batch, self.spec)
+        y = torch.as_tensor(y).to(self.device, non_blocking=True)
+        if valid is not None:
+            valid = torch.as_tensor(valid).to(self.device).float()
+        return self._inputs(x), y, valid
+
+    def _submit_stats(self, mean_loss: torch.Tensor, requests: tuple[float, float],
+                      extra: tuple[float, ...] = ()):
+        """Start the step's agreement allreduce of [loss, save, stop, *extra] on the gradients'
+        device (filled from Python numbers: no host-to-device copy, no synchronisation).
+        Submitted just before the last backward pass, it is negotiated with the gradient
+        allreduces that pass starts (or done while it runs), instead of in a Horovod cycle of
+        its own after them."""
+        stats = torch.stack([mean_loss, *(mean_loss.new_full((), v) for v in (*requests, *extra))])
+        return hvd.allreduce_async_(stats, op=hvd.Average, name="ringfeed.step_stats")
+
+    def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
+                   requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        local = self.sync_every > 1
+        # Local SGD: the agreement vector also says whether this rank's optimizer holds its
+        # moments yet (an fp16 overflow skipping a rank's first steps leaves them uncreated),
+        # so every rank averages the same list of tensors.
+        extra = (float(self._has_moments()),) if local else ()
+        k = self.check_accumulate(micro_batches)
+        loss_sum = stats = None
+        samples = 0
+        for i, batch in enumerate(micro_batches):
+            x, y, _ = split_batch(batch, self.spec)  # (the valid mask only matters to eval)
+            x, y = self._inputs(x), torch.as_tensor(y).to(self.device, non_blocking=True)
+            samples += len(y)
+            with self.span("ringfeed.forward"), self._autocast():
+                loss = self.loss_fn(self.forward(x), y).float().mean()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            if i == k - 1:
+                stats = self._submit_stats(loss_sum / k, requests, extra)
+            # The k-th backward triggers Horovod's allreduce (backward_passes_per_step=k);
+            # dividing by k makes the accumulated gradient the mean over k micro-batches.
+            # (Local SGD: plain accumulation in .grad, no allreduce.)
+            with self.span("ringfeed.backward"):
+                self.scaler.scale(loss / k).backward()
+        with self.span("ringfeed.allreduce"):
+            if not local:
+                self.optimizer.synchronize()
+            # The one host synchronisation of a step: every rank decides on the same numbers.
+            stats = hvd.synchronize(stats).tolist()
+        if not math.isfinite(stats[0]):
+            # Nothing is applied: the loop stops the run on every rank (exit 3).
+            self.optimizer.zero_grad()
+            return StepResult.from_stats(stats, applied=False)
+        if local:
+            self._moments_everywhere = stats[-1] == 1.0
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = None
+        if self.cfg.train.grad_clip:  # a tensor, read on log steps only
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                       self.cfg.train.grad_clip)
+        scale = applied = None
+        if self.scaler.is_enabled():
+            # (GradScaler.step reads its overflow flag on the host right after this anyway)
+            scale = self.scaler.get_scale()
+        # Local SGD: each rank's GradScaler decides on its own gradients (a rank may skip a
+        # step the others apply); the sync below averages the replicas again.
+        with self.span("ringfeed.optimizer_step"), \
+                contextlib.nullcontext() if local else self.optimizer.skip_synchronize():
+            self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if scale is not None:
+            applied = self._applied(scale)
+        self.optimizer.zero_grad()
+        self._count_step(samples)
+        return StepResult.from_stats(stats, applied=True if applied is None else applied,
+                                     grad_norm=grad_norm, loss_scale=scale)
+
+    def _applied(self, scale: Any) -> Any:
+        """Whether the fp16 step just taken was applied: update() lowers the loss scale exactly
+        when it skipped the step for an inf/NaN gradient (compared on the device; read only
+        when the result is looked at)."""
+        current = getattr(self.scaler, "_scale", None)
+        if isinstance(current, torch.Tensor):
+            return (current >= scale).squeeze()
+        return self.scaler.get_scale() >= scale
+
+    # -- throughput accounting (train/throughput.py) ------------------------------------------
+    def count_flops(self, batch: dict[str, Any]) -> FlopCount:
+        """Training FLOPs per sample of the model at this batch's shape (meta device: no
+        compute, no gradient on the real parameters, RNG states kept)."""
+        x = torch.as_tensor(split_batch(batch, self.spec)[0])
+        dtype = torch.float32 if x.is_floating_point() else x.dtype  # as _inputs() feeds it
+        return count_torch_flops(self.model, tuple(x.shape), dtype, self.device)
+
+    def accounting_device(self) -> tuple[str | None, str]:
+        """(this rank's GPU name, or None on CPU; the dtype its matmuls run in): fp32 counts
+        as tf32 when torch lets matmuls use TF32 (torch.set_float32_matmul_precision)."""
+        precision = self.cfg.train.precision
+        if precision == "fp32" and torch.get_float32_matmul_precision() != "highest":
+            precision = "tf32"
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        return name, precision
+
+    # -- local SGD and communication ----------------------------------------------------------
+
+    def _has_moments(self) -> bool:
+        state = self.optimizer.state
+        return all(len(state.get(p, ())) > 0 for p in self.model.parameters())
+
+    def _replica_tensors(self) -> list[torch.Tensor]:
+        """What a sync averages, in the same order on every rank: the parameters, then (with
+        sync_optimizer_state, once every rank's optimizer has them) each parameter's
+        optimizer tensors of its shape - SGD's momentum buffer, Adam's exp_avg and
+        exp_avg_sq - but not Adam's step count, the same on every rank."""
+        params = list(self.model.parameters())
+        tensors = [p.data for p in params]
+        if self.cfg.train.sync_optimizer_state and self._moments_everywhere:
+            for p in params:
+                tensors += [v for v in self.optimizer.state[p].values()
+                            if isinstance(v, torch.Tensor) and v.shape == p.shape
+                            and v.is_floating_point()]
+        return tensors
+
+    @torch.no_grad()
+    def sync_replicas(self) -> None:
+        if self._unsynced == 0:
+            return
+        self.comm.sync(average_tensors(self._replica_tensors(), "ringfeed.local_sgd"))
+        self._unsynced = 0
+
+    @torch.no_grad()
+    def eval_batch(self, batch: dict[str, Any], groups: Groups | None = None
+                   ) -> dict[str, float]:
+        self.model.eval()
+        try:
+            x, y, valid = self._prepare(batch)
+            with self._autocast():
+                out = self.forward(x)
+            per_sample = {"loss": self.loss_fn(out, y), **self.metrics_fn(out, y)}
+        finally:
+            self.model.train()
+        per_sample = {k: v.float().expand(len(y)) if v.dim() == 0 else v.float()
+                      for k, v in per_sample.items()}
+        return metric_sums(per_sample, valid, lambda v: float(v.sum()), groups,
+                           lambda m: torch.from_numpy(m).to(self.device).float())
+
+    def allreduce_sum(self, values: dict[str, float]) -> dict[str, float]:
+        summed = hvd.allreduce(torch.tensor(list(values.values()), dtype=torch.float64),
+                               op=hvd.Sum, name="ringfeed.sums")
+        return dict(zip(values, summed.tolist(), strict=True))
+
     def weights(self) -> list[Any]:
         return [v.detach().cpu().numpy().copy() for v in self.model.state_dict().values()]
 
-    def gather_object(self, obj: Any) -> list[Any]:
-        return hvd.allgather_object(obj, name="ringfeed.gather")
-
     # -- elastic ------------------------------------------------------------------------------
-    def refresh_dist(self) -> Dist:
-        self.dist = Dist(hvd.rank(), hvd.size(), hvd.local_rank())
-        return self.dist
-
     def elastic_state(self, **values: Any) -> hvd.elastic.TorchState:
         """Horovod's TorchState over the model, the optimizer and the GradScaler, plus plain
         `values`, each synced by a handler below."""
