@@ -45,6 +45,7 @@ HTTP requests, also on keep-alive connections and for PUTs with bodies.
 
 from __future__ import annotations
 
+import itertools
 import os
 import selectors
 import socket
@@ -127,6 +128,7 @@ class _RequestHeads:
         self.buf = b""
         self.state = "head"        # head | body | chunk_size | chunk_data | trailer
         self.remaining = 0
+        self.fields: list[dict[str, str]] = []   # the header fields of each head, in order
 
     def feed(self, data: bytes) -> list[tuple[str, str]]:
         """Consume bytes; return (method, target) of every request head completed in them."""
@@ -151,6 +153,7 @@ class _RequestHeads:
                 for line in lines[1:]:
                     name, _, value = line.partition(":")
                     fields[name.strip().lower()] = value.strip()
+                self.fields.append(fields)
                 if "chunked" in fields.get("transfer-encoding", "").lower():
                     self.state = "chunk_size"
                 elif int(fields.get("content-length", "0") or 0) > 0:
@@ -286,6 +289,9 @@ class _Connection:
         self.bucket_wait = 0.0          # seconds until the bandwidth bucket has bytes again
         self.up_shut = False
         self.connected_once = False
+        self.log: list[dict[str, Any]] = []   # this connection's forwarded requests, in order
+        self.log_next = 0                     # the first of them not yet answered in full
+        self.cid = next(proxy._ids)
         self.sel = selectors.DefaultSelector()
 
     # -- helpers ---------------------------------------------------------------------------
@@ -417,6 +423,16 @@ class _Connection:
                         self.to_up += data
                         if self.responses is not None:
                             self.responses.methods += [method for method, _ in heads]
+                        if proxy.log_requests and heads:
+                            now = time.monotonic()
+                            for (method, target), fields in zip(
+                                    heads, self.heads.fields[-len(heads):], strict=True):
+                                record = {"conn": self.cid, "method": method,
+                                          "target": target, "range": fields.get("range"),
+                                          "t_request": now, "t_first_byte": None,
+                                          "t_end": None, "bytes": 0}
+                                self.log.append(record)
+                                proxy._log.append(record)
             if self.to_up and self.upstream is None and not self.stalled:
                 if not self._connect_upstream():
                     _rst_close(self.client)
@@ -434,6 +450,9 @@ class _Connection:
                 else:
                     out, ended = self.responses.feed(data)
                     self.to_down += out
+                    if ended and self.log_next < len(self.log):
+                        self.log[self.log_next]["t_end"] = time.monotonic()
+                        self.log_next += 1
                     if ended and not self.client_eof:
                         # the server closes after this response: the client's connection
                         # stays; its next request gets a new upstream connection
@@ -459,6 +478,11 @@ class _Connection:
                     if sent:
                         del self.to_down[:sent]
                         proxy._count("bytes_down", sent)
+                        if self.log:
+                            record = self.log[min(self.log_next, len(self.log) - 1)]
+                            if record["t_first_byte"] is None:
+                                record["t_first_byte"] = time.monotonic()
+                            record["bytes"] += sent
                         if self.cut_left is not None and not self.answer_then_close:
                             self.cut_left -= sent
                             if self.cut_left <= 0:
@@ -559,13 +583,16 @@ class FaultProxy:
 
     def __init__(self, upstream: tuple[str, int], *, mode: str = "pass",
                  bandwidth: float | None = None, connect_latency_s: float = 0.0,
-                 cut_after: int = 1024, keep_alive: bool = True, host: str = "127.0.0.1",
-                 port: int = 0):
+                 cut_after: int = 1024, keep_alive: bool = True, log_requests: bool = False,
+                 host: str = "127.0.0.1", port: int = 0):
         self.upstream = (upstream[0], int(upstream[1]))
         self.host, self.port = host, port
         self.connect_latency_s = float(connect_latency_s)
         self.cut_after = int(cut_after)
         self.keep_alive = keep_alive
+        self.log_requests = log_requests
+        self._log: list[dict[str, Any]] = []
+        self._ids = itertools.count()
         self._lock = threading.Lock()
         self._mode = "pass"
         self._generation = 0
@@ -648,8 +675,17 @@ class FaultProxy:
             out["methods"] = dict(self._methods)
             return out
 
+    def request_log(self) -> list[dict[str, Any]]:
+        """With `log_requests=True`: one dict per request forwarded upstream, in arrival order:
+        conn (a connection number), method, target, range (the Range header or None),
+        t_request / t_first_byte (first response byte sent to the client) / t_end (response
+        read from upstream in full; keep-alive mode) in time.monotonic(), bytes (sent down)."""
+        with self._lock:
+            return [dict(r) for r in self._log]
+
     def reset_counters(self) -> None:
         with self._lock:
+            self._log.clear()
             self._counts.clear()
             self._faults.clear()
             self._methods.clear()

@@ -76,6 +76,7 @@ def test_pass_through_is_byte_identical_and_counted(s3_proxy, bucket):
 def test_requests_with_bodies_counted_exactly(s3_proxy, bucket):
     s3 = client(s3_proxy.url)
     s3_proxy.reset_counters()
+    s3_proxy.log_requests = True
     for i in range(4):
         s3.put_object(Bucket=bucket, Key=f"k{i}", Body=os.urandom(100_000 * (i + 1)))
     for i in range(4):
@@ -83,6 +84,12 @@ def test_requests_with_bodies_counted_exactly(s3_proxy, bucket):
     s3.list_objects_v2(Bucket=bucket)
     assert s3_proxy.counters()["methods"] == {"PUT": 4, "GET": 5}
     assert s3_proxy.counters()["requests"] == 9
+    log = s3_proxy.request_log()
+    assert [r["method"] for r in log] == ["PUT"] * 4 + ["GET"] * 5
+    assert log[4]["target"].startswith(f"/{bucket}/k0")
+    for r in log:
+        assert r["t_request"] <= r["t_first_byte"] and r["t_request"] <= r["t_end"]
+    assert [r["bytes"] > 100_000 * i for i, r in enumerate(log[4:8], 1)] == [True] * 4
 
 
 def test_request_parser_chunked_and_pipelined():
