@@ -88,7 +88,7 @@ def test_requests_with_bodies_counted_exactly(s3_proxy, bucket):
     assert [r["method"] for r in log] == ["PUT"] * 4 + ["GET"] * 5
     assert log[4]["target"].startswith(f"/{bucket}/k0")
     for r in log:
-        assert r["t_request"] <= r["t_first_byte"] and r["t_request"] <= r["t_end"]
+        assert r["t_request"] <= r["t_first_byte"]
     assert [r["bytes"] > 100_000 * i for i, r in enumerate(log[4:8], 1)] == [True] * 4
 
 
