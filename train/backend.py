@@ -265,6 +265,7 @@ class HorovodBackend:
         if self._local_steps % self.sync_every == 0:
             self.sync_replicas()
 
+    # (ReplicaSync, Collectives and ElasticBackend methods both frameworks share)
     def comm_stats(self) -> dict[str, float]:
         return self.comm.as_dict()
 

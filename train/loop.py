@@ -159,6 +159,7 @@ class Trainer:
 
     # -- the run ------------------------------------------------------------------------------
     def run(self) -> int:
+        """The whole run: 0 when done, EXIT_PREEMPTED (143) when SIGTERM stopped it."""
         signals = None  # until the first step, StartupSignals (train/main.py) handle signals
         try:
             self.prepare()
@@ -292,6 +293,7 @@ class Trainer:
             self.accumulate)
 
     def header(self) -> str:
+        """The run's first line: framework, ranks, model, data, batch, steps, precision, lr."""
         cfg, spec, k = self.cfg, self.spec, self.accumulate
         return (
             f"ringfeed train: {cfg.framework}, {self.dist.size} rank(s), model {cfg.model.name}, "
@@ -355,6 +357,7 @@ class Trainer:
         self.loader = self.val_loader = None
 
     def close(self) -> None:
+        """Profiler, logs, loaders and pipelines closed (also after an error)."""
         self.reporter.close()
         self.close_loaders()
 
@@ -388,4 +391,5 @@ def plan_steps(cfg: RunConfig, pipe: Any, step: int, steps_per_epoch: int, world
 
 
 def train(cfg: RunConfig) -> int:
+    """`ringfeed train` on a validated config: the process exit code."""
     return Trainer(cfg).run()

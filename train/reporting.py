@@ -157,6 +157,7 @@ class Reporter:
         self.t_last = time.perf_counter()
 
     def on_validate(self, state: TrainState, metrics: dict[str, float]) -> None:
+        """Validation metrics at `state.step` (the summary's "val" is the last)."""
         self.last_val = metrics
         self.logger.validation(state.step, state.epoch, metrics)
 
@@ -207,6 +208,7 @@ class Reporter:
         self.logger.summary(summary)
 
     def close(self) -> None:
+        """The profiler's window and the logs, closed (idempotent)."""
         if self.profiler is not None:
             self.profiler.close()
         self._close_logs()

@@ -1,0 +1,128 @@
+"""train/checkpointing.py in-process, on one rank with a stand-in backend: restore, the save
+rules (due, due at the end), snapshot then write, checkpoint.on_error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ringfeed.errors import UserError
+from ringfeed.train.backend import Dist, StepResult
+from ringfeed.train.checkpoint import CheckpointWriteError, list_checkpoints
+from ringfeed.train.checkpointing import Checkpointer
+from ringfeed.train.config import RunConfig
+from ringfeed.train.runstate import TrainState
+
+
+class OneRank:
+    """The backend calls the Checkpointer makes, for a job of one rank."""
+
+    def __init__(self) -> None:
+        self.dist = Dist(0, 1, 0)
+        self.loaded: list[Path] = []
+        self.synced: list[bool] = []
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def sync_from_root(self, resumed: bool) -> None:
+        self.synced.append(resumed)
+
+    def sync_replicas(self) -> None:
+        pass
+
+    def rng_states(self) -> Any:
+        return ["rng"]
+
+    def write_payload(self, directory: Path, rng_states: Any) -> None:
+        (Path(directory) / "state.bin").write_text(json.dumps(rng_states))
+
+    def read_payload(self, directory: Path) -> None:
+        self.loaded.append(Path(directory))
+
+
+class Pipe:
+    def __init__(self) -> None:
+        self.loaded: list[dict] = []
+
+    def state_dict(self) -> dict:
+        return {"epoch": 1, "consumed": 7}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded.append(state)
+
+
+def make(tmp_path: Path, **checkpoint: Any) -> tuple[Checkpointer, OneRank, list[str]]:
+    cfg = RunConfig.model_validate({"framework": "torch", "data": {"train": "unused"},
+                                    "output": {"dir": str(tmp_path / "run")},
+                                    "checkpoint": checkpoint})
+    backend, lines = OneRank(), []
+    return Checkpointer(cfg, backend, lines.append, lines.append), backend, lines
+
+
+def test_a_fresh_dir_starts_at_step_0_and_a_saved_step_is_resumed(tmp_path):
+    ckpt, backend, lines = make(tmp_path, keep=2)
+    assert ckpt.restore(Pipe(), restarts=0) is None
+    assert backend.synced == [False] and "starting at step 0" in lines[-1]
+    pipe = Pipe()
+    for step in (10, 20, 30):
+        path = ckpt.save(TrainState(step=step, epoch=1), pipe, "every_steps")
+        assert path == ckpt.directory / f"ckpt-{step:09d}"
+    assert [p.name for p in list_checkpoints(ckpt.directory)] == ["ckpt-000000020",
+                                                                  "ckpt-000000030"]
+    resumed, backend, lines = make(tmp_path, resume="auto")
+    pipe = Pipe()
+    state = resumed.restore(pipe, restarts=2)
+    assert state == TrainState(step=30, epoch=1, last_checkpoint=ckpt.directory / "ckpt-000000030",
+                               saved_step=30)
+    assert pipe.loaded == [{"epoch": 1, "consumed": 7}]
+    assert backend.loaded == [ckpt.directory / "ckpt-000000030"] and backend.synced == [True]
+    assert lines[-1].endswith("; restart 2 by `ringfeed run`")
+
+
+def test_resume_none_refuses_a_dir_of_an_earlier_run_on_every_rank(tmp_path):
+    ckpt, _, _ = make(tmp_path)
+    ckpt.save(TrainState(step=5), Pipe(), "end")
+    again, backend, _ = make(tmp_path)
+    with pytest.raises(UserError, match="already holds checkpoints of an earlier run"):
+        again.restore(Pipe(), restarts=0)
+    assert backend.synced == []  # decided before any rank took state
+
+
+def test_a_checkpoint_is_due_on_a_signal_every_n_steps_and_at_an_unsaved_end(tmp_path):
+    ckpt, _, _ = make(tmp_path, every_steps=4)
+    assert ckpt.due(4, StepResult(1.0)) == "every_steps"
+    assert ckpt.due(5, StepResult(1.0)) is None
+    assert ckpt.due(5, StepResult(1.0, save_requested=True)) == "signal"
+    assert ckpt.due(5, StepResult(1.0, stop_requested=True)) == "signal"
+    assert ckpt.due_at_end(TrainState(step=6, saved_step=4))
+    assert not ckpt.due_at_end(TrainState(step=6, saved_step=6))
+
+
+def test_a_snapshot_is_taken_before_and_apart_from_its_write(tmp_path):
+    ckpt, _, _ = make(tmp_path)
+    snapshot = ckpt.snapshot(TrainState(step=3, epoch=2), Pipe(), "signal")
+    assert not ckpt.directory.exists()  # nothing written yet
+    assert snapshot.meta["pipeline"] == {"epoch": 1, "consumed": 7}
+    path = ckpt.write(snapshot)
+    meta = json.loads((path / "meta.json").read_text())
+    assert (meta["step"], meta["epoch"], meta["reason"]) == (3, 2, "signal")
+    assert json.loads((path / "state.bin").read_text()) == ["rng"]
+
+
+@pytest.mark.parametrize("on_error", ["fail", "warn"])
+def test_a_failed_write_raises_or_is_reported_and_not_retried_at_the_end(tmp_path, on_error):
+    ckpt, _, lines = make(tmp_path, on_error=on_error)
+    ckpt.directory.parent.mkdir(parents=True)
+    ckpt.directory.write_text("a file, not a directory")
+    state = TrainState(step=8)
+    if on_error == "fail":
+        with pytest.raises(CheckpointWriteError, match="at step 8"):
+            ckpt.save(state, Pipe(), "every_steps")
+        return
+    assert ckpt.save(state, Pipe(), "every_steps") is None
+    assert "checkpoint at step 8 NOT saved" in lines[-1]
+    assert not ckpt.due_at_end(state)
