@@ -65,7 +65,9 @@ PART_SUFFIX = ".tmp"  # atomic_open's temp files: .<name>.<random>.tmp
 # tarfile reads its stream in 10 KiB pieces; a large buffer turns those into memory copies
 # instead of one read() system call each.
 READ_BUFFER = 1 << 20
-DOWNLOAD_CHUNK = 1 << 20
+# A download's reads: what a broken transfer can lose (the read under way), and, for stores
+# read by ranges (not S3's one streamed GET), one GET each.
+DOWNLOAD_CHUNK = 256 << 10
 DECOMPRESS_CHECK_CHUNK = 4 << 20  # reads of a plain copy's crc32 check
 
 
@@ -411,12 +413,45 @@ class ShardCache:
             return gopen(ref.url, "rb")
         fs, rpath = fsspec.core.url_to_fs(ref.url, **with_timeouts(ref.url,
                                                                    self.storage_options))
-        # plain HTTP servers may not do range requests: read http(s) as one stream
-        options = {"block_size": 0} if "http" in fs.protocol else {}
+        if "s3" in fs.protocol:
+            return S3Stream(fs, rpath, offset)
+        if "http" in fs.protocol:  # plain HTTP servers may not serve ranges: one stream
+            options: dict[str, Any] = {"block_size": 0}
+        else:  # each read one ranged GET of its size
+            options = {"block_size": DOWNLOAD_CHUNK, "cache_type": "none"}
         src = fs.open(rpath, "rb", **options)
         if offset:
             src.seek(offset)
         return src
+
+
+class S3Stream:
+    """An S3 object from `offset` to its end as one streamed GET (one request, however large;
+    s3fs's `open` would make one ranged GET per read), with the object's size from the
+    response. Reads run on the filesystem's event loop."""
+
+    def __init__(self, fs: Any, path: str, offset: int = 0) -> None:
+        from fsspec.asyn import sync
+
+        self._sync, self._loop = sync, fs.loop
+        bucket, key, version = fs.split_path(path)
+        extra = {"VersionId": version} if version else {}
+        response = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key,
+                        **({"Range": f"bytes={offset}-"} if offset else {}), **extra)
+        self._body = response["Body"]
+        self.size = offset + int(response.get("ContentLength") or 0)
+
+    def read(self, n: int) -> bytes:
+        return self._sync(self._loop, self._body.read, n)
+
+    def close(self) -> None:
+        self._body.close()
+
+    def __enter__(self) -> S3Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Prefetcher:
