@@ -258,3 +258,51 @@ def test_unreachable_storage_is_exit_75_after_the_retry_budget(capsys, tmp_path)
     code, _, err = cli(capsys, "verify", "s3://bucket/one", *flags,
                        "--storage-option", "no_such_option=1")
     assert code == 2 and "check --storage-option" in err and "\n" not in err.strip(), err
+
+
+@pytest.mark.timeout(120)
+def test_shard_to_s3_rides_out_throttling_and_connection_resets(capsys, tmp_path, s3):
+    """Through a real fault proxy: 503 SlowDown, then connection resets, in the middle of the
+    uploads, each until the run has met it twice; the run waits them out (the shared retry
+    policy; botocore's own retries are off here, so each fault reaches it) and the bytes are
+    unchanged."""
+    import threading
+
+    s3_proxy = pytest.importorskip("s3_proxy")
+    endpoint, fs, _ = s3
+    src = jsonl(tmp_path / "t.jsonl", 60)
+    args = [*JSONL_ARGS, "--max-count", "1"]  # 60 shards
+    assert cli(capsys, "shard", src, tmp_path / "local", *args)[0] == 0
+    stop = threading.Event()
+    with s3_proxy.FaultProxy(s3_proxy.host_port(endpoint)) as proxy:
+        def seen(kind: str, count: int) -> None:
+            while not stop.is_set() and proxy.counters()["faults"][kind] < count:
+                time.sleep(0.01)
+
+        def faults() -> None:  # once 2 shards are up: 503 SlowDown, then resets, then none
+            fs.invalidate_cache()
+            while not stop.is_set() and len(fs.find("bucket/outage/")) < 4:
+                time.sleep(0.01)
+                fs.invalidate_cache()
+            proxy.set_mode("slowdown")  # until the run has met it twice
+            seen("slowdown", 2)
+            proxy.set_mode("reset")
+            seen("reset", 2)
+            proxy.set_mode("pass")
+
+        watcher = threading.Thread(target=faults, daemon=True)
+        watcher.start()
+        try:
+            code, _, err = cli(capsys, "shard", src, "s3://bucket/outage", *args,
+                               "--storage-option", f"endpoint_url={proxy.url}",
+                               "--storage-option", "key=testing", "--storage-option",
+                               "secret=testing", "--storage-option",
+                               'config_kwargs={"retries": {"max_attempts": 1}}',
+                               "--staging", tmp_path / "staging")
+        finally:
+            stop.set()
+            watcher.join(timeout=10)
+        faults_seen = proxy.counters()["faults"]
+    assert code == 0, err
+    assert faults_seen["slowdown"] >= 2 and faults_seen["reset"] >= 2, faults_seen
+    assert bucket_tree(fs, "outage") == tree_bytes(tmp_path / "local")
