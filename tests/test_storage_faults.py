@@ -8,7 +8,9 @@ weights of one without it. Every run is bounded by a timeout."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -224,3 +226,28 @@ def test_past_the_budget_exit_75_then_ringfeed_run_finishes_the_job(bucket, prox
     assert "resumed from" in supervised.output
     assert_same_torch_state(torch_final(tmp_path / "ref", 2 * STEPS),
                             torch_final(tmp_path / "s3", 2 * STEPS))
+
+
+# -- the README's recipe ----------------------------------------------------------------------
+def test_readme_data_in_a_bucket_recipe_runs_as_written(bucket, tmp_path):
+    from tabular_util import write_parquet
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Data in a bucket", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```bash\n(.*?)```", section, re.S)
+    mine = readme.split("## Your own data", 1)[1]
+    (config,) = re.findall(r"```bash\n(cat > mine\.yaml.*?EOF\n)```", mine, re.S)
+    write_parquet(tmp_path / "table.parquet", "breast_cancer")
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=bucket[0]).mkdir("my-bucket")
+    script = config + re.sub(r"^(ringfeed train .*)$", r"\1 --set train.max_steps=3",
+                             block.replace("\\\n", " "), flags=re.M)
+    res = run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, timeout=300,
+              env=test_env(S3_ENDPOINT=bucket[0], **AWS_ENV))
+    assert res.returncode == 0, f"{script}\n{res.output[-4000:]}"
+    assert "Traceback" not in res.output and "ringfeed: error" not in res.output
+    summary = json.loads((tmp_path / "runs" / "bucket" / "summary.json").read_text())
+    assert summary["step"] == 3 and summary["pipeline"]["shards_opened"] > 0
+    assert summary["pipeline"]["storage_retries"] == 0  # (counted there; none here)
+    assert any(p.name.startswith("train-") for p in (tmp_path / "cache").iterdir())
