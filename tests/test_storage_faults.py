@@ -250,4 +250,4 @@ def test_readme_data_in_a_bucket_recipe_runs_as_written(bucket, tmp_path):
     summary = json.loads((tmp_path / "runs" / "bucket" / "summary.json").read_text())
     assert summary["step"] == 3 and summary["pipeline"]["shards_opened"] > 0
     assert summary["pipeline"]["storage_retries"] == 0  # (counted there; none here)
-    assert any(p.name.startswith("train-") for p in (tmp_path / "cache").iterdir())
+    assert any("-train-" in p.name for p in (tmp_path / "cache").iterdir())  # downloaded
