@@ -32,7 +32,6 @@ sys.path.insert(0, str(HERE))
 from common import (  # noqa: E402
     REPO,
     RESULTS,
-    TABLE_HEADER,
     Row,
     format_table,
     machine,
@@ -120,37 +119,36 @@ def run_one(bench: Bench, quick: bool, results_dir: Path) -> tuple[str, list[Row
     return status, rows, time.perf_counter() - start
 
 
-def markdown_table(rows: list[Row]) -> str:
-    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
-    lines += ["| " + " | ".join(table_cells(r, no="**no**")) + " |" for r in rows]
-    return "\n".join(lines)
+def markdown_tables(rows: list[Row]) -> str:
+    """One small table per benchmark (metric, ours, peer, ratio, goal), a missed goal's ratio
+    in bold: what a reader scans for, nothing else."""
+    out: list[str] = []
+    for bench in dict.fromkeys(r.bench for r in rows):
+        out += [f"**{bench}**", "", "| metric | ringfeed | peer | ratio | goal |",
+                "|---|---|---|---|---|"]
+        for r in (r for r in rows if r.bench == bench):
+            _, metric, value, peer, ratio, goal, _ = table_cells(r)
+            if r.met is False:
+                ratio = f"**{ratio}**"
+            if r.value is None and r.ratio is None and r.note:
+                ratio = r.note  # why it was not measured
+            out.append(f"| {metric} | {value} | {peer} | {ratio} | {goal} |")
+        out.append("")
+    return "\n".join(out).rstrip()
 
 
-def readme_section(summary: dict[str, Any], rows: list[Row], results_dir: Path,
-                   since: float) -> str:
-    """The README's results: machine, command, table and the plots this run wrote (files
-    modified since `since`, a time.time())."""
+def readme_section(summary: dict[str, Any], rows: list[Row]) -> str:
+    """The README's results: the machine, the command and a table per benchmark."""
     m = summary["machine"]
-    plots = sorted(p.name for p in results_dir.glob("*.png")
-                   if not p.stem.endswith("_quick") and p.stat().st_mtime >= since)
-    rel = results_dir.relative_to(HERE) if results_dir.is_relative_to(HERE) else results_dir
-    parts = [
+    return "\n".join([
         BEGIN,
-        f"Latest full run: {m['date']} on {m['cpus']} x {m['cpu_model']}, "
-        f"{m['memory_gb']} GB RAM (load average {m['load_avg_1m']} at the start), "
-        f"Python {m['python']}; {summary['seconds']:.0f} s in all.",
+        f"Latest full run: {m['date'][:10]} on {m['cpus']} x {m['cpu_model']}, "
+        f"{m['memory_gb']} GB RAM, Python {m['python']}; {summary['seconds']:.0f} s in all. "
+        f"Command: `{summary['command']}`. Goals missed are in **bold**.",
         "",
-        f"Command: `{summary['command']}`",
-        "",
-        markdown_table(rows),
-        "",
-        "Run times: " + ", ".join(f"{n} {s['seconds']:.0f} s ({s['status']})"
-                                  for n, s in summary["benchmarks"].items()),
-        "",
-        *[f"![{p}]({rel}/{p})" for p in plots],
+        markdown_tables(rows),
         END,
-    ]
-    return "\n".join(parts)
+    ])
 
 
 def rewrite_readme(section: str) -> None:
@@ -183,7 +181,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> int:
     command = command or shlex.join([python, "benchmarks/run_all.py",
                                      *(sys.argv[1:] if argv is None else argv)])
 
-    start, started_at = time.perf_counter(), time.time()
+    start = time.perf_counter()
     summary: dict[str, Any] = {"command": command, "quick": args.quick, "machine": machine(),
                                "benchmarks": {}}
     rows: list[Row] = []
@@ -202,7 +200,7 @@ def main(argv: list[str] | None = None, command: str | None = None) -> int:
     save_json(args.results, "summary_quick" if args.quick else "summary", summary)
     # The README shows a complete full run whose plots sit in benchmarks/results.
     if not (args.quick or args.no_readme or args.names) and args.results.resolve() == RESULTS:
-        rewrite_readme(readme_section(summary, rows, args.results, started_at))
+        rewrite_readme(readme_section(summary, rows))
         print(f"rewrote the results section of {README.relative_to(REPO)}")
     bad = {n: s["status"] for n, s in summary["benchmarks"].items() if s["status"] != "ok"}
     for name, status in bad.items():
