@@ -129,6 +129,9 @@ class _RequestHeads:
         self.state = "head"        # head | body | chunk_size | chunk_data | trailer
         self.remaining = 0
         self.fields: list[dict[str, str]] = []   # the header fields of each head, in order
+        self.requests: list[tuple[str, str, dict[str, str], int]] = []  # + where each began
+        self.offset = 0            # stream bytes consumed so far
+        self.head_begin = 0        # stream offset where the head being read began
 
     def feed(self, data: bytes) -> list[tuple[str, str]]:
         """Consume bytes; return (method, target) of every request head completed in them."""
@@ -142,6 +145,8 @@ class _RequestHeads:
                         self.buf, self.state = b"", "opaque"
                     break
                 head, self.buf = self.buf[:end], self.buf[end + 4:]
+                begin, self.offset = self.head_begin, self.offset + end + 4
+                self.head_begin = self.offset
                 lines = head.decode("latin-1").split("\r\n")
                 while lines and not lines[0]:               # stray CRLF between requests
                     lines.pop(0)
@@ -154,6 +159,7 @@ class _RequestHeads:
                     name, _, value = line.partition(":")
                     fields[name.strip().lower()] = value.strip()
                 self.fields.append(fields)
+                self.requests.append((*heads[-1], fields, begin))
                 if "chunked" in fields.get("transfer-encoding", "").lower():
                     self.state = "chunk_size"
                 elif int(fields.get("content-length", "0") or 0) > 0:
@@ -161,13 +167,16 @@ class _RequestHeads:
             elif self.state == "body" or self.state == "chunk_data":
                 take = min(self.remaining, len(self.buf))
                 self.buf, self.remaining = self.buf[take:], self.remaining - take
+                self.offset += take
                 if self.remaining == 0:
                     self.state = "head" if self.state == "body" else "chunk_size"
+                    self.head_begin = self.offset
             elif self.state == "chunk_size":
                 end = self.buf.find(b"\r\n")
                 if end < 0:
                     break
                 line, self.buf = self.buf[:end], self.buf[end + 2:]
+                self.offset += end + 2
                 size = int(line.split(b";")[0].strip() or b"0", 16)
                 if size == 0:
                     self.state = "trailer"
@@ -178,9 +187,12 @@ class _RequestHeads:
                 if end < 0:
                     break
                 line, self.buf = self.buf[:end], self.buf[end + 2:]
+                self.offset += end + 2
                 if not line:
                     self.state = "head"
+                    self.head_begin = self.offset
             else:                                            # opaque
+                self.offset += len(self.buf)
                 self.buf = b""
         return heads
 
@@ -285,7 +297,10 @@ class _Connection:
         self.stalled = False
         self.cut_left: int | None = None
         self.answer_then_close = False  # a synthetic reply is in to_down: close once sent
-        self.held = bytearray()         # a partial request head read during "slowdown"
+        self.unsent = bytearray()       # client bytes not yet handed to to_up
+        self.unsent_at = 0              # the stream offset of unsent's first byte
+        self.sent_requests = 0          # requests handed to to_up
+        self.in_flight = 0              # of those, the ones whose response has not ended
         self.bucket_wait = 0.0          # seconds until the bandwidth bucket has bytes again
         self.up_shut = False
         self.connected_once = False
@@ -322,7 +337,45 @@ class _Connection:
         self.to_down += head + body
         self.answer_then_close = True
         self.to_up.clear()
+        self.unsent.clear()
         self.proxy._fault("slowdown")
+
+    def _pump_requests(self) -> None:
+        """Hand client bytes to the upstream side. In keep-alive mode one request at a time:
+        the next request's bytes wait until the response before it has ended (the upstream,
+        closing after each response, would lose a request sent behind another: clients do
+        pipeline, e.g. processes forked with a pooled connection both using it)."""
+        requests = self.heads.requests
+        while self.unsent:
+            pos = self.unsent_at
+            if self.sent_requests < len(requests) and pos >= requests[self.sent_requests][3]:
+                if self.in_flight and self.responses is not None:
+                    return                            # wait for the response in flight
+                method, target, fields, _ = requests[self.sent_requests]
+                self.sent_requests += 1
+                self.in_flight += 1
+                if self.responses is not None:
+                    self.responses.methods.append(method)
+                if self.proxy.log_requests:
+                    record = {"conn": self.cid, "method": method, "target": target,
+                              "range": fields.get("range"), "t_request": time.monotonic(),
+                              "t_first_byte": None, "t_end": None, "bytes": 0}
+                    self.log.append(record)
+                    with self.proxy._lock:
+                        self.proxy._log.append(record)
+                continue
+            if self.sent_requests < len(requests):
+                end = requests[self.sent_requests][3]      # where the next request begins
+            elif self.heads.state == "head":
+                end = self.heads.head_begin                # a head still incomplete
+            else:
+                end = pos + len(self.unsent)               # a body under way
+            n = min(len(self.unsent), end - pos)
+            if n <= 0:
+                return
+            self.to_up += self.unsent[:n]
+            del self.unsent[:n]
+            self.unsent_at += n
 
     def _drop_upstream(self) -> None:
         if self.upstream is not None:
@@ -391,9 +444,9 @@ class _Connection:
             elif mode != "cut":
                 self.cut_left = None
 
-            if self.held and mode != "slowdown":
-                self.to_up += self.held
-                self.held.clear()
+            if (mode == "slowdown" and not self.answer_then_close and not self.in_flight
+                    and self.sent_requests < len(self.heads.requests)):
+                self._slowdown_reply(self.heads.requests[self.sent_requests][0])
 
             # read from the client: parse heads, answer or forward
             events = self._select(POLL_S)
@@ -410,29 +463,15 @@ class _Connection:
                     heads = self.heads.feed(data)
                     for method, _target in heads:
                         proxy._request(method)
-                    if self.stalled:
+                    if self.stalled or self.answer_then_close:
                         pass                                 # read, never answered
-                    elif self.answer_then_close:
-                        pass
-                    elif mode == "slowdown" and heads:
-                        self.held.clear()
-                        self._slowdown_reply(heads[-1][0])
-                    elif mode == "slowdown" and (self.held or self.heads.state == "head"):
-                        self.held += data                    # wait for the whole head
                     else:
-                        self.to_up += data
-                        if self.responses is not None:
-                            self.responses.methods += [method for method, _ in heads]
-                        if proxy.log_requests and heads:
-                            now = time.monotonic()
-                            for (method, target), fields in zip(
-                                    heads, self.heads.fields[-len(heads):], strict=True):
-                                record = {"conn": self.cid, "method": method,
-                                          "target": target, "range": fields.get("range"),
-                                          "t_request": now, "t_first_byte": None,
-                                          "t_end": None, "bytes": 0}
-                                self.log.append(record)
-                                proxy._log.append(record)
+                        self.unsent += data
+                        if (mode == "slowdown" and not self.in_flight
+                                and self.sent_requests < len(self.heads.requests)):
+                            self._slowdown_reply(self.heads.requests[self.sent_requests][0])
+            if self.unsent and not self.stalled and not self.answer_then_close:
+                self._pump_requests()
             if self.to_up and self.upstream is None and not self.stalled:
                 if not self._connect_upstream():
                     _rst_close(self.client)
@@ -450,9 +489,11 @@ class _Connection:
                 else:
                     out, ended = self.responses.feed(data)
                     self.to_down += out
-                    if ended and self.log_next < len(self.log):
-                        self.log[self.log_next]["t_end"] = time.monotonic()
-                        self.log_next += 1
+                    if ended:
+                        self.in_flight = max(0, self.in_flight - 1)
+                        if self.log_next < len(self.log):
+                            self.log[self.log_next]["t_end"] = time.monotonic()
+                            self.log_next += 1
                     if ended and not self.client_eof:
                         # the server closes after this response: the client's connection
                         # stays; its next request gets a new upstream connection
@@ -512,6 +553,8 @@ class _Connection:
     def _select(self, timeout: float) -> dict[str, bool]:
         sel = self.sel
         want = {}
+        if self.sent_requests < len(self.heads.requests) and not self.in_flight:
+            timeout = 0.0                    # a request waits to go upstream: no sleeping
         # the client is read unless a synthetic answer is going out or it ended
         client_mask = 0
         if not self.client_eof:
@@ -743,7 +786,7 @@ class FaultProxy:
                 _rst_close(client)
                 continue
             conn = _Connection(self, client)
-            thread = threading.Thread(target=conn.run, daemon=True, name="fault-proxy-conn")
+            thread = threading.Thread(target=conn.run, daemon=True, name=f"fault-proxy-conn-{conn.cid:03d}")
             with self._lock:
                 self._conns.add(conn)
                 self._threads.add(thread)

@@ -226,3 +226,20 @@ def test_bandwidth_and_connect_latency_shape(s3_server):
         assert time.monotonic() - start >= 0.3
         fresh.head_object(Bucket="bkt", Key="k")              # once: the connection stays
         assert proxy.counters()["connections"] == before + 1
+
+
+def test_pipelined_requests_each_answered(s3_proxy, bucket):
+    """Two requests sent back to back on one connection (as processes forked with a pooled
+    connection do) both get their responses, in order, though moto closes after each."""
+    s3 = client(s3_proxy.url)
+    s3.put_object(Bucket=bucket, Key="a", Body=b"A" * 300_000)
+    s3.put_object(Bucket=bucket, Key="b", Body=b"B" * 1000)
+    raw = http.client.HTTPConnection(*host_port(s3_proxy.url), timeout=10)
+    raw.connect()
+    paths = [signed_path(s3, bucket, "a"), signed_path(s3, bucket, "b")]
+    raw.sock.sendall(b"".join(f"GET {p} HTTP/1.1\r\nHost: x\r\n\r\n".encode() for p in paths))
+    for body in (b"A" * 300_000, b"B" * 1000):
+        reply = http.client.HTTPResponse(raw.sock)
+        reply.begin()
+        assert reply.status == 200 and reply.read() == body
+    raw.close()
