@@ -29,7 +29,8 @@ def inspect_dataset(out: str | Path, samples: int = 3, workers: int = 1,
     """The report, as text. OUT is a folder or a URL (`s3://bucket/prefix`)."""
     m = load_manifest(out, storage_options)
     out = str(out).rstrip("/") if is_url(out) else out
-    with storage_defaults(out, storage_options or {}):
+    names = [str(out), *(s.name for split in m.splits.values() for s in split.shards)]
+    with storage_defaults(names, storage_options or {}):
         return _report(m, out, samples, workers)
 
 

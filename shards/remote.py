@@ -84,19 +84,23 @@ def storage_call(fn: Callable[[], T], url: str, what: str) -> T:
 
 
 @contextmanager
-def storage_defaults(url: str | os.PathLike, options: dict[str, Any]) -> Iterator[None]:
-    """While inside: `options` are fsspec's defaults for `url`'s protocol, so readers that open
-    shards by URL alone (ringfeed.formats.tarread) reach the same bucket with the same
-    credentials and endpoint (and bounded timeouts). Nothing changes for a local path."""
-    if not is_url(url):
-        yield
-        return
-    cls = fsspec.get_filesystem_class(str(url).split("://", 1)[0])
-    protocols = (cls.protocol,) if isinstance(cls.protocol, str) else tuple(cls.protocol)
+def storage_defaults(urls: str | os.PathLike | list[str], options: dict[str, Any]
+                     ) -> Iterator[None]:
+    """While inside: `options` are fsspec's defaults for the protocols of `urls` (OUT, and
+    shards a manifest names by URL), so readers that open shards by URL alone
+    (ringfeed.formats.tarread) reach the same bucket with the same credentials and endpoint (and
+    bounded timeouts). Nothing changes for local paths."""
     conf = fsspec.config.conf
-    saved = {p: conf.get(p) for p in protocols}
-    for p in protocols:
-        conf[p] = {**(conf.get(p) or {}), **with_timeouts(str(url), options)}
+    saved: dict[str, Any] = {}
+    given = [urls] if isinstance(urls, (str, os.PathLike)) else urls
+    for url in {str(u).split("://", 1)[0]: str(u) for u in given if is_url(u)}.values():
+        try:
+            cls = fsspec.get_filesystem_class(url.split("://", 1)[0])
+        except ValueError:  # an unknown protocol: opening it says so
+            continue
+        for p in (cls.protocol,) if isinstance(cls.protocol, str) else tuple(cls.protocol):
+            saved.setdefault(p, conf.get(p))
+            conf[p] = {**(conf.get(p) or {}), **with_timeouts(url, options)}
     try:
         yield
     finally:

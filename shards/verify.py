@@ -64,7 +64,7 @@ def verify(out: str | Path, workers: int = 1,
     manifest = load_manifest(out, storage_options)
     tasks = [(split, info) for split, s in manifest.splits.items() for info in s.shards]
     out = str(out).rstrip("/") if is_url(out) else str(out)
-    with storage_defaults(out, storage_options or {}):
+    with storage_defaults([out, *(info.name for _, info in tasks)], storage_options or {}):
         checks = list(parallel_map(_check, tasks, workers, out, 1))
     if is_url(out):
         listed = {info.name for _, info in tasks}

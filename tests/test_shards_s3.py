@@ -220,6 +220,8 @@ def test_wds_index_of_a_bucket_of_shards(capsys, tmp_path, s3):
     names = [s["name"] for s in json.loads((tmp_path / "idx" / "manifest.json").read_text())[
         "splits"]["train"]["shards"]]
     assert names == [f"s3://bucket/wds/train-00000{i}.tar" for i in range(4)]
+    code, out, _ = cli(capsys, "verify", tmp_path / "idx", *flags)  # its shards in the bucket
+    assert code == 0 and "4 shards" in out and "all OK" in out
 
 
 @pytest.mark.timeout(60)
