@@ -1,0 +1,1 @@
+"""Stub (see torchvision/__init__.py)."""
