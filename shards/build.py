@@ -11,6 +11,7 @@ shard's index.
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from collections import deque
@@ -185,11 +186,13 @@ def _write_task(shared: tuple[Source, Path, Progress], shard: PlannedShard
 
 
 def _write_all(source: Source, todo: list[PlannedShard], opts: ShardOptions,
-               finished: Callable[[ShardInfo], None]) -> None:
+               finished: Callable[[ShardInfo], None], ahead: int | None = None) -> None:
     """Write `todo` (in `opts.workers` processes); each written shard's temp files (sidecar, then
     tar) are published (fsync + rename) and then reported to `finished`, in one thread of this
     process, so waiting for the disk overlaps building the next shards. A failed publish stops
-    the run at the next shard."""
+    the run at the next shard. `ahead`: at most that many shards wait for `finished` and as
+    many more are being built beyond the workers' own (a slow `finished`, an upload, then bounds
+    the shards on disk); None: no bound."""
     progress = Progress(sum(s.num_samples for s in todo), opts.progress)
     publishing: deque[Future] = deque()
 
@@ -207,6 +210,8 @@ def _write_all(source: Source, todo: list[PlannedShard], opts: ShardOptions,
                     tmp.unlink(missing_ok=True)
                 raise
             publishing.append(publisher.submit(publish_and_report, *result))
+            while ahead is not None and len(publishing) > ahead:
+                publishing.popleft().result()
 
         try:
             workers = min(opts.workers, len(todo))
@@ -214,7 +219,8 @@ def _write_all(source: Source, todo: list[PlannedShard], opts: ShardOptions,
                 for shard in todo:
                     written(_write_task((source, opts.out, progress), shard))
             else:
-                _write_in_pool(workers, todo, (source, opts.out, progress), written, progress)
+                _write_in_pool(workers, todo, (source, opts.out, progress), written, progress,
+                               ahead)
             for future in publishing:
                 future.result()
         finally:
@@ -222,15 +228,23 @@ def _write_all(source: Source, todo: list[PlannedShard], opts: ShardOptions,
 
 
 def _write_in_pool(workers: int, todo: list[PlannedShard], shared: tuple, written: Callable,
-                   progress: Progress) -> None:
+                   progress: Progress, ahead: int | None = None) -> None:
     with fork_pool(workers, shared) as pool:
-        unhanded = {pool.submit(pool_task(_write_task), s) for s in todo}
+        queued = iter(todo)
+        unhanded: set[Future] = set()
+
+        def submit(count: int) -> None:
+            for shard in itertools.islice(queued, count):
+                unhanded.add(pool.submit(pool_task(_write_task), shard))
+
+        submit(len(todo) if ahead is None else workers + ahead)
         try:
             while unhanded:
                 done, _ = wait(unhanded, timeout=Progress.REFRESH_S, return_when=FIRST_COMPLETED)
                 for future in done:
                     written(future.result())
                     unhanded.discard(future)  # its temp file is the publisher's now
+                    submit(1)
                 progress.refresh()
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)

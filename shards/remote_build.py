@@ -117,7 +117,7 @@ def _shard_to_store(opts: ShardOptions, store: Store, start: float) -> ShardRun:
             (staging / info.name).unlink()
             (staging / info.index).unlink()
 
-        _write_all(source, todo, opts, finished)
+        _write_all(source, todo, opts, finished, ahead=2)  # staging: <= workers + 5 shards
         manifest = _manifest(source, opts, shards, infos)
         manifest.save(staging)
         _check_uploaded(store, infos, versions)

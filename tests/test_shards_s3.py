@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -266,7 +267,8 @@ def test_unreachable_storage_is_exit_75_after_the_retry_budget(capsys, tmp_path)
 def test_shard_to_s3_rides_out_throttling_and_connection_resets(capsys, tmp_path, s3):
     """Through a real fault proxy: 503 SlowDown, then connection resets, in the middle of the
     uploads, each until the run has met it twice; the run waits them out (the shared retry
-    policy; botocore's own retries are off here, so each fault reaches it) and the bytes are
+    policy; botocore's own retries are off here, so each fault reaches it), its 2 writers wait
+    for the uploads (the staging folder holds a few shards, not all 60), and the bytes are
     unchanged."""
     import threading
 
@@ -290,19 +292,33 @@ def test_shard_to_s3_rides_out_throttling_and_connection_resets(capsys, tmp_path
             seen("reset", 2)
             proxy.set_mode("pass")
 
+        on_disk = [0]  # the most shards (finished or being written) seen in the staging folder
+
+        def count() -> None:
+            shard = re.compile(r"^\.?\w+-\d{6}\.tar(\.\w+\.tmp)?$")
+            while not stop.is_set():
+                names = os.listdir(staging) if staging.is_dir() else []
+                on_disk[0] = max(on_disk[0], sum(bool(shard.match(n)) for n in names))
+                time.sleep(0.005)
+
+        staging = tmp_path / "staging"
         watcher = threading.Thread(target=faults, daemon=True)
+        counter = threading.Thread(target=count, daemon=True)
         watcher.start()
+        counter.start()
         try:
             code, _, err = cli(capsys, "shard", src, "s3://bucket/outage", *args,
                                "--storage-option", f"endpoint_url={proxy.url}",
                                "--storage-option", "key=testing", "--storage-option",
                                "secret=testing", "--storage-option",
                                'config_kwargs={"retries": {"max_attempts": 1}}',
-                               "--staging", tmp_path / "staging")
+                               "--staging", staging, "--workers", "2")
         finally:
             stop.set()
             watcher.join(timeout=10)
+            counter.join(timeout=10)
         faults_seen = proxy.counters()["faults"]
     assert code == 0, err
     assert faults_seen["slowdown"] >= 2 and faults_seen["reset"] >= 2, faults_seen
+    assert 1 <= on_disk[0] <= 2 + 5  # while uploads wait, the writers wait too (--workers + 5)
     assert bucket_tree(fs, "outage") == tree_bytes(tmp_path / "local")
