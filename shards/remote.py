@@ -227,6 +227,21 @@ class Store:
         return {path[len(prefix):]: info for path, info in found.items()
                 if path.startswith(prefix) and info.get("type", "file") != "directory"}
 
+    def check_bucket(self) -> None:
+        """Fail early, before a long scan, where the URL's bucket (its first part) is not
+        there; a store that cannot tell (no permission to look) is given the benefit."""
+        bucket = self.root.split("/", 1)[0]
+        if not bucket:
+            return
+        try:
+            there = self.call(lambda: self.fs.exists(bucket), "", "look up its bucket")
+        except UserError:
+            return
+        if not there:
+            protocol = self.url.split("://", 1)[0]
+            raise UserError(f"{protocol}://{bucket}: no such bucket (create it, or check the "
+                            "URL and --storage-option endpoint_url)")
+
     def info(self, name: str) -> dict[str, Any]:
         path = self._path(name)
 

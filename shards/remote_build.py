@@ -89,6 +89,8 @@ def remove_staging(opts: ShardOptions) -> None:
 
 def _shard_to_store(opts: ShardOptions, store: Store, start: float) -> ShardRun:
     listing = store.list()
+    if not listing:
+        store.check_bucket()
     check_out_store(store, listing, opts.overwrite)
     staging = opts.out
     staging.mkdir(parents=True, exist_ok=True)

@@ -96,6 +96,8 @@ def test_shard_to_s3_is_the_local_bytes_and_verify_inspect_read_it(capsys, tmp_p
     code, out, _ = cli(capsys, "verify", "s3://bucket/one", *flags)
     assert code == 1
     assert "BAD train/train-000001.tar:" in out and "stray-000000.tar" in out
+    code, _, err = cli(capsys, "shard", src, "s3://nobucket/one", *args, *flags)
+    assert code == 2 and "s3://nobucket: no such bucket" in err, err
     code, _, err = cli(capsys, "verify", "s3://bucket/none", *flags)
     assert code == 2 and "s3://bucket/none/manifest.json: no manifest.json" in err
 
