@@ -358,16 +358,14 @@ def fetch_source(url: str, storage_options: dict[str, Any], into: Path) -> Path:
     gets its object's modification time, so the plan (keyed by sizes and mtimes) is the same
     for every rerun while the source is unchanged. Hidden objects (`.name`) are skipped."""
     store = Store(url, storage_options)
-    base = posixpath.basename(store.root) or "src"
+    target = into / (posixpath.basename(store.root) or "src")
     if store.is_file():
         objects = {"": store.info("")}
-        target = into / base
     else:
         objects = {name: info for name, info in store.list().items()
                    if not any(part.startswith(".") for part in name.split("/"))}
         if not objects:
             raise UserError(f"{url}: no such object or prefix (nothing listed under it)")
-        target = into / base
     if objects.keys() != {""} and target.is_dir():  # objects deleted since the last fetch
         for old in [p for p in target.rglob("*") if p.is_file()]:
             if old.relative_to(target).as_posix() not in objects:

@@ -110,7 +110,7 @@ def _shard_to_store(opts: ShardOptions, store: Store, start: float) -> ShardRun:
         infos = {name: info for name, (info, _, _) in kept.items()}
         versions = {name: (tar, index) for name, (_, tar, index) in kept.items()}
 
-        def finished(info: ShardInfo) -> None:  # in build's publishing thread, in order
+        def finished(info: ShardInfo) -> None:  # in build's publishing thread, one at a time
             assert info.index is not None
             index = version_of(store.upload(staging / info.index, info.index))
             tar = version_of(store.upload(staging / info.name, info.name))
