@@ -39,6 +39,8 @@ from typing import IO, Any
 
 import fsspec
 
+from ringfeed.formats.tarindex import COMPRESSED_SUFFIXES as COMPRESSED_SUFFIXES
+from ringfeed.formats.tarindex import strip_compressed_suffix
 from ringfeed.formats.tarread import CompressedDataError, decompress_tar
 from ringfeed.fsutil import (
     WRITE_BEHIND,
@@ -56,8 +58,7 @@ from ringfeed.remote import BodyCutShort, RetryCounts, RetryPolicy, retrying, wi
 log = logging.getLogger("ringfeed.pipeline")
 
 # what webdataset reads as a compressed tar, by name (.zst included: it is refused by name
-# rather than read as a plain tar)
-COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst")
+# rather than read as a plain tar): COMPRESSED_SUFFIXES, declared once in formats/tarindex.py
 PLAIN_SUFFIX = ".plain.tar"  # a compressed shard's decompressed copy
 PLAIN_RECORDS = "plain"  # <cache_dir>/plain/<entry>.json: what each copy was made from
 LOCK_SUFFIX = ".lock"
@@ -211,13 +212,7 @@ class ShardCache:
     def plain_path(self, ref: ShardRef) -> Path:
         """Where the plain copy of compressed shard `ref` goes."""
         entry = self.entry_path(ref)
-        stem = entry.name
-        for suffix in (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst", ".gz", ".bz2",
-                       ".xz", ".zst"):
-            if stem.endswith(suffix):
-                stem = stem[: -len(suffix)]
-                break
-        return entry.with_name(stem + PLAIN_SUFFIX)
+        return entry.with_name(strip_compressed_suffix(entry.name) + PLAIN_SUFFIX)
 
     def record_path(self, plain: Path) -> Path:
         return self.cache_dir / PLAIN_RECORDS / (plain.name + ".json")

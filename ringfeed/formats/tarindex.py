@@ -533,15 +533,39 @@ def _read_blocks(f: IO[bytes], starts: np.ndarray) -> np.ndarray:
     return out
 
 
-_COMPRESSED = ((b"\x1f\x8b\x08", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"),
-               (b"\x5d\x00\x00\x80", "xz"), (b"\xfd7zXZ", "xz"))
+# The one declaration of the compressions a shard can carry: kind -> (its magic prefixes, the
+# name suffixes that say so). gzip, bzip2 and xz are what webdataset reads (tarfile's "r|*");
+# zstd is recognised only to be refused by name and by content. bzip2's magic is tested apart
+# ("BZh" + level + "1AY&SY"). Everything else (tarread's COMPRESSED_TAR_SUFFIXES, the
+# pipeline cache's COMPRESSED_SUFFIXES and its plain-copy names) is derived from this table.
+COMPRESSIONS: dict[str, tuple[tuple[bytes, ...], tuple[str, ...]]] = {
+    "gzip": ((b"\x1f\x8b\x08",), (".tar.gz", ".tgz", ".gz")),
+    "bzip2": ((), (".tar.bz2", ".bz2")),
+    "xz": ((b"\x5d\x00\x00\x80", b"\xfd7zXZ"), (".tar.xz", ".xz")),
+    "zstd": ((b"\x28\xb5\x2f\xfd",), (".tar.zst", ".zst")),
+}
+READABLE_COMPRESSIONS = ("gzip", "bzip2", "xz")
+# every compressed name, longest first (so stripping one takes ".tar.gz" before ".gz")
+COMPRESSED_SUFFIXES = tuple(sorted((s for _, names in COMPRESSIONS.values() for s in names),
+                                   key=len, reverse=True))
+# the names that say "a compressed tar" and can be read: the tar-looking suffixes
+COMPRESSED_TAR_SUFFIXES = tuple(s for kind in READABLE_COMPRESSIONS
+                                for s in COMPRESSIONS[kind][1] if s.startswith(".t"))
+
+
+def strip_compressed_suffix(name: str) -> str:
+    """`name` less its compression suffix ("a.tar.gz" -> "a", "a.gz" -> "a"), if it has one."""
+    for suffix in COMPRESSED_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
 
 
 def compression_of(head: bytes) -> str | None:
     """The compression of a stream starting with `head` (its first 10 bytes or more): "gzip",
     "bzip2", "xz" or "zstd", or None. tarfile's own test (`r|*`), plus zstd."""
-    for magic, name in _COMPRESSED:
-        if head.startswith(magic):
+    for name, (magics, _) in COMPRESSIONS.items():
+        if any(head.startswith(magic) for magic in magics):
             return name
     if head[0:3] == b"BZh" and head[4:10] == b"1AY&SY":
         return "bzip2"

@@ -27,12 +27,13 @@ from typing import IO, Any
 
 import fsspec
 
+# Compressed tars webdataset reads (its tar iterator opens them with tarfile's "r|*"): no tar
+# index for these (no random access into the stream); they are read from start to end.
+# COMPRESSED_TAR_SUFFIXES is derived from tarindex.COMPRESSIONS, the one list of them.
+from ringfeed.formats.tarindex import COMPRESSED_TAR_SUFFIXES as COMPRESSED_TAR_SUFFIXES
 from ringfeed.formats.tarindex import build_index, compression_of
 from ringfeed.fsutil import HashingIO
 
-# Compressed tars webdataset reads (its tar iterator opens them with tarfile's "r|*"): no tar
-# index for these (no random access into the stream); they are read from start to end.
-COMPRESSED_TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
 TAR_SUFFIXES = (".tar", *COMPRESSED_TAR_SUFFIXES)
 DECOMPRESS_CHUNK = 1 << 20
 # what a broken tar raises while webdataset or tarfile reads it
