@@ -190,6 +190,10 @@ def test_two_ranks_train_through_an_outage_to_the_weights_of_a_run_without_it(
     assert code == 0, output[-5000:]
     assert "Traceback" not in output
     assert "storage: s3://bucket/toy/" in output and "recovered after" in output, output[-5000:]
+    storage = json.loads((tmp_path / "s3" / "summary.json").read_text())["storage"]
+    assert storage["retries"] >= 1 and storage["wait_s"] > 0, storage  # summed over ranks
+    assert re.search(r"storage +\d+ retried read\(s\) \(\d+ throttled\), \d+\.\ds waiting",
+                     output), output[-3000:]
     assert_same_torch_state(torch_final(tmp_path / "ref", STEPS),
                             torch_final(tmp_path / "s3", STEPS))
 

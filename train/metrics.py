@@ -204,6 +204,11 @@ class RunLogger:
         lines.append(f"  throughput         {summary['samples_per_s']:.1f} samples/s "
                      f"({summary['world_size']} ranks, global batch {self.global_batch})")
         lines.append(f"  data wait          {bottleneck_line(summary['data_wait_share'])}")
+        storage = summary.get("storage") or {}
+        if storage.get("retries"):
+            lines.append(f"  storage            {storage['retries']:.0f} retried read(s) "
+                         f"({storage['throttles']:.0f} throttled), {storage['wait_s']:.1f}s "
+                         "waiting on storage (all ranks)")
         if summary.get("first_step_s") is not None:
             lines.append(f"  first step         {summary['first_step_s']:.1f}s (warm-up: tracing"
                          ", compiling; not in the throughput)")

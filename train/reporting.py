@@ -38,6 +38,8 @@ from ringfeed.train.profile import StepProfiler
 from ringfeed.train.runstate import Recovery, TrainState
 from ringfeed.train.throughput import Accounting, FlopCount, resolve_peak
 
+STORAGE_COUNTS = ("storage_retries", "storage_throttles", "storage_wait_s")
+
 
 class Reporter:
     """The run's logs, summary, sample log, mixture shares, throughput and profiler."""
@@ -140,11 +142,18 @@ class Reporter:
             log_step or step == self.total_steps) else {})  # (collective: steps every rank logs)
         # grad norm / loss scale are read (a device sync) only when a log line is written
         self.logger.train_step(step, state.epoch, result.loss, lr, now - self.t_last, waited,
-                               lambda: {**step_extras(result), **shares})
+                               lambda: {**step_extras(result), **shares,
+                                        **self._storage_waits()})
         if self.sample_log is not None:
             self.pending_ids.append((step, state.epoch, ids))
             if log_step:
                 self.flush_samples()
+
+    def _storage_waits(self) -> dict[str, float]:
+        """This rank's storage retries so far, in a log record once there were any."""
+        stats = self.pipe.stats()
+        return ({k: float(stats[k]) for k in STORAGE_COUNTS} if stats["storage_retries"]
+                else {})
 
     def on_step_end(self, step: int) -> None:
         """Step `step` and what followed it (validation, checkpoint, commit) are done."""
@@ -181,7 +190,10 @@ class Reporter:
         """Collective: summary.json; the data-wait share is averaged over all ranks."""
         totals, losses, backend = self.totals, self.recent_losses, self.backend
         self.flush_samples()
-        waits = backend.allreduce_sum({"wait": totals.data_wait_s, "step": totals.step_s})
+        stats = self.pipe.stats()
+        waits = backend.allreduce_sum({
+            "wait": totals.data_wait_s, "step": totals.step_s,
+            **{k: float(stats[k]) for k in STORAGE_COUNTS}})
         summary = {
             "status": status, "framework": self.cfg.framework, "world_size": backend.dist.size,
             "step": state.step, "epoch": state.epoch,
@@ -194,7 +206,9 @@ class Reporter:
             "data_wait_share": waits["wait"] / waits["step"] if waits["step"] else 0.0,
             "checkpoint": str(state.last_checkpoint) if state.last_checkpoint else None,
             "recovery": asdict(recovery), "recovery_text": recovery.describe(),
-            "pipeline": self.pipe.stats(),
+            "pipeline": stats,  # rank 0's
+            # storage faults every rank's reads waited out (pipeline/README.md)
+            "storage": {k.removeprefix("storage_"): waits[k] for k in STORAGE_COUNTS},
             "communication": backend.comm_stats(),  # allreduce bytes per sample, ...
             "throughput": (self.accounting.summary(totals.samples_per_s)
                            if self.accounting is not None else None),
