@@ -152,7 +152,7 @@ class Reporter:
     def _storage_waits(self) -> dict[str, float]:
         """This rank's storage retries so far, in a log record once there were any."""
         stats = self.pipe.stats()
-        return ({k: float(stats[k]) for k in STORAGE_COUNTS} if stats["storage_retries"]
+        return ({k: float(stats[k]) for k in STORAGE_COUNTS} if stats.get("storage_retries")
                 else {})
 
     def on_step_end(self, step: int) -> None:
@@ -193,7 +193,7 @@ class Reporter:
         stats = self.pipe.stats()
         waits = backend.allreduce_sum({
             "wait": totals.data_wait_s, "step": totals.step_s,
-            **{k: float(stats[k]) for k in STORAGE_COUNTS}})
+            **{k: float(stats.get(k, 0)) for k in STORAGE_COUNTS}})
         summary = {
             "status": status, "framework": self.cfg.framework, "world_size": backend.dist.size,
             "step": state.step, "epoch": state.epoch,
