@@ -21,6 +21,15 @@ epoch boundaries (with 25,600 samples an epoch is ~100 steps), so every shuffle-
 is paid as in training. With --compile (default on for a full CUDA run) a second copy of the
 model goes through `torch.compile` (default mode, dynamic=False; its compile time reported)
 and is fed in memory and by ringfeed at the largest W <= 8.
+With --s3 (issue 36) the same shards are also read from S3: moto's S3 server on 127.0.0.1
+behind tests/s3_proxy.py's FaultProxy shaped at 50e6 bytes/s and 0.02 s per connection (both in
+a child process, so their threads do not share the training loop's interpreter), at the same W
+as the local rows: d. ringfeed from `s3://bucket/gpu-feed` with a fresh `cache_dir`, decoded
+cache off: cold (the first epoch, every shard downloaded into the empty cache as it is read;
+also timed from the pipeline's creation to the epoch's end) and warm (the epochs after it, the
+shards in the cache); e. bare webdataset reading the `s3://` URLs through fsspec/s3fs (a gopen
+handler; every epoch downloads again). The proxy's counters (bytes down, requests,
+connections) of each row are in the JSON.
 A second table sets ringfeed's own training loop (`benchmarks/workers/ringfeed_loop.py`, the
 trainer on one in-memory batch, run as a single Horovod process) against a minimal plain loop
 on the same small cnn, where per-step overhead dominates, each also compiled (the trainer with
@@ -28,6 +37,7 @@ train.compile: true); it needs Horovod (skipped without).
 
     python benchmarks/gpu_feed_bench.py --device cuda [--out benchmarks/results/gpu.json]
     python benchmarks/gpu_feed_bench.py --device cpu --quick --out /tmp/gpu_quick.json  # smoke
+    python benchmarks/gpu_feed_bench.py --device cuda --s3 [--no-small-model]   # + S3 rows
 
 Writes JSON (machine, device, versions, every row, "table_md": the markdown that
 `make gpu-check` pastes between the gpu-table markers of benchmarks/README.md) and prints the
@@ -42,6 +52,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,7 +91,13 @@ LABELS = {
     "in_memory_compiled": "in-memory bound, model `torch.compile`d",
     "ringfeed_off_compiled": "ringfeed `make_loader`, decoded cache off, model compiled",
     "ringfeed_warm_compiled": "ringfeed `make_loader`, decoded cache warm, model compiled",
+    "webdataset_s3": "S3: bare webdataset via fsspec (every epoch downloads)",
+    "ringfeed_s3_cold": "S3: ringfeed, shard cache cold (first epoch downloads), decoded off",
+    "ringfeed_s3_warm": "S3: ringfeed, shard cache warm (epochs after the first), decoded off",
 }
+S3_BANDWIDTH, S3_CONNECT_LATENCY_S = 50e6, 0.02  # issue 36: the proxy's shaping
+S3_PREFIX = "bucket/gpu-feed"
+TESTS = Path(__file__).resolve().parent.parent / "tests"  # tests/s3_proxy.py
 COMPILED = "_compiled"  # contender-name suffix: the same contender with the compiled model
 
 
@@ -360,6 +377,165 @@ def ringfeed(step: Step, shard_dir: Path, workers: int, opts: argparse.Namespace
     return out
 
 
+# -- S3 (--s3): moto behind the shaping proxy, in a child process ---------------------------
+# The child: moto's server, the bucket filled with the shard folder (straight to moto, so the
+# proxy's counters hold only the benchmark's reads), then the proxy; prints {"url", ...} and
+# answers each "counters" line on stdin with the proxy's counters as one JSON line; stops at EOF.
+SERVE_S3 = r"""
+import json, os, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from s3_proxy import FaultProxy, host_port, start_moto
+import boto3
+server, endpoint = start_moto()
+s3 = boto3.client("s3", endpoint_url=endpoint)
+bucket, prefix = sys.argv[3].split("/", 1)
+s3.create_bucket(Bucket=bucket)
+total = 0
+for path in sorted(Path(sys.argv[2]).rglob("*")):
+    if path.is_file():
+        s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(sys.argv[2]).as_posix()}")
+        total += path.stat().st_size
+proxy = FaultProxy(host_port(endpoint), bandwidth=float(sys.argv[4]),
+                   connect_latency_s=float(sys.argv[5])).start()
+print(json.dumps({"url": proxy.url, "bytes_uploaded": total}), flush=True)
+for line in sys.stdin:
+    if line.strip() == "counters":
+        print(json.dumps(proxy.counters()), flush=True)
+proxy.stop()
+server.stop()
+"""
+
+
+class S3Server:
+    """moto + FaultProxy in a child process (SERVE_S3) holding `shard_dir` at s3://S3_PREFIX."""
+
+    def __init__(self, shard_dir: Path, log: Path, bandwidth: float = S3_BANDWIDTH,
+                 connect_latency_s: float = S3_CONNECT_LATENCY_S) -> None:
+        sys.path.insert(0, str(TESTS))
+        from s3_proxy import AWS_ENV
+
+        os.environ.update(AWS_ENV)  # fake credentials and region for s3fs/botocore here too
+        self.bandwidth, self.connect_latency_s = bandwidth, connect_latency_s
+        self.log = log  # the child's stderr: moto's request log, or why it failed
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", SERVE_S3, str(TESTS), str(shard_dir), S3_PREFIX,
+                 str(bandwidth), str(connect_latency_s)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                env={**os.environ, **AWS_ENV})
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(30)
+            tail = log.read_text(errors="replace").strip().splitlines() or ["no output"]
+            raise RuntimeError(f"moto/proxy child exited {self.proc.returncode} before its "
+                               f"URL: {tail[-1][:200]}")
+        started = json.loads(line)
+        self.url, self.bytes_uploaded = started["url"], started["bytes_uploaded"]
+        self.options = {"endpoint_url": self.url, "key": "testing", "secret": "testing"}
+        self.last_counters: dict[str, Any] | None = None
+
+    def counters(self) -> dict[str, Any]:
+        self.proc.stdin.write("counters\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):  # the totals, for the JSON
+                self.last_counters = self.counters()
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def info(self) -> dict[str, Any]:
+        return {"endpoint": "moto S3 server on 127.0.0.1 behind tests/s3_proxy.py FaultProxy",
+                "source": f"s3://{S3_PREFIX}", "bandwidth_bytes_per_s": self.bandwidth,
+                "connect_latency_s": self.connect_latency_s,
+                "bytes_uploaded": self.bytes_uploaded, "server_log": str(self.log)}
+
+
+def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """What the proxy saw between two `counters()` calls."""
+    return {k: after[k] - before[k] for k in ("requests", "bytes_down", "bytes_up",
+                                               "connections", "upstream_connections")}
+
+
+def gopen_s3(options: dict[str, Any]) -> Callable[..., Any]:
+    """A webdataset gopen handler for s3:// URLs: fsspec (s3fs) with `options`, read as a
+    stream (set in webdataset.gopen.gopen_schemes before the DataLoader forks its workers)."""
+    def handler(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
+        import fsspec
+
+        return fsspec.open(url, mode, **options).open()
+    return handler
+
+
+def webdataset_s3(step: Step, urls: list[str], workers: int, opts: argparse.Namespace,
+                  server: S3Server) -> dict[str, Any]:
+    import importlib
+
+    # (the module: `webdataset.gopen` as an attribute is the function of that name)
+    importlib.import_module("webdataset.gopen").gopen_schemes["s3"] = gopen_s3(server.options)
+    before = server.counters()
+    result = webdataset(step, urls, workers, opts)
+    result["proxy"] = counter_delta(before, server.counters())
+    return result
+
+
+def ringfeed_s3(step: Step, workers: int, opts: argparse.Namespace, cache_dir: Path,
+                server: S3Server) -> dict[str, dict[str, Any]]:
+    """ringfeed from s3://S3_PREFIX with an empty `cache_dir` (shard cache), decoded cache off:
+    the first epoch (cold: each shard downloaded as it is first read) timed as the local fill
+    epoch is, plus its wall time from the pipeline's creation; then the warm epochs after it."""
+    from ringfeed.pipeline import ShardPipeline
+    from ringfeed.pipeline.torch import make_loader
+
+    threads = decode_threads_for(workers, opts)
+    read_ahead = {"on": True, "off": False}.get(opts.read_ahead, workers == 0)
+    shutil.rmtree(cache_dir, ignore_errors=True)  # every round starts cold
+    out: dict[str, dict[str, Any]] = {}
+    before = server.counters()
+    created = time.perf_counter()
+    pipe = ShardPipeline(f"s3://{S3_PREFIX}", batch_size=opts.batch,
+                         shuffle_buffer=opts.shuffle_buffer, num_workers=workers,
+                         decode_threads=threads, read_ahead=read_ahead, rank=0, world_size=1,
+                         cache_dir=str(cache_dir), decoded_cache=False,
+                         storage_options=server.options)
+    loader = make_loader(pipe)
+    try:
+        per_epoch = len(loader)
+        warm = min(opts.warmup, per_epoch - 1)
+        first = on_device(loader, lambda b: (b["jpg"], b["cls"]), step.device, epochs=1)
+        cold = timed(step, first, warm, per_epoch - warm, opts.batch, step.device)
+        if next(first, None) is not None:
+            raise RuntimeError("the first epoch has more batches than len(loader)")
+        cold["epoch_wall_s"] = time.perf_counter() - created
+        cold["epoch_samples_per_s"] = per_epoch * opts.batch / cold["epoch_wall_s"]
+        middle = server.counters()
+        cold["proxy"] = counter_delta(before, middle)
+        stats = pipe.stats()
+        hot = timed(step, on_device(loader, lambda b: (b["jpg"], b["cls"]), step.device),
+                    opts.warmup, opts.steps, opts.batch, step.device)
+        hot["proxy"] = counter_delta(middle, server.counters())
+        after = pipe.stats()
+        hot["pipeline_stats"] = {k: after.get(k, 0) - stats.get(k, 0)
+                                 for k in ("samples_read", "decoded_cache_hits", "skipped")}
+    finally:
+        loader.close()
+        pipe.close()
+    cached = [p for p in cache_dir.rglob("*.tar") if p.is_file()]
+    for name, result in (("ringfeed_s3_cold", cold), ("ringfeed_s3_warm", hot)):
+        result.update(decode_threads=threads, read_ahead=read_ahead,
+                      shards_cached=len(cached))
+        out[name] = result
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    return out
+
+
 # -- small model: the trainer's own loop vs a plain one --------------------------------------
 def plain_loop(device: torch.device, args: argparse.Namespace, compiled: bool = False
                ) -> dict[str, float]:
@@ -554,6 +730,8 @@ def make_rows(best: dict[tuple[str, int], dict[str, Any]], flops: dict[str, Any]
             "steps": r.get("steps"), "seconds": r.get("seconds"), "step_ms": r.get("step_ms"),
             "host_step_ms": r.get("host_step_ms"), "gpu_span_ms": r.get("gpu_span_ms"),
             "read_ahead": r.get("read_ahead"), "pipeline_stats": r.get("pipeline_stats"),
+            **{k: r[k] for k in ("proxy", "epoch_wall_s", "epoch_samples_per_s",
+                                 "shards_cached") if k in r},
             "all_rounds_samples_per_s": r.get("all", []), "error": r.get("error")})
     return rows
 
@@ -603,16 +781,40 @@ def table_md(rows: list[dict[str, Any]], small: dict[str, Any] | None,
             f"{ms(r['step_ms'])}, {ms(r['host_step_ms'])}, {ms(r['gpu_span_ms'])} | "
             f"{fmt(r['achieved_tflops'])} | {fmt(r['mfu'], True, 1)} |")
     ours = [r for r in rows if r["contender"].startswith("ringfeed") and r["ratio_to_in_memory"]
-            and r["workers"] <= GOAL_MAX_WORKERS]
+            and "_s3" not in r["contender"] and r["workers"] <= GOAL_MAX_WORKERS]
     if ours and dev["type"] == "cuda" and not opts.quick:
         top = max(ours, key=lambda r: r["ratio_to_in_memory"])
         met = "met" if top["ratio_to_in_memory"] >= GOAL_RATIO else "**not met**"
         lines += ["", f"Issue 12's goal, ringfeed >= {GOAL_RATIO}x the in-memory bound with <= "
                       f"{GOAL_MAX_WORKERS} workers: best {top['ratio_to_in_memory']:.2f}x "
                       f"({top['label']}, W={top['workers']}): {met}."]
+    if info.get("s3"):
+        lines += s3_lines(rows, info["s3"])
     if small:
         lines += small_model_lines(small)
     return "\n".join(lines)
+
+
+def s3_lines(rows: list[dict[str, Any]], s3: dict[str, Any]) -> list[str]:
+    """What the S3 rows read: the setup, and per row the proxy's bytes down and requests."""
+    if s3.get("error"):
+        return ["", f"S3 rows not measured: {s3['error'][:200]}"]
+    lines = ["", f"S3 rows: `{s3['source']}` from {s3['endpoint']}, shaped at "
+                 f"{s3['bandwidth_bytes_per_s'] / 1e6:g} MB/s (all connections together) and "
+                 f"{1e3 * s3['connect_latency_s']:g} ms per new connection; "
+                 f"{s3['bytes_uploaded'] / 1e6:.1f} MB in the bucket. Through the proxy, the "
+                 "best round's timed steps (cold: the whole first epoch):"]
+    for r in rows:
+        p = r.get("proxy")
+        if "_s3" not in r["contender"] or not p:
+            continue
+        extra = ""
+        if r.get("epoch_wall_s"):
+            extra = (f"; first epoch from the pipeline's creation {r['epoch_wall_s']:.1f} s "
+                     f"({fmt(r['epoch_samples_per_s'])} samples/s)")
+        lines.append(f"- {r['contender']} W={r['workers']}: {p['bytes_down'] / 1e6:.1f} MB "
+                     f"down, {p['requests']} requests, {p['connections']} connections{extra}")
+    return lines
 
 
 def small_model_lines(small: dict[str, Any]) -> list[str]:
@@ -687,6 +889,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                     help="also the torch.compile'd model (in-memory, ringfeed at the largest "
                     "worker count <= 8, the small-model loops); auto: on for a full CUDA run")
+    ap.add_argument("--s3", action="store_true",
+                    help="also read the shards from S3 (moto behind tests/s3_proxy.py, 50e6 B/s, "
+                    "20 ms per connection): ringfeed cold and warm, bare webdataset via fsspec")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's peak for MFU (default: ringfeed's table by GPU name)")
     opts = ap.parse_args(argv)
@@ -769,7 +974,25 @@ def main(argv: list[str] | None = None) -> int:
         return value
 
     fills: dict[int, list[dict[str, Any]]] = {}
-    with tempfile.TemporaryDirectory(prefix="ringfeed-gpu-feed-") as tmp:
+    server = None
+    if opts.s3:
+        print("S3: moto's server behind the shaping proxy (a child process), uploading...",
+              flush=True)
+        try:
+            opts.out.parent.mkdir(parents=True, exist_ok=True)
+            server = S3Server(shard_dir, opts.out.with_name(opts.out.stem + "_s3_server.log"))
+            info["s3"] = server.info()
+        except Exception as e:  # the local rows still run; the table says why not
+            info["s3"] = {"error": failure(e)}
+            runs[("ringfeed_s3_cold", workers[0] if workers else 0)] = [
+                {"error": f"S3 server: {info['s3']['error']}"}]
+            print(f"  S3 server failed: {info['s3']['error']}", flush=True)
+    s3_urls = [f"s3://{S3_PREFIX}/{Path(u).name}" for u in urls]
+    with contextlib.ExitStack() as stack, \
+            tempfile.TemporaryDirectory(prefix="ringfeed-gpu-feed-") as tmp:
+        if server is not None:
+            stack.callback(server.close)
+
         def fed_by_ringfeed(step: Step, w: int, suffix: str = "") -> None:
             started = time.perf_counter()
             try:
@@ -784,12 +1007,27 @@ def main(argv: list[str] | None = None) -> int:
             if "ringfeed_fill" in out and not suffix:
                 fills.setdefault(w, []).append(out["ringfeed_fill"])
 
+        def fed_from_s3(w: int) -> None:
+            record(("webdataset_s3", w),
+                   lambda: webdataset_s3(step, s3_urls, w, opts, server))
+            started = time.perf_counter()
+            try:
+                out = ringfeed_s3(step, w, opts, Path(tmp) / f"s3-cache-w{w}", server)
+            except Exception as e:
+                out = {k: {"error": failure(e)} for k in ("ringfeed_s3_cold", "ringfeed_s3_warm")}
+            print(f"  ringfeed S3 W={w}: {time.perf_counter() - started:.1f} s (cold epoch "
+                  "and warm steps)", flush=True)
+            for name in ("ringfeed_s3_cold", "ringfeed_s3_warm"):
+                record((name, w), lambda name=name, out=out: out[name], clock=False)
+
         for r in range(opts.rounds):
             print(f"round {r + 1}/{opts.rounds}", flush=True)
             record(("in_memory", 0), lambda: in_memory(step, opts))
             for w in workers:
                 record(("webdataset", w), lambda w=w: webdataset(step, urls, w, opts))
                 fed_by_ringfeed(step, w)
+                if server is not None:
+                    fed_from_s3(w)
             if compiled is not None:
                 record(("in_memory" + COMPILED, 0), lambda: in_memory(compiled, opts))
                 fed_by_ringfeed(compiled, compiled_workers, COMPILED)
@@ -820,6 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
         # pass only, so the shuffle buffer's head start is inside it
         "ringfeed_first_epoch_filling_cache": {str(w): v for w, v in fills.items()},
         "small_model": small,
+        "s3_proxy_total": server.last_counters if server is not None else None,
         "compile": {"on": opts.compile, "workers": compiled_workers if compiled else None,
                     "compile_s": info.get("compile_s"), "error": info.get("compile_error"),
                     "how": "torch.compile(model, dynamic=False), default mode (inductor)"},

@@ -111,6 +111,7 @@ def check_startup(results):
 
 
 GPU_FEED_CONTENDERS = {"in_memory", "webdataset", "ringfeed_off", "ringfeed_warm"}
+GPU_FEED_S3_CONTENDERS = {"webdataset_s3", "ringfeed_s3_cold", "ringfeed_s3_warm"}
 
 
 @pytest.mark.system
@@ -154,6 +155,46 @@ def test_gpu_feed_bench_runs_on_cpu(tmp_path):
         # where each step's time went: the host's share of the wall time is inside it
         assert 0 < row["host_step_ms"] <= row["step_ms"] and row["gpu_span_ms"] is None, row
     assert result["compile"]["on"] is False  # compiled rows: on CUDA, or --compile on
+
+
+@pytest.mark.system
+@pytest.mark.timeout(300)
+def test_gpu_feed_bench_reads_s3_on_cpu(tmp_path):
+    """--s3 (issue 36): the same shards from moto's S3 server behind tests/s3_proxy.py (a child
+    process): ringfeed cold (the first epoch downloads every shard into the empty cache) and
+    warm (nothing more through the proxy), bare webdataset via fsspec, each with its ratio to
+    the in-memory bound and the proxy's counters; the table lists them."""
+    from helpers import run, test_env
+
+    out = tmp_path / "gpu.json"
+    r = run([sys.executable, str(REPO / "benchmarks" / "gpu_feed_bench.py"), "--device", "cpu",
+             "--quick", "--s3", "--no-small-model", "--out", str(out)], timeout=280,
+            env=test_env())
+
+    assert r.returncode == 0 and not r.timed_out, r.output[-4000:]
+    result = json.loads(out.read_text())
+    rows = {row["contender"]: row for row in result["rows"]}
+    assert set(rows) == GPU_FEED_CONTENDERS | GPU_FEED_S3_CONTENDERS
+    assert result["s3"]["bandwidth_bytes_per_s"] == 50e6
+    assert result["s3"]["connect_latency_s"] == 0.02
+    uploaded = result["s3"]["bytes_uploaded"]
+    shards = result["settings"]["shards"]
+    for name in GPU_FEED_S3_CONTENDERS:
+        row = rows[name]
+        assert row["error"] is None, row
+        assert row["workers"] == rows["ringfeed_off"]["workers"] == 1, row
+        assert math.isfinite(row["samples_per_s"]) and row["samples_per_s"] > 0, row
+        assert row["ratio_to_in_memory"] > 0, row
+        assert row["label"] in result["table_md"]
+    cold, warm = rows["ringfeed_s3_cold"], rows["ringfeed_s3_warm"]
+    # cold: every shard came through the proxy once (tars, their indexes, the manifest)
+    assert cold["proxy"]["requests"] >= shards and cold["proxy"]["bytes_down"] >= 0.5 * uploaded
+    assert cold["shards_cached"] == shards and cold["epoch_wall_s"] > 0
+    # warm: read from the shard cache, nothing through the proxy
+    assert warm["proxy"]["bytes_down"] == 0 and warm["pipeline_stats"]["samples_read"] > 0
+    assert rows["webdataset_s3"]["proxy"]["bytes_down"] > 0
+    assert result["s3_proxy_total"]["bytes_down"] >= cold["proxy"]["bytes_down"]
+    assert "S3 rows:" in result["table_md"] and result["table_md"].strip() in r.stdout
 
 
 def resnet18_training_flops(side: int) -> float:
