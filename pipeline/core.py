@@ -11,6 +11,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ from ringfeed.pipeline.mixture import (
     Mixture,
     WeightedSource,
     as_mixture,
+    check_weights,
+    mixture_of,
     source_names,
 )
 from ringfeed.pipeline.plan import Layout, SegmentConfig, SegmentPlan
@@ -76,85 +79,123 @@ def horovod_rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world_size) as given, the missing ones Horovod's (if initialised) or 0 of 1."""
+    if rank is None or world_size is None:
+        hvd_rank, hvd_size = horovod_rank_and_size()
+        rank = hvd_rank if rank is None else rank
+        world_size = hvd_size if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise PipelineError(f"rank {rank} is not in [0, world_size={world_size})")
+    return int(rank), int(world_size)
+
+
+def check_decode_device(device: str) -> None:
+    """decode_device="cuda" needs nvJPEG through torch: one PipelineError line if it is not
+    there."""
+    if device != "cuda":
+        return
+    from ringfeed.pipeline.gpu_decode import check_available
+
+    try:
+        check_available(device)
+    except (ValueError, ImportError, RuntimeError) as e:
+        raise PipelineError(str(e)) from None
+
+
+def make_decoder(c: PipelineConfig, kinds: dict[str, str]) -> Decoder:
+    """The decoder `c` describes, over the sources' field `kinds` (c.fields over them)."""
+    kinds = {**kinds, **(c.fields or {})}
+    hooks = {name: load_callable(fn, name) if isinstance(fn, str) else fn
+             for name, fn in (("decode", c.decode), ("transform", c.transform))}
+    return Decoder(kinds, as_pair(c.image_size), c.normalize, hooks["decode"],
+                   hooks["transform"], decode_images=c.decode_device == "cpu",
+                   threads=c.decode_threads)
+
+
 class ShardPipeline:
     """Batches for this rank. `iter(pipe)` yields dicts: one stacked array (or list) per field,
     plus `__key__` (list of str), `__index__` (int64 global sample ids) and `__valid__` (bool;
     False for `pad` repeats and for repeats standing in for skipped bad samples).
 
-    Composed of small stages: the source (source.py: shard refs and counts), the position
-    (state.py over plan.py), the reader of one shard (shardread.py: indexed reads), the
-    decoded-sample cache (decoded_cache.py), the decoder (decode.py), the worker streams that
-    batch (stream.py) and the background threads that run them (background.py)."""
+    Composed of small stages: the source (`resolve_sources`: shard refs and counts, a value),
+    the position (state.py over plan.py), the reader of one shard (shardread.py: indexed reads),
+    the decoded-sample cache (decoded_cache.py, chosen by `prepare`), the decoder (decode.py),
+    the worker streams that batch (stream.py) and the background threads that run them
+    (StreamReader over background.py)."""
 
     def __init__(self, source: str | os.PathLike | Sequence[str] | Sequence[WeightedSource],
                  config: PipelineConfig | None = None, *, rank: int | None = None,
                  world_size: int | None = None, **options: Any) -> None:
         """Batches of `source` (a shard dir/URL with manifest.json, or shard URLs / a brace
-        pattern, or a weighted mixture: a list of {path, weight} / WeightedSource) for `rank` of `world_size` (default: Horovod's, if initialised, else 0 of 1),
-        read as `config` says; keyword `options` (PipelineConfig's fields) fill or override it."""
-        self.config = c = pipeline_config(config, options)
-        if rank is None or world_size is None:
-            hvd_rank, hvd_size = horovod_rank_and_size()
-            rank = hvd_rank if rank is None else rank
-            world_size = hvd_size if world_size is None else world_size
-        if not 0 <= rank < world_size:
-            raise PipelineError(f"rank {rank} is not in [0, world_size={world_size})")
-        self.rank, self.world_size = int(rank), int(world_size)
-        if c.decode_device == "cuda":
-            from ringfeed.pipeline.gpu_decode import check_available
+        pattern, or a weighted mixture: a list of {path, weight} / WeightedSource) for `rank`
+        of `world_size` (default: Horovod's, if initialised, else 0 of 1), read as `config`
+        says; keyword `options` (PipelineConfig's fields) fill or override it.
 
-            try:
-                check_available(c.decode_device)
-            except (ValueError, ImportError, RuntimeError) as e:
-                raise PipelineError(str(e)) from None
+        Builds only: the sources resolved (manifests read; shards without one counted), the
+        plan's state and the decoder. Sample data is read here only for a mixture, whose
+        sources' first samples must agree; the decoded-cache decision waits for `prepare`."""
+        self.config = c = pipeline_config(config, options)
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        check_decode_device(c.decode_device)
         self.cache = ShardCache(c.cache_dir, c.cache_limit, c.storage_options, retries=c.retries,
                                 policy=RetryPolicy(budget_s=c.retry_budget_s))
         self.indexes = (IndexStore(self.cache.cache_dir, c.storage_options, self.cache.policy)
-                        if c.indexed
-                        else None)
-        mixed = as_mixture(source)
-        if mixed is None:
-            if c.epoch_samples is not None:
-                raise PipelineError("epoch_samples: only a weighted mixture of sources has it")
-            self.manifest, refs = self._resolve(source, c.split, c.allow_pipe)
-            self.mixture, self.source_names = None, [str(source)]
-            manifests = [self.manifest]
-        else:
-            manifests, refs = self._resolve_mixture(mixed, c)
-            self.manifest = manifests[0]
-        self.refs = refs
-        self.layout = Layout(sample_counts(refs))
-        shuffle_buffer = c.shuffle_buffer if c.shuffle else 0
+                        if c.indexed else None)
+        self.sources = resolve_sources(source, c, self.cache, self.indexes)
         self.progress = PipelineState(self.layout, c.seed, c.shuffle, SegmentConfig(
-            self.world_size, c.num_workers, c.batch_size, shuffle_buffer, c.balance),
-            self.mixture)
+            self.world_size, c.num_workers, c.batch_size, c.shuffle_buffer if c.shuffle else 0,
+            c.balance), self.mixture)
         if self.batches_per_epoch == 0:
             raise PipelineError(
                 f"{self.layout.num_samples} samples over {self.world_size} ranks give no full "
                 f"batch of {c.batch_size} with balance='drop' (use balance='pad' or a smaller "
                 "batch_size)")
-        kinds = self._field_kinds(manifests)
-        kinds.update(c.fields or {})
-        hooks = {name: load_callable(fn, name) if isinstance(fn, str) else fn
-                 for name, fn in (("decode", c.decode), ("transform", c.transform))}
-        decoder = Decoder(kinds, as_pair(c.image_size), c.normalize, hooks["decode"],
-                          hooks["transform"], decode_images=c.decode_device == "cpu",
-                          threads=c.decode_threads)
+        self.decoder = make_decoder(c, self.sources.field_kinds())
         if self.mixture is not None:
-            self._check_mixture_fields(decoder)
-        self.context = StreamContext(refs, self.layout, decoder, self.cache, c.on_error,
-                                     c.prefetch, self.indexes,
-                                     self._decoded_store(c.decoded_cache, c.cache_limit, decoder))
+            check_mixture_fields(self.sources, self.decoder, self.cache, self.indexes)
+        self._context: StreamContext | None = None  # made by prepare()
         self._stats = PipelineStats()
-        # threads already reading the pass expected next
-        self._ahead: tuple[tuple, StreamReader] | None = None
-        self._convert: Convert | None = None  # the last pass's `convert` (iterate)
-        # whether the consumer will take the epoch after this one (a trainer says no for its
-        # last epoch: nothing reads past the end of the run)
-        self._next_epoch_expected = True
-        # whether this process's threads read the passes; False once a torch DataLoader's
-        # worker processes do (a read-ahead here would decode an epoch nobody takes)
-        self._reads_here = True
+        self._passes = PassReaders(self)
+
+    # -- the sources (resolve_sources' value) ---------------------------------------------
+    @property
+    def refs(self) -> Sequence[ShardRef]:
+        return self.sources.refs
+
+    @property
+    def manifest(self) -> Manifest | None:
+        return self.sources.manifest
+
+    @property
+    def mixture(self) -> Mixture | None:
+        return self.sources.mixture
+
+    @property
+    def source_names(self) -> list[str]:
+        return list(self.sources.names)
+
+    @property
+    def layout(self) -> Layout:
+        return self.sources.layout
+
+    @property
+    def context(self) -> StreamContext:
+        """What the worker streams read with (made by `prepare` on first use)."""
+        return self.prepare()
+
+    def prepare(self) -> StreamContext:
+        """The one step after construction that may read data: decide the decoded-sample cache
+        (decoded_cache="auto" decodes the first sample, downloading its shard when remote) and
+        make the streams' context. The first pass calls it (so does `context`); once."""
+        if self._context is None:
+            c = self.config
+            store = decoded_store(
+                c.decoded_cache, c.cache_limit, Path(self.cache.cache_dir), self.decoder,
+                self.layout.num_samples, lambda: first_raw(self.refs, self.cache, self.indexes))
+            self._context = StreamContext(self.refs, self.layout, self.decoder, self.cache,
+                                          c.on_error, c.prefetch, self.indexes, store)
+        return self._context
 
     # -- sizes --------------------------------------------------------------------------
     @property
@@ -199,12 +240,12 @@ class ShardPipeline:
     def expect_next_epoch(self, expected: bool) -> None:
         """Whether the consumer will take the epoch after the current one: with read_ahead on,
         its reading starts as the last batch of this one goes out only if it will."""
-        self._next_epoch_expected = bool(expected)
+        self._passes.next_epoch_expected = bool(expected)
 
     def read_in_workers(self) -> None:
         """Worker processes (a torch DataLoader's) read the passes from now on, not this
         process's threads: nothing is read ahead here."""
-        self._reads_here = False
+        self._passes.reads_here = False
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` afresh; the current epoch keeps its progress (so a resumed run may
@@ -245,10 +286,7 @@ class ShardPipeline:
         takes it ready (the adapters make it framework tensors there); the next epoch's read-
         ahead applies the same function."""
         plan, t0, key = self.begin()
-        self._convert = convert
-        reader = self._reader(plan, t0, key)
-        source = reader.batches() if reader is not None else converted(iter(
-            WorkerStream.resuming(self.context, plan, self.rank, 0, t0)), convert)
+        source, reader = self._passes.open(plan, t0, key, convert)
         try:
             while True:
                 started = time.perf_counter()
@@ -261,6 +299,12 @@ class ShardPipeline:
             source.close()
             if reader is not None:
                 reader.close()
+
+    def begin(self) -> tuple[SegmentPlan, int, tuple]:
+        """The segment to iterate, the batches of it already consumed and the pass's key;
+        moves to the next epoch first when the current one is complete (adapters call this
+        once per pass)."""
+        return self.progress.begin()
 
     def received(self, booked: Booked, waited_s: float, count: bool = True) -> Booked:
         """Book a batch arriving from a worker stream: its counters, the consumer's wait, and
@@ -281,30 +325,13 @@ class ShardPipeline:
                                     "start a new iteration")
             return False
         self._stats.consumed(samples)
-        if (last_of_pass and self.config.read_ahead and self._next_epoch_expected
-                and self._reads_here and self._threaded):
-            self._read_ahead()
+        if last_of_pass and self.config.read_ahead:
+            self._passes.read_ahead()
         return True
 
     def peek_sample(self) -> dict[str, Any]:
         """The first decodable sample (in manifest order): what batches will look like."""
-        for ref in self.refs:
-            try:
-                samples = open_samples(self.cache.open(ref), self.indexes)
-            except Exception:
-                continue
-            try:
-                for position in range(max(ref.num_samples, 1)):
-                    raw = samples.get(position)
-                    if isinstance(raw, BadSample):
-                        break
-                    try:
-                        return self.context.decoder(raw)
-                    except Exception:
-                        continue
-            finally:
-                samples.close()
-        raise PipelineDataError("no decodable sample in any shard")
+        return first_decoded(self.refs, self.cache, self.indexes, self.decoder)
 
     def example_batch(self) -> dict[str, Any]:
         """A batch shaped like the real ones (the first decodable sample, repeated)."""
@@ -316,184 +343,264 @@ class ShardPipeline:
 
     def close(self) -> None:
         """Stop reading ahead (threads reading the next epoch before it is asked for)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead[1].close()
+        self._passes.close()
 
-    # -- internals ----------------------------------------------------------------------
     @property
-    def _threaded(self) -> bool:
+    def _ahead(self) -> tuple[tuple, StreamReader] | None:
+        """The threads already reading the pass expected next, with that pass's key."""
+        return self._passes.ahead
+
+
+class PassReaders:
+    """Where a pipeline's passes are read: in the consumer's thread, or in a `StreamReader`'s
+    threads, one of them possibly started ahead for the next epoch (read_ahead)."""
+
+    def __init__(self, pipe: ShardPipeline) -> None:
+        self.pipe = pipe
+        self.ahead: tuple[tuple, StreamReader] | None = None  # (pass key, its reader)
+        self.convert: Convert | None = None  # the last pass's `convert` (iterate)
+        # whether the consumer will take the epoch after this one (a trainer says no for its
+        # last epoch: nothing reads past the end of the run)
+        self.next_epoch_expected = True
+        # whether this process's threads read the passes; False once a torch DataLoader's
+        # worker processes do (a read-ahead here would decode an epoch nobody takes)
+        self.reads_here = True
+
+    @property
+    def threaded(self) -> bool:
         """Whether passes are read in threads; else in the consumer's (nothing read ahead)."""
-        return self.config.num_workers > 0 or self.config.prefetch > 0
+        return self.pipe.config.num_workers > 0 or self.pipe.config.prefetch > 0
 
-    def begin(self) -> tuple[SegmentPlan, int, tuple]:
-        """The segment to iterate, the batches of it already consumed and the pass's key;
-        moves to the next epoch first when the current one is complete (adapters call this
-        once per pass)."""
-        return self.progress.begin()
-
-    def _reader(self, plan: SegmentPlan, t0: int, key: tuple) -> StreamReader | None:
-        """The threads that read this pass (None: read in the consumer's thread): the ones
-        started ahead for it when it is the pass that was expected, else new ones."""
-        if not self._threaded:
-            return None
-        ahead, self._ahead = self._ahead, None
+    def open(self, plan: SegmentPlan, t0: int, key: tuple, convert: Convert | None
+             ) -> tuple[Iterator[Booked], StreamReader | None]:
+        """A pass's batches from t0 on and the reader threads making them (None: read in the
+        consumer's thread): the ones started ahead when this is the pass they expected."""
+        context = self.pipe.prepare()
+        self.convert = convert
+        if not self.threaded:
+            return converted(iter(WorkerStream.resuming(context, plan, self.pipe.rank, 0, t0)),
+                             convert), None
+        ahead, self.ahead = self.ahead, None
         if ahead is not None:
-            if ahead[0] == key and ahead[1].convert == self._convert:
-                return ahead[1]
+            if ahead[0] == key and ahead[1].convert == convert:
+                return ahead[1].batches(), ahead[1]
             ahead[1].close()
-        return self._start_reader(plan, t0)
+        reader = self.start(plan, t0)
+        return reader.batches(), reader
 
-    def _start_reader(self, plan: SegmentPlan, t0: int) -> StreamReader:
-        streams = [WorkerStream.resuming(self.context, plan, self.rank, w, t0)
+    def start(self, plan: SegmentPlan, t0: int) -> StreamReader:
+        streams = [WorkerStream.resuming(self.pipe.prepare(), plan, self.pipe.rank, w, t0)
                    for w in range(plan.config.streams)]
-        return StreamReader(streams, t0, plan.batches, max(1, self.config.prefetch),
-                            self._convert)
+        return StreamReader(streams, t0, plan.batches, max(1, self.pipe.config.prefetch),
+                            self.convert)
 
-    def _read_ahead(self) -> None:
+    def read_ahead(self) -> None:
         """The last batch of a pass went out: start reading the next epoch now (its first
         batch waits for the shuffle buffer to fill), so the consumer's next pass finds it under
-        way while it finishes the step, validates, checkpoints."""
-        plan, key = self.progress.next_epoch_pass()
-        reader = self._start_reader(plan, 0)
-        old, self._ahead = self._ahead, (key, reader)
+        way while it finishes the step, validates, checkpoints. Only where this process's
+        threads read the passes and the consumer will take that epoch."""
+        if not (self.next_epoch_expected and self.reads_here and self.threaded):
+            return
+        plan, key = self.pipe.progress.next_epoch_pass()
+        reader = self.start(plan, 0)
+        old, self.ahead = self.ahead, (key, reader)
         if old is not None:
             old[1].close()
 
-    def _decoded_store(self, setting: bool | str | os.PathLike, limit: int | None,
-                       decoder: Decoder) -> DecodedStore | None:
-        """The decoded-sample cache to use, if any: True or a directory turn it on; "auto"
-        when the split's decoded samples are cacheable and fit (see AUTO_FREE_SHARE)."""
-        if setting is False or setting is None or decoder.decode is not None \
-                or not decoder.decode_images:
-            return None  # a user decode() cannot be keyed; GPU decoding keeps the bytes
-        auto = setting == "auto"
-        if setting is True or auto:
-            directory = Path(self.cache.cache_dir) / "decoded"
-        else:
-            directory = Path(setting)
-        # with no cache_limit the decoded cache still has a bound: a share of the free space
-        room = limit if limit is not None else int(AUTO_FREE_SHARE * _free_bytes(directory))
-        if auto:
-            try:
-                per_sample = layout_of(decoder.base(self._first_raw()))
-            except Exception:  # Uncacheable, unreadable or undecodable first sample
-                return None
-            if per_sample * self.layout.num_samples > room:
-                return None
-        return DecodedStore(directory, room, decoder.settings())
+    def close(self) -> None:
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead[1].close()
 
-    def _first_raw(self, refs: Sequence[ShardRef] | None = None) -> dict[str, Any]:
-        for ref in self.refs if refs is None else refs:
-            samples = open_samples(self.cache.open(ref), self.indexes)
-            try:
-                raw = samples.get(0)
-            finally:
-                samples.close()
-            if not isinstance(raw, BadSample):
-                return raw
-        raise PipelineDataError("no readable sample in any shard")
 
-    def _resolve(self, source: Any, split: str, allow_pipe: bool
-                 ) -> tuple[Manifest | None, Sequence[ShardRef]]:
-        if is_shard_list(source):
-            urls = expand_urls(source if isinstance(source, str) else [str(s) for s in source])
-            check_pipe_allowed(urls, allow_pipe)
-            manifest, refs = None, [self._counted(url) for url in urls]
-        else:
-            location = os.fspath(source)
-            check_pipe_allowed([location], allow_pipe)
-            manifest, refs = manifest_refs(location, split, self.config.storage_options,
-                                           self.cache.policy,
-                                           Path(self.cache.cache_dir) / "manifests")
-            check_pipe_allowed(refs.urls_starting_with("pipe:"), allow_pipe)
-        if not len(refs) or not sample_counts(refs).any():
-            raise PipelineError(f"{source}: no samples (split {split!r})")
-        return manifest, refs
+# -- resolving the sources (what the constructor builds from) ---------------------------------
+@dataclass(frozen=True)
+class ResolvedSources:
+    """A pipeline's sources, resolved once (`resolve_sources`): the shards laid end to end
+    with their sample counts, each source's manifest (None: shard URLs, counted) and name, and
+    for a weighted mixture the Mixture that plans its epochs."""
 
-    def _resolve_mixture(self, mixed: list[WeightedSource], c: PipelineConfig
-                         ) -> tuple[list[Manifest | None], ConcatRefs]:
-        """Each source's shards, laid end to end, and the Mixture that plans their epochs."""
-        if any(s.weight is None for s in mixed) and any(s.weight is not None for s in mixed):
-            raise PipelineError("mixture: give every source a weight, or none (then each "
-                                "source's share is its size)")
-        self.source_names = source_names(mixed)
-        manifests, parts = [], []
-        for name, entry in zip(self.source_names, mixed, strict=True):
-            try:
-                manifest, refs = self._resolve(entry.path, c.split, c.allow_pipe)
-            except PipelineError as e:
-                raise PipelineError(f"mixture source {name!r}: {e}") from None
-            manifests.append(manifest)
-            parts.append(refs)
-        layouts = tuple(Layout(sample_counts(p)) for p in parts)
-        sizes = [lay.num_samples for lay in layouts]
-        weights = (tuple(float(n) for n in sizes) if mixed[0].weight is None
-                   else tuple(float(s.weight) for s in mixed))  # type: ignore[arg-type]
-        self.mixture = Mixture(layouts, weights, c.epoch_samples or sum(sizes))
-        return manifests, ConcatRefs(parts)
+    refs: Sequence[ShardRef]
+    manifests: tuple[Manifest | None, ...]
+    names: tuple[str, ...]
+    layout: Layout
+    mixture: Mixture | None = None
 
-    def _field_kinds(self, manifests: list[Manifest | None]) -> dict[str, str]:
+    @property
+    def manifest(self) -> Manifest | None:
+        return self.manifests[0]
+
+    @property
+    def parts(self) -> list[Sequence[ShardRef]]:
+        """Each source's shards."""
+        return list(self.refs.parts) if isinstance(self.refs, ConcatRefs) else [self.refs]
+
+    def field_kinds(self) -> dict[str, str]:
         """The manifests' field kinds; sources of a mixture must not disagree on one."""
         kinds: dict[str, str] = {}
-        for name, manifest in zip(self.source_names, manifests, strict=True):
+        for name, manifest in zip(self.names, self.manifests, strict=True):
             for field, kind in (dict(manifest.fields) if manifest else {}).items():
                 if kinds.setdefault(field, kind) != kind:
                     raise PipelineError(
                         f"mixture source {name!r}: field {field!r} is {kind!r} there but "
-                        f"{kinds[field]!r} in {self.source_names[0]!r} (shard the sources "
+                        f"{kinds[field]!r} in {self.names[0]!r} (shard the sources "
                         "alike, or set `fields` to one kind)")
         return kinds
 
-    def _check_mixture_fields(self, decoder: Decoder) -> None:
-        """Batches mix the sources' samples, so every source must give the same fields with
-        the same shapes: checked on each source's first sample, one line naming the odd one."""
-        assert self.mixture is not None
-        first = self.source_names[0]
-        parts = self.refs.parts  # type: ignore[attr-defined]
-        seen: dict[str, tuple] | None = None
-        for name, refs in zip(self.source_names, parts, strict=True):
-            try:
-                sample = decoder(self._first_raw(refs))
-            except PipelineDataError as e:
-                raise PipelineError(f"mixture source {name!r}: {e}") from None
-            except Exception as e:  # an undecodable first sample: the reader will say more
-                raise PipelineError(f"mixture source {name!r}: first sample does not "
-                                    f"decode ({e})") from None
-            fields = {k: _shape_of(v) for k, v in sample.items() if not k.startswith("__")}
-            if seen is None:
-                seen = fields
-                continue
-            for field in sorted(set(seen) ^ set(fields)):
-                where, other = (name, first) if field in seen else (first, name)
-                raise PipelineError(
-                    f"mixture source {where!r} has no field {field!r} that {other!r} has "
-                    "(the sources of a mixture must carry the same fields)")
-            for field, shape in fields.items():
-                if shape != seen[field]:
-                    raise PipelineError(
-                        f"mixture source {name!r}: field {field!r} is {shape} there but "
-                        f"{seen[field]} in {first!r} (the sources must agree; for images "
-                        "set image_size)")
 
-    def _counted(self, url: str) -> ShardRef:
-        """Without a manifest, count a shard's samples by reading it (through the cache; a
-        compressed one is indexed through its plain copy, which the epochs then read)."""
-        handle = self.cache.open(ShardRef(url, 0), plain=self.indexes is not None)
+def resolve_sources(source: Any, config: PipelineConfig, cache: ShardCache,
+                    indexes: IndexStore | None) -> ResolvedSources:
+    """`source` (one source, or a weighted mixture) resolved: manifests read, shards without
+    one counted through `cache` (so remote ones are fetched once). No other data is read."""
+    mixed = as_mixture(source)
+    if mixed is None:
+        if config.epoch_samples is not None:
+            raise PipelineError("epoch_samples: only a weighted mixture of sources has it")
+        manifest, refs = resolve_one(source, config, cache, indexes)
+        return ResolvedSources(refs, (manifest,), (str(source),), Layout(sample_counts(refs)))
+    check_weights(mixed)
+    names = source_names(mixed)
+    manifests, parts = [], []
+    for name, entry in zip(names, mixed, strict=True):
         try:
-            if self.indexes is not None and (handle.plain_of
-                                             or not url.endswith(COMPRESSED_SUFFIXES)):
-                index, _, reason = self.indexes.index_for(handle)
-                if reason is not None:
-                    raise PipelineDataError(f"{url}: cannot count samples ({reason})")
-                return ShardRef(url, index.num_samples)
-            return ShardRef(url, sum(1 for _ in iter_samples(handle)))
-        except PipelineDataError:
-            raise
-        except Exception as e:
-            raise PipelineDataError(f"{url}: cannot count samples ({e})") from e
+            manifest, refs = resolve_one(entry.path, config, cache, indexes)
+        except PipelineError as e:
+            raise PipelineError(f"mixture source {name!r}: {e}") from None
+        manifests.append(manifest)
+        parts.append(refs)
+    mixture = mixture_of(mixed, [Layout(sample_counts(p)) for p in parts], config.epoch_samples)
+    refs = ConcatRefs(parts)
+    return ResolvedSources(refs, tuple(manifests), tuple(names), Layout(sample_counts(refs)),
+                           mixture)
+
+
+def resolve_one(source: Any, config: PipelineConfig, cache: ShardCache,
+                indexes: IndexStore | None) -> tuple[Manifest | None, Sequence[ShardRef]]:
+    """One source's manifest (None for shard URLs) and shards, `pipe:` URLs checked."""
+    split, allow_pipe = config.split, config.allow_pipe
+    if is_shard_list(source):
+        urls = expand_urls(source if isinstance(source, str) else [str(s) for s in source])
+        check_pipe_allowed(urls, allow_pipe)
+        manifest, refs = None, [counted(url, cache, indexes) for url in urls]
+    else:
+        location = os.fspath(source)
+        check_pipe_allowed([location], allow_pipe)
+        manifest, refs = manifest_refs(location, split, config.storage_options, cache.policy,
+                                       Path(cache.cache_dir) / "manifests")
+        check_pipe_allowed(refs.urls_starting_with("pipe:"), allow_pipe)
+    if not len(refs) or not sample_counts(refs).any():
+        raise PipelineError(f"{source}: no samples (split {split!r})")
+    return manifest, refs
+
+
+def counted(url: str, cache: ShardCache, indexes: IndexStore | None) -> ShardRef:
+    """Without a manifest, count a shard's samples by reading it (through the cache; a
+    compressed one is indexed through its plain copy, which the epochs then read)."""
+    handle = cache.open(ShardRef(url, 0), plain=indexes is not None)
+    try:
+        if indexes is not None and (handle.plain_of or not url.endswith(COMPRESSED_SUFFIXES)):
+            index, _, reason = indexes.index_for(handle)
+            if reason is not None:
+                raise PipelineDataError(f"{url}: cannot count samples ({reason})")
+            return ShardRef(url, index.num_samples)
+        return ShardRef(url, sum(1 for _ in iter_samples(handle)))
+    except PipelineDataError:
+        raise
+    except Exception as e:
+        raise PipelineDataError(f"{url}: cannot count samples ({e})") from e
+    finally:
+        handle.close()
+
+
+# -- reading first samples (checks and decisions that look at data) ----------------------------
+def first_raw(refs: Sequence[ShardRef], cache: ShardCache,
+              indexes: IndexStore | None) -> dict[str, Any]:
+    """The first readable raw sample of `refs` (each shard's sample 0, in order)."""
+    for ref in refs:
+        samples = open_samples(cache.open(ref), indexes)
+        try:
+            raw = samples.get(0)
         finally:
-            handle.close()
+            samples.close()
+        if not isinstance(raw, BadSample):
+            return raw
+    raise PipelineDataError("no readable sample in any shard")
+
+
+def first_decoded(refs: Sequence[ShardRef], cache: ShardCache, indexes: IndexStore | None,
+                  decoder: Decoder) -> dict[str, Any]:
+    """The first sample of `refs` that reads and decodes (in manifest order)."""
+    for ref in refs:
+        try:
+            samples = open_samples(cache.open(ref), indexes)
+        except Exception:
+            continue
+        try:
+            for position in range(max(ref.num_samples, 1)):
+                raw = samples.get(position)
+                if isinstance(raw, BadSample):
+                    break
+                try:
+                    return decoder(raw)
+                except Exception:
+                    continue
+        finally:
+            samples.close()
+    raise PipelineDataError("no decodable sample in any shard")
+
+
+def check_mixture_fields(sources: ResolvedSources, decoder: Decoder, cache: ShardCache,
+                         indexes: IndexStore | None) -> None:
+    """Batches mix the sources' samples, so every source must give the same fields with
+    the same shapes: checked on each source's first sample, one line naming the odd one."""
+    first = sources.names[0]
+    seen: dict[str, tuple] | None = None
+    for name, refs in zip(sources.names, sources.parts, strict=True):
+        try:
+            sample = decoder(first_raw(refs, cache, indexes))
+        except PipelineDataError as e:
+            raise PipelineError(f"mixture source {name!r}: {e}") from None
+        except Exception as e:  # an undecodable first sample: the reader will say more
+            raise PipelineError(f"mixture source {name!r}: first sample does not "
+                                f"decode ({e})") from None
+        fields = {k: _shape_of(v) for k, v in sample.items() if not k.startswith("__")}
+        if seen is None:
+            seen = fields
+            continue
+        for field in sorted(set(seen) ^ set(fields)):
+            where, other = (name, first) if field in seen else (first, name)
+            raise PipelineError(
+                f"mixture source {where!r} has no field {field!r} that {other!r} has "
+                "(the sources of a mixture must carry the same fields)")
+        for field, shape in fields.items():
+            if shape != seen[field]:
+                raise PipelineError(
+                    f"mixture source {name!r}: field {field!r} is {shape} there but "
+                    f"{seen[field]} in {first!r} (the sources must agree; for images "
+                    "set image_size)")
+
+
+def decoded_store(setting: bool | str | os.PathLike, limit: int | None, cache_dir: Path,
+                  decoder: Decoder, num_samples: int,
+                  read_first: Callable[[], dict[str, Any]]) -> DecodedStore | None:
+    """The decoded-sample cache to use, if any: True or a directory turn it on; "auto"
+    when the split's decoded samples are cacheable and fit (see AUTO_FREE_SHARE), judged on
+    the first sample (`read_first()`, called only then)."""
+    if setting is False or setting is None or decoder.decode is not None \
+            or not decoder.decode_images:
+        return None  # a user decode() cannot be keyed; GPU decoding keeps the bytes
+    auto = setting == "auto"
+    directory = cache_dir / "decoded" if setting is True or auto else Path(setting)
+    # with no cache_limit the decoded cache still has a bound: a share of the free space
+    room = limit if limit is not None else int(AUTO_FREE_SHARE * _free_bytes(directory))
+    if auto:
+        try:
+            per_sample = layout_of(decoder.base(read_first()))
+        except Exception:  # Uncacheable, unreadable or undecodable first sample
+            return None
+        if per_sample * num_samples > room:
+            return None
+    return DecodedStore(directory, room, decoder.settings())
 
 
 def _shape_of(value: Any) -> tuple:

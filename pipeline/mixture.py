@@ -73,6 +73,24 @@ def source_names(sources: Sequence[WeightedSource]) -> list[str]:
     return names
 
 
+def check_weights(sources: Sequence[WeightedSource]) -> None:
+    """Every source has a weight, or none has (then each source's share is its size)."""
+    if any(s.weight is None for s in sources) and any(s.weight is not None for s in sources):
+        raise PipelineError("mixture: give every source a weight, or none (then each "
+                            "source's share is its size)")
+
+
+def mixture_of(sources: Sequence[WeightedSource], layouts: Sequence[Layout],
+               epoch_samples: int | None) -> Mixture:
+    """The Mixture of `sources` laid out as `layouts`: their weights (or, with none given,
+    their sizes) and epochs of `epoch_samples` (default: all their samples)."""
+    check_weights(sources)
+    sizes = [lay.num_samples for lay in layouts]
+    weights = (tuple(float(n) for n in sizes) if sources[0].weight is None
+               else tuple(float(s.weight) for s in sources))  # type: ignore[arg-type]
+    return Mixture(tuple(layouts), weights, epoch_samples or sum(sizes))
+
+
 def shares(weights: Sequence[float], total: int) -> np.ndarray:
     """`total` split by `weights`: floor shares, then the largest remainders get one more
     (ties to the earlier source), so the parts sum to `total` exactly."""
