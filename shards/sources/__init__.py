@@ -13,10 +13,10 @@ def open_source(opts: ShardOptions) -> Source:
         require_exists(opts.src)
     if opts.format in ("jsonl", "csv"):
         from ringfeed.shards.sources.tabular import Tabular
-        return Tabular(opts)
+        return Tabular(opts).scan()
     if opts.format == "parquet":
         from ringfeed.shards.sources.parquet import Parquet
-        return Parquet(opts)
+        return Parquet(opts).scan()
     if opts.format in ("npz", "npy"):
         from ringfeed.shards.sources.arrays import Arrays
         return Arrays(opts)

@@ -26,6 +26,7 @@ from typing import Any
 
 from ringfeed.errors import UserError
 from ringfeed.shards.options import ShardOptions
+from ringfeed.shards.sources.tableplan import TablePlan
 from ringfeed.shards.sources.tabular import TableSource
 
 # pyarrow's default memory pool (mimalloc) keeps freed pages for a while; a scan frees a batch of
@@ -132,10 +133,9 @@ class Parquet(TableSource):
                             self.column(name).see("str", value, f"{path}: row {row}")
                 row += batch.num_rows
 
-    def _plan_members(self) -> None:
-        super()._plan_members()
+    def check_plan(self, plan: TablePlan) -> None:
         for col in self._columns.values():  # bytes have no place in the json member
-            if col.kind in ("binary", "image") and col.name not in self._used:
+            if col.kind in ("binary", "image") and col.name not in plan.used:
                 raise UserError(f"{self.path}: column {col.name!r} holds binary data (images?); "
                                 f"store it with --field {col.name}=jpg (or png, ..., or bin for "
                                 "opaque bytes)")

@@ -22,12 +22,16 @@ The scan writes every sample's member bytes into a work file under OUT, so a sha
 process reads its samples with one pread each, and keeps the numbers of the features and numeric
 fields, whose mean/std over the train split go into the manifest's `features`
 (`data.normalize: auto` standardises the inputs with them).
+
+In code: `TableSource(opts)` only checks the options; `scan()` types the columns (a format's
+`type_file`), computes a frozen `TablePlan` from them (tableplan.plan_table), and encodes every
+row with a `RowEncoder` (tableencode.py), which reads the plan and never changes it; the
+manifest's `features` come from tablestats.py.
 """
 
 from __future__ import annotations
 
 import csv
-import fnmatch
 import json
 import os
 import re
@@ -41,10 +45,8 @@ from typing import IO, Any
 import numpy as np
 
 from ringfeed.errors import UserError
-from ringfeed.formats.kinds import kind_of
-from ringfeed.formats.members import encode, json_bytes, npy_bytes
 from ringfeed.formats.tarblocks import member_tar_bytes
-from ringfeed.shards.keys import NumberedKeys, check_ext, check_unique, safe_key
+from ringfeed.shards.keys import NumberedKeys, check_unique, safe_key
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.sources.base import (
     SPLIT_NAMES,
@@ -56,17 +58,25 @@ from ringfeed.shards.sources.base import (
     source_splits,
     visible,
 )
+from ringfeed.shards.sources.tableencode import RowEncoder
+from ringfeed.shards.sources.tableplan import (  # noqa: F401 (Member, NUMERIC...: this module's before)
+    DEFAULT_FEATURES,
+    MISSING,
+    NUMERIC,
+    REST,
+    Column,
+    Member,
+    TablePlan,
+    TableSpec,
+    cell_kind,
+    plan_table,
+    value_kind,
+    vocab_order,
+)
+from ringfeed.shards.sources.tablestats import STATS_CHUNK, column_stats, moments  # noqa: F401
 
 SUFFIXES = {"jsonl": (".jsonl", ".ndjson"), "csv": (".csv",), "parquet": (".parquet", ".pq")}
-REST = "json"  # the member holding the columns no other member names
-DEFAULT_FEATURES = "x.npy"
-NUMERIC = frozenset({"int", "float", "bool"})
-MISSING = frozenset({"", "na", "n/a", "nan", "null", "none"})  # CSV cells that hold no value
-# numbers as written; a leading zero (007, 02139) makes a code, which stays text
-_INT = re.compile(r"^[+-]?(0|[1-9]\d*)$")
-_FLOAT = re.compile(r"^[+-]?((0|[1-9]\d*)(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 _SPLIT_PREFIX = re.compile(r"^([a-z]+)[-_.]", re.IGNORECASE)
-STATS_CHUNK = 65536  # rows per read when the train split's mean/std are computed
 
 
 def _jsonl_rows(f: IO[bytes]) -> Iterator[tuple[int, int, Any]]:
@@ -99,120 +109,6 @@ def _csv_rows(f: IO[bytes]) -> Iterator[tuple[int, int, list[str]]]:
             start, line = consumed[0], reader.line_num + 1
     except (csv.Error, UnicodeDecodeError) as e:
         raise UserError(f"{f.name}:{reader.line_num}: not readable as UTF-8 CSV ({e})") from None
-
-
-def value_kind(value: Any) -> str | None:
-    """The column kind a JSON/Parquet value stands for; None for a missing value."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "float" if np.isfinite(value) else None  # NaN: missing, as pandas writes it
-    if isinstance(value, str):
-        return "str"
-    if isinstance(value, (list, tuple)):
-        return "list"
-    if isinstance(value, (bytes, bytearray)):
-        return "binary"
-    return "other"
-
-
-def cell_kind(cell: str) -> str | None:
-    """The kind of one CSV cell (None: missing)."""
-    text = cell.strip()
-    if text.lower() in MISSING:
-        return None
-    if _INT.match(text):
-        return "int"
-    if _FLOAT.match(text):
-        return "float"
-    if text.lower() in ("true", "false"):
-        return "bool"
-    return "str"
-
-
-@dataclass
-class Column:
-    """What the scan learned about one column over every row."""
-
-    name: str
-    kinds: set[str] = field(default_factory=set)  # kinds of its non-missing values
-    first_text: tuple[str, Any] | None = None  # (where, value): its first value not a number
-    numbers: int = 0  # values that are numbers
-    vocab: set | None = None  # the distinct values of a --categorical column
-    kind_hint: str | None = None  # Parquet: the kind its schema gives
-
-    def see(self, kind: str | None, value: Any, where: str) -> None:
-        if kind is None:
-            return
-        self.kinds.add(kind)
-        if kind in NUMERIC:
-            self.numbers += 1
-        elif self.first_text is None:
-            self.first_text = (where, value)
-        if self.vocab is not None:
-            if isinstance(value, (list, dict, bytes)):
-                raise UserError(f"{where}: column {self.name!r}: --categorical takes text or "
-                                f"numbers, not {type(value).__name__} values")
-            self.vocab.add(value)
-
-    @property
-    def kind(self) -> str:
-        """int, float, bool, str, list, binary, image, other; or null: no value at all."""
-        if self.kind_hint is not None:
-            return self.kind_hint
-        if not self.kinds:
-            return "null"
-        if self.kinds <= {"int"}:
-            return "int"
-        if self.kinds <= {"int", "float"}:
-            return "float"
-        if len(self.kinds) == 1:
-            return next(iter(self.kinds))
-        return "other"
-
-    @property
-    def numeric(self) -> bool:
-        return self.kind in NUMERIC
-
-    @property
-    def mixed(self) -> bool:
-        """Numbers and text in one column: a typo in a numeric column, most likely."""
-        return self.numbers > 0 and self.first_text is not None
-
-
-def vocab_order(value: Any) -> tuple:
-    """Vocabulary order: numbers (and CSV cells that are numbers) by value, then text."""
-    if isinstance(value, (bool, int, float)):
-        return (0, float(value), "")
-    if isinstance(value, str) and cell_kind(value) in ("int", "float"):
-        return (0, float(value), value)
-    return (1, 0.0, str(value))
-
-
-@dataclass
-class Member:
-    """One tar member made from columns: a --field (one column) or a feature vector."""
-
-    ext: str
-    columns: list[str]
-    role: str  # "field" or "features"
-    kind: str = ""  # the member's kind (manifest fields)
-    column_kind: str = ""  # field: the column's kind
-    slots: list[tuple[str, list | None]] = field(default_factory=list)  # features: (column,
-    # vocabulary when one-hot)
-    names: list[str] = field(default_factory=list)  # features: one name per vector element
-    header: bytes = b""  # features: the .npy header of a float32 vector of this width
-    stats: int = -1  # first column of its numbers in the stats matrix (-1: none)
-    shape: tuple[int, ...] | None = ()  # field: the shape of its values (None: varies)
-    dtype: str | None = None
-
-    @property
-    def width(self) -> int:
-        return len(self.names) if self.role == "features" else 1
 
 
 class _Store:
@@ -272,34 +168,41 @@ class _Store:
         self._fd = None
 
 
+@dataclass
+class _PartRows:
+    """One part's rows as the scan collects them."""
+
+    keys: list[str] = field(default_factory=list)
+    sizes: array = field(default_factory=lambda: array("q"))
+    labels: array = field(default_factory=lambda: array("q"))
+    origins: tuple[array, array] = field(  # --key: each row's (file, number), for messages
+        default_factory=lambda: (array("q"), array("q")))
+    rest_seen: bool = False
+
+
 class TableSource(Source):
     """What every table format shares: column typing, the members a row becomes, the work
-    store, the statistics. A format provides its files, a typing pass and typed rows."""
+    store, the statistics. A format provides its files, a typing pass and typed rows.
+
+    Constructing one reads nothing; `scan()` types the columns, computes the frozen
+    `TablePlan`, and encodes every row into the work store (see open_source)."""
 
     def __init__(self, opts: ShardOptions):
         super().__init__(opts)
-        self._map = {name: check_ext(ext.lower(), f"--field {name}={ext}")
-                     for name, ext in opts.fields.items()}
-        if REST in self._map.values():
-            raise UserError(f"--field ...={REST}: the {REST} member holds the columns no other "
-                            "member names; store this field under another name (e.g. meta.json)")
+        self.spec = TableSpec.of(opts)
+        self._map = dict(self.spec.fields)
         self._key_field = opts.key_field
-        self._fill = opts.fill
-        self._feature_specs = opts.features
-        self._categorical = list(dict.fromkeys(opts.categorical))
+        self._categorical = list(self.spec.categorical)
         self.options = {"fields": dict(opts.fields), "key": opts.key_field,
                         "features": [list(s) for s in opts.features] if opts.features else None,
                         "categorical": self._categorical, "fill": opts.fill}
-        self._columns: dict[str, Column] = {}
-        self._vocab: dict[str, dict[Any, int]] = {}  # categorical column -> {value: id}
-        self._filled: Counter = Counter()  # column -> missing cells filled (or one-hot zeros)
-        self._scratch = WorkDir(opts.out)
+        self._out = opts.out
+        self._columns: dict[str, Column] = {}  # the typing pass's, in table order
+        self.plan: TablePlan | None = None
+        self._encoder: RowEncoder | None = None
+        self._scratch: WorkDir | None = None
         self._store: _Store | None = None
-        try:
-            self._scan(opts)
-        except BaseException:
-            self.close()
-            raise
+        self._stat_files: dict[str, Path] = {}
 
     # -- what a format provides ---------------------------------------------------------------
     def type_file(self, path: Path) -> None:
@@ -315,9 +218,12 @@ class TableSource(Source):
         """A row in messages: `file:line`."""
         return f"{path}:{number}"
 
-    def rest(self, row: dict[str, Any]) -> dict[str, Any]:
-        """The `json` member: the columns no other member names."""
-        return {k: v for k, v in row.items() if k not in self._used}
+    def check_plan(self, plan: TablePlan) -> None:
+        """A format's own checks of the plan (none by default)."""
+
+    def list_dtype(self, name: str) -> Any:
+        """The numpy dtype of a list column's elements (None: let numpy choose)."""
+        return None
 
     def column(self, name: str) -> Column:
         col = self._columns.get(name)
@@ -326,59 +232,79 @@ class TableSource(Source):
                 name, vocab=set() if name in self._categorical else None)
         return col
 
-    def missing_column(self, name: str, what: str) -> UserError:
-        return UserError(f"{self.path}: no column {name!r} named by {what} (columns: "
-                         f"{', '.join(self._columns)})")
-
     # -- the scan -----------------------------------------------------------------------------
-    def _scan(self, opts: ShardOptions) -> None:
-        part_files = self._part_files(opts.src)
+    def scan(self) -> TableSource:
+        """Type every column, plan the members, encode every row into the work store under
+        OUT; on any error the work store is removed and the error raised."""
+        try:
+            self._scan()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _scan(self) -> None:
+        part_files = self._part_files(self.path)
         for files in part_files.values():
             for path in files:
                 self.record_input(path)
                 self.type_file(path)
-        self._plan_members()
-        exts = [m.ext for m in self._members] + [REST]
-        self._store = _Store(self._scratch.make() / "rows.bin", exts)
-        self._stat_files: dict[str, Path] = {}
+        self._scratch = WorkDir(self._out)
+        self.plan = plan_table(self._columns, self.spec, self.format, self.path)
+        self.check_plan(self.plan)
+        self._encoder = RowEncoder(self.plan, self.format, self.spec.fill, self.list_dtype)
+        self._store = _Store(self._scratch.make() / "rows.bin", [*self.plan.exts, REST])
         rest_seen = False
         for part, files in part_files.items():
-            keys, sizes, labels = [], array("q"), array("q")
-            origins = (array("q"), array("q"))  # --key: each row's (file, number), for messages
-            stats_path = self._scratch.path / f"{part}.stats"
-            self._stat_files[part] = stats_path
-            with open(stats_path, "wb") as stats_out:
-                for file, path in enumerate(files):
-                    for number, row in self.rows(path):
-                        where = self.where(path, number)
-                        members, paths, sizes_of, numbers = self._encode(row, where, path)
-                        self._store.add(part, members, paths)
-                        rest_seen |= REST in members
-                        sizes.append(sum(member_tar_bytes(sizes_of.get(e, len(v)))
-                                         for e, v in members.items()))
-                        if numbers:
-                            stats_out.write(np.asarray(numbers, np.float64).tobytes())
-                        if "cls" in members:  # class labels: a stratified val split
-                            labels.append(int(members["cls"]))
-                        if self._key_field is not None:
-                            key = self._value(row, self._key_field, where, required=True)
-                            keys.append(safe_key(str(key)))
-                            origins[0].append(file)
-                            origins[1].append(number)
-            if not sizes:
-                raise UserError(f"{opts.src}: no rows in {', '.join(map(str, files))}")
-            if self._key_field is None:
-                keys = NumberedKeys(len(sizes))
-            else:
-                check_unique(keys, lambda i, files=files, origins=origins: self.where(
-                    files[origins[0][i]], origins[1][i]), f"split {part!r}")
-            self.parts[part] = Part(keys, int_sizes(np.frombuffer(sizes, np.int64)),
-                                    np.frombuffer(labels, np.int64).copy() if labels else None)
+            rest_seen |= self._scan_part(part, files)
         self._store.finish()
-        self.fields = {m.ext: m.kind for m in self._members}
+        self.fields = {m.ext: m.kind for m in self.plan.members}
         if rest_seen:
             self.fields[REST] = "json"
         self._record_classes()
+
+    def _scan_part(self, part: str, files: list[Path]) -> bool:
+        """Encode one part's rows into the store and its stats file; sets self.parts[part].
+        True when some row has a `json` member."""
+        assert self._scratch is not None
+        rows = _PartRows()
+        stats_path = self._stat_files[part] = self._scratch.path / f"{part}.stats"
+        with open(stats_path, "wb") as stats_out:
+            for file, path in enumerate(files):
+                for number, row in self.rows(path):
+                    self._scan_row(part, rows, row, self.where(path, number), path, stats_out)
+                    if self._key_field is not None:
+                        rows.origins[0].append(file)
+                        rows.origins[1].append(number)
+        if not rows.sizes:
+            raise UserError(f"{self.path}: no rows in {', '.join(map(str, files))}")
+        if self._key_field is None:
+            keys: Any = NumberedKeys(len(rows.sizes))
+        else:
+            keys, origins = rows.keys, rows.origins
+            check_unique(keys, lambda i: self.where(files[origins[0][i]], origins[1][i]),
+                         f"split {part!r}")
+        labels = rows.labels
+        self.parts[part] = Part(keys, int_sizes(np.frombuffer(rows.sizes, np.int64)),
+                                np.frombuffer(labels, np.int64).copy() if labels else None)
+        return rows.rest_seen
+
+    def _scan_row(self, part: str, rows: _PartRows, row: dict[str, Any], where: str,
+                  path: Path, stats_out: IO[bytes]) -> None:
+        assert self._encoder is not None and self._store is not None
+        enc = self._encoder.encode(row, where, path)
+        members = enc.members
+        self._store.add(part, members, enc.paths)
+        rows.rest_seen |= REST in members
+        rows.sizes.append(sum(member_tar_bytes(enc.sizes.get(e, len(v)))
+                              for e, v in members.items()))
+        if enc.numbers:
+            stats_out.write(np.asarray(enc.numbers, np.float64).tobytes())
+        if "cls" in members:  # class labels: a stratified val split
+            rows.labels.append(int(members["cls"]))
+        if self._key_field is not None:
+            key = self._encoder.value(row, self._key_field, where, required=True)
+            rows.keys.append(safe_key(str(key)))
 
     def _part_files(self, src: Path) -> dict[str, list[Path]]:
         suffixes = SUFFIXES[self.format]
@@ -405,309 +331,26 @@ class TableSource(Source):
             raise UserError(f"{folder}: no {'/'.join(suffixes)} files in this folder")
         return files
 
-    # -- which member holds which column ------------------------------------------------------
-    def _plan_members(self) -> None:
-        cols = self._columns
-        for name in self._categorical:
-            if name not in cols:
-                raise self.missing_column(name, "--categorical")
-            self._vocab[name] = {v: i for i, v in enumerate(sorted(cols[name].vocab or (),
-                                                                   key=vocab_order))}
-        named = set(self._map) | ({self._key_field} if self._key_field else set())
-        members = [self._field_member(name, ext) for name, ext in self._map.items()]
-        if self._feature_specs is None:
-            free = [c for c in cols.values() if c.name not in named
-                    and (c.numeric or c.name in self._categorical or c.mixed)]
-            for c in free:
-                if c.mixed and c.name not in self._categorical:
-                    where, value = c.first_text
-                    raise UserError(
-                        f"{where}: column {c.name!r}: {value!r} is not a number, but the "
-                        f"column's other values are; fix that cell, or name the column "
-                        f"(--field {c.name}=txt, --categorical {c.name}) or the feature "
-                        "columns (--features COLS=x.npy)")
-            if free:
-                members.append(self._vector(DEFAULT_FEATURES, [c.name for c in free]))
-        else:
-            explicit = {name.strip() for spec, _ in self._feature_specs
-                        for name in spec.split(",")} & set(cols)
-            for spec, ext in self._feature_specs:
-                chosen = self._select(spec, named, explicit)
-                if not chosen:
-                    raise UserError(f"--features {spec}={ext}: no column matches (columns: "
-                                    f"{', '.join(cols)})")
-                members.append(self._vector(check_ext(ext.lower(), f"--features {spec}={ext}"),
-                                            chosen))
-        seen: dict[str, str] = {}
-        for m in members:
-            if m.ext in seen or m.ext == REST:
-                raise UserError(f"{', '.join(m.columns[:3])} and {seen.get(m.ext, REST)} would "
-                                f"both be member .{m.ext}; give them different extensions")
-            seen[m.ext] = ", ".join(m.columns[:3])
-        self._members = members
-        self._used = {name for m in members for name in m.columns}
-        if self._key_field and self._key_field not in cols:
-            raise self.missing_column(self._key_field, "--key")
-        width = 0
-        for m in members:
-            if m.role == "features" or (m.kind == "npy" and m.column_kind in NUMERIC
-                                        and m.columns[0] not in self._categorical):
-                m.stats, width = width, width + m.width
-        self._stats_width = width
-
-    def _select(self, spec: str, named: set[str], explicit: set[str]) -> list[str]:
-        """The columns of one --features COLS, in order: names as given; a glob's matches and
-        `numeric` (numeric columns no other option names) in table order. Globs and `numeric`
-        skip the --field and --key columns."""
-        chosen: list[str] = []
-        for term in (t.strip() for t in spec.split(",")):
-            if term == "numeric":
-                found = [c.name for c in self._columns.values() if c.numeric
-                         and c.name not in named | explicit and c.name not in self._categorical]
-            elif any(ch in term for ch in "*?["):
-                found = [n for n in self._columns
-                         if fnmatch.fnmatchcase(n, term) and n not in named]
-            elif term in self._columns:
-                found = [term]
-            else:
-                raise self.missing_column(term, f"--features {spec}")
-            chosen.extend(n for n in found if n not in chosen)
-        return chosen
-
-    def _field_member(self, name: str, ext: str) -> Member:
-        col = self._columns.get(name)
-        if col is None:
-            if self.format != "jsonl":  # jsonl rows report it (naming the first such row)
-                raise self.missing_column(name, f"--field {name}={ext}")
-            col = self.column(name)
-        return Member(ext, [name], "field", kind_of(ext), col.kind)
-
-    def _vector(self, ext: str, names: list[str]) -> Member:
-        """A float32 vector member; each categorical column one-hot over its vocabulary."""
-        if kind_of(ext) != "npy":
-            raise UserError(f"--features ...={ext}: a feature vector is an .npy member "
-                            "(e.g. x.npy)")
-        slots: list[tuple[str, list | None]] = []
-        labels: list[str] = []
-        for name in names:
-            col = self._columns[name]
-            if name in self._categorical:
-                vocab = list(self._vocab[name])
-                slots.append((name, vocab))
-                labels.extend(f"{name}={v}" for v in vocab)
-                continue
-            if not col.numeric and col.kind != "null":
-                what = (f"{self.path}: column {name!r} holds {col.kind} values"
-                        if col.first_text is None or col.kind_hint is not None
-                        else f"{col.first_text[0]}: column {name!r}: {col.first_text[1]!r}")
-                raise UserError(f"{what}, not numbers; feature columns must be numeric (fix the "
-                                f"table, or map text categories to ids with --categorical {name})")
-            slots.append((name, None))
-            labels.append(name)
-        header = npy_bytes(np.zeros(len(labels), np.float32))[:-4 * len(labels) or None]
-        return Member(ext, names, "features", "npy", "float", slots, labels, header,
-                      shape=(len(labels),), dtype="float32")
-
-    # -- one row -> members -------------------------------------------------------------------
-    def _value(self, row: dict[str, Any], name: str, where: str, required: bool = False) -> Any:
-        """A row's value of column `name` (None: missing). A JSON row without a `required`
-        field (one that is not a number) is an error."""
-        if required and name not in row and self.format == "jsonl":
-            raise UserError(f"{where}: no field {name!r} (fields: {', '.join(row)})")
-        return row.get(name)
-
-    def _number(self, value: Any, name: str, where: str) -> Any:
-        """A numeric cell's value; a missing (or NaN, inf) one takes --fill or is an error."""
-        if value is None or (isinstance(value, float) and not np.isfinite(value)):
-            if self._fill is None:
-                what = "has no value (a missing cell)" if value is None else f"is {value}"
-                raise UserError(f"{where}: column {name!r} {what}; fill missing cells with "
-                                "--fill VALUE, or fix the table")
-            self._filled[name] += 1
-            return self._fill
-        if isinstance(value, (bool, int, float, np.number)):
-            return value
-        raise UserError(f"{where}: column {name!r}: {value!r} is not a number")
-
-    def _category(self, value: Any, name: str, where: str) -> int | None:
-        """The id of a categorical value; None for a missing one."""
-        return None if value is None else self._vocab[name][value]
-
-    def _encode(self, row: dict[str, Any], where: str, path: Path
-                ) -> tuple[dict[str, bytes], set[str], dict[str, int], list[float]]:
-        """(member bytes, members that are image paths, their tar sizes, stats numbers)."""
-        members: dict[str, bytes] = {}
-        paths: set[str] = set()
-        sizes: dict[str, int] = {}
-        numbers: list[float] = []
-        for m in self._members:
-            if m.role == "features":
-                vector = np.zeros(len(m.names), np.float32)
-                at = 0
-                for name, vocab in m.slots:
-                    value = self._value(row, name, where)
-                    if vocab is None:
-                        vector[at] = self._number(value, name, where)
-                        at += 1
-                    else:  # one-hot; a missing category is all zeros
-                        category = self._category(value, name, where)
-                        if category is None:
-                            self._filled[name] += 1
-                        else:
-                            vector[at + category] = 1.0
-                        at += len(vocab)
-                members[m.ext] = m.header + vector.tobytes()
-                numbers.extend(vector.tolist())
-                continue
-            name = m.columns[0]
-            numeric = m.kind in ("int", "npy") and (m.column_kind in NUMERIC
-                                                    or name in self._categorical)
-            value = self._value(row, name, where, required=not numeric)
-            if m.kind == "image":
-                data, size = self._image(value, f"{where}: field {name!r}", path)
-                if isinstance(data, str):
-                    paths.add(m.ext)
-                    sizes[m.ext] = size
-                    data = data.encode()
-                members[m.ext] = data
-                continue
-            if name in self._categorical:
-                value = self._category(value, name, where)
-                if value is None:
-                    raise UserError(f"{where}: column {name!r} has no value (a missing "
-                                    "category); fix the table")
-            elif numeric:
-                value = self._number(value, name, where)
-            elif m.kind == "int" and m.column_kind == "str":
-                raise UserError(f"{where}: field {name!r}: cannot store {value!r} as .{m.ext} "
-                                f"(a class index is an integer; map text labels to ids with "
-                                f"--categorical {name})")
-            if m.kind == "npy":
-                array_ = self._array(value, m, name, where)
-                if m.stats >= 0:
-                    numbers.append(float(array_.item()))
-                members[m.ext] = npy_bytes(array_)
-            else:
-                members[m.ext] = encode(m.ext, value, f"{where}: field {name!r}")
-        rest = self.rest(row)
-        if rest:
-            members[REST] = json_bytes(rest)
-        return members, paths, sizes, numbers
-
-    def _array(self, value: Any, m: Member, name: str, where: str) -> np.ndarray:
-        """An npy field's value: a number keeps its column's type (int64, float64, bool), a
-        list is an array (dtype from the schema, or numpy's)."""
-        if value is None:
-            raise UserError(f"{where}: column {name!r} has no value (a missing cell)")
-        dtype = {"int": np.int64, "float": np.float64, "bool": np.bool_}.get(m.column_kind)
-        if name in self._categorical:
-            dtype = np.int64
-        elif dtype is np.int64 and isinstance(value, float) and not value.is_integer():
-            raise UserError(f"{where}: column {name!r} holds integers; --fill {value} is not "
-                            "one")
-        try:
-            out = np.asarray(value, dtype=dtype or self.list_dtype(name))
-        except (TypeError, ValueError) as e:
-            raise UserError(f"{where}: field {name!r}: cannot store {value!r} as .{m.ext} "
-                            f"({e})") from None
-        if out.dtype.hasobject:
-            raise UserError(f"{where}: field {name!r}: a ragged or mixed value cannot be an "
-                            f".{m.ext} array (store it as json)")
-        out = np.atleast_1d(out)  # as npy_bytes stores it: a number is shape (1,)
-        if m.dtype is None:
-            m.dtype = out.dtype.name
-            m.shape = out.shape
-        elif m.shape is not None and m.shape != out.shape:
-            m.shape = None  # varies from row to row
-        return out
-
-    def list_dtype(self, name: str) -> Any:
-        """The numpy dtype of a list column's elements (None: let numpy choose)."""
-        return None
-
-    def _image(self, value: Any, where: str, table: Path) -> tuple[bytes | str, int]:
-        """(bytes, size) of an image value, or (file path, size) of an image file it names:
-        a path relative to the table's folder, bytes, or Hugging Face's {bytes, path}."""
-        if isinstance(value, dict):
-            value = value.get("bytes") or value.get("path")
-        if isinstance(value, (bytes, bytearray)):
-            return bytes(value), len(value)
-        if not isinstance(value, str) or not value:
-            raise UserError(f"{where}: no image (expected a file path or image bytes, got "
-                            f"{value!r})")
-        path = os.path.join(os.path.dirname(table), value)
-        try:
-            return path, os.stat(path).st_size
-        except OSError as e:
-            raise UserError(f"{where}: {path}: cannot read ({e.strerror})") from None
-
     # -- manifest -----------------------------------------------------------------------------
     def _record_classes(self) -> None:
         """class_names (a categorical cls) and the class ids seen (manifest.classes)."""
-        cls = next((m for m in self._members if m.ext == "cls"), None)
+        assert self.plan is not None
+        cls = self.plan.member("cls")
         if cls is None:
             return
         counts: Counter = Counter()
         for part in self.parts.values():
             if part.labels is not None:
                 counts.update(part.labels.tolist())
-        if cls.columns[0] in self._categorical:
-            self.class_names = [str(v) for v in self._vocab[cls.columns[0]]]
+        if cls.columns[0] in self.plan.categorical:
+            self.class_names = [str(v) for v in self.plan.vocab[cls.columns[0]]]
         self.classes = class_record(counts, len(self.class_names) if self.class_names else None)
 
     def column_stats(self, train: list[tuple[str, np.ndarray]]) -> dict[str, Any]:
-        mean, std, low, high = self._moments(train)
-        out: dict[str, Any] = {}
-        for m in self._members:
-            entry: dict[str, Any] = {"role": m.role, "columns": list(m.columns)}
-            if m.role == "features":
-                entry["names"] = list(m.names)
-                vocab = {name: v for name, v in m.slots if v is not None}
-                if vocab:
-                    entry["vocabulary"] = vocab
-            elif m.columns[0] in self._categorical:
-                entry["vocabulary"] = list(self._vocab[m.columns[0]])
-            if m.kind == "npy":
-                entry["dtype"] = m.dtype
-                entry["shape"] = None if m.shape is None else list(m.shape)
-            if m.stats >= 0 and mean is not None:
-                span = slice(m.stats, m.stats + m.width)
-                entry.update(mean=mean[span].tolist(), std=std[span].tolist(),
-                             stats_split="train")
-                if m.role == "field":
-                    entry.update(min=float(low[m.stats]), max=float(high[m.stats]))
-            filled = {n: self._filled[n] for n in m.columns if self._filled[n]}
-            if filled:
-                entry["filled"] = filled
-            out[m.ext] = entry
-        return out
-
-    def _moments(self, train: list[tuple[str, np.ndarray]]
-                 ) -> tuple[np.ndarray | None, ...]:
-        """Per stats column over the train rows: mean, std (population), min, max; float64,
-        two passes over the work file in chunks (bounded memory, stable)."""
-        width = self._stats_width
-        total = sum(len(i) for _, i in train)
-        if not width or not total:
-            return None, None, None, None
-
-        def chunks() -> Iterator[np.ndarray]:
-            for part, indices in train:
-                rows = np.memmap(self._stat_files[part], np.float64, "r",
-                                 shape=(len(self.parts[part]), width))
-                order = np.sort(indices)
-                for at in range(0, len(order), STATS_CHUNK):
-                    yield np.asarray(rows[order[at:at + STATS_CHUNK]])
-        acc = np.zeros(width)
-        low, high = np.full(width, np.inf), np.full(width, -np.inf)
-        for block in chunks():
-            acc += block.sum(0)
-            low, high = np.minimum(low, block.min(0)), np.maximum(high, block.max(0))
-        mean = acc / total
-        sq = np.zeros(width)
-        for block in chunks():
-            sq += ((block - mean) ** 2).sum(0)
-        return mean, np.sqrt(sq / total), low, high
+        assert self.plan is not None and self._encoder is not None
+        rows_in = {part: len(p) for part, p in self.parts.items()}
+        return column_stats(self._encoder, moments(self._stat_files, rows_in,
+                                                   self.plan.stats_width, train))
 
     # -- writing ------------------------------------------------------------------------------
     def sample(self, part: str, index: int) -> dict[str, Any]:
@@ -726,7 +369,8 @@ class TableSource(Source):
     def close(self) -> None:
         if self._store is not None:
             self._store.close()
-        self._scratch.remove()
+        if self._scratch is not None:
+            self._scratch.remove()
 
 
 class Tabular(TableSource):
