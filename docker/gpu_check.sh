@@ -12,6 +12,12 @@
 #      (train.profile in the demo config) must hold GPU kernels
 #   5. more ranks than GPUs: one line, exit 2
 # (TensorBoard is not among the packages carried: the runs here set output.tensorboard=false.)
+# `bash docker/gpu_check.sh feed-s3` (or GPU_CHECK_ONLY=feed-s3): only step 3 with its S3 rows
+# (issue 36: gpu_feed_bench.py --s3, moto's S3 server behind tests/s3_proxy.py), no Horovod, no
+# demo: installs .gpu/whl + .gpu/whl-s3 (make gpu-kit) into $RINGFEED_CACHE/gpu-site-s3, writes
+# $REPORT_DIR/gpu_s3.json, gpu_s3_table.md, gpu_feed_bench_s3.log and the S3 server's log, and
+# prints the table; benchmarks/README.md is left as it is. Runs --compile off --no-small-model
+# (GPU_FEED_ARGS come after them, e.g. "--workers 8 --compile on").
 # Env: PYTHON (python3), REPORT_DIR (default $OUT when set, else gpu-check-out), GPU_CHECK_QUICK=1
 # (short benchmark), GPU_FEED_ARGS (more gpu_feed_bench.py arguments, e.g. "--workers 8,16"),
 # RINGFEED_CACHE.
@@ -42,6 +48,46 @@ ngpu="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')"
 "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>>"$LOG" \
   || die "$PY's torch sees no GPU (torch.version.cuda: $("$PY" -c 'import torch; print(torch.version.cuda)' 2>&1)): install torch's CUDA build"
 say "$(nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader | head -n1), $ngpu GPU(s); $("$PY" -c 'import sys, torch; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}")')"
+
+MODE="${1:-${GPU_CHECK_ONLY:-all}}"
+case "$MODE" in
+  all | feed-s3) ;;
+  *) die "unknown mode '$MODE' (none for every check, or feed-s3)" ;;
+esac
+
+# --- feed-s3: the feeding benchmark with its S3 rows, nothing else ---------------------------
+if [ "$MODE" = feed-s3 ]; then
+  SRC="$CACHE/gpu-src"
+  bash "$HERE/ringfeed_links.sh" "$SRC" || die "cannot link this checkout as a package in $SRC"
+  SITE="$CACHE/gpu-site-s3"
+  export PYTHONPATH="$SRC:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  needs="import webdataset, pydantic, yaml, simplejpeg, fsspec, moto.server, flask, boto3, s3fs, aiohttp"
+  if ! "$PY" -c "$needs" 2>/dev/null; then
+    ls "$KIT"/whl/*.whl "$KIT"/whl-s3/*.whl >/dev/null 2>&1 \
+      || die "no wheels in .gpu/whl and .gpu/whl-s3: run make gpu-kit where there is network and bring .gpu/"
+    rm -rf "$SITE"
+    started=$SECONDS
+    "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$KIT"/whl/*.whl \
+      "$KIT"/whl-s3/*.whl >>"$LOG" 2>&1 || die "installing .gpu/whl + .gpu/whl-s3 into $SITE failed (log: $LOG)"
+    say "installed .gpu/whl + .gpu/whl-s3 into $SITE in $((SECONDS - started)) s"
+  fi
+  "$PY" -c "$needs" 2>>"$LOG" || die "still missing after the install: $(tail -n1 "$LOG")"
+  quick=(); [ "${GPU_CHECK_QUICK:-0}" = 1 ] && quick=(--quick)
+  read -ra extra <<<"${GPU_FEED_ARGS:-}"
+  out="$REPORT/gpu_s3.json"
+  started=$SECONDS
+  "$PY" benchmarks/gpu_feed_bench.py --device cuda --s3 --compile off --no-small-model \
+    --out "$out" "${quick[@]}" "${extra[@]}" 2>&1 | tee "$REPORT/gpu_feed_bench_s3.log"
+  rc=${PIPESTATUS[0]}
+  if [ -f "$out" ]; then
+    "$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['table_md'])" "$out" \
+      >"$REPORT/gpu_s3_table.md" 2>>"$LOG"
+  fi
+  result "feeding-bench-s3" "$rc" "exit $rc in $((SECONDS - started)) s; $out, $REPORT/gpu_s3_table.md (log $REPORT/gpu_feed_bench_s3.log)"
+  say "$failures check(s) failed; report in $REPORT"
+  [ "$failures" = 0 ]
+  exit
+fi
 
 # --- 1. Python packages and Horovod with NCCL -------------------------------------------------
 # this checkout as the installed package would be (links; the repository root alone is not

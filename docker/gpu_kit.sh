@@ -3,6 +3,13 @@
 # compiler and nothing else - no network - packed into .gpu/ (git-ignored) to copy over:
 #   .gpu/whl/       ringfeed's pure-Python and small binary dependencies as wheels for the
 #                   target Python (GPU_PYTHON_VERSION, default 3.12), the versions of this .venv
+#   .gpu/whl-s3/    what `gpu_check.sh feed-s3` (gpu_feed_bench.py --s3, issue 36) adds: moto's
+#                   S3 server (moto[s3] + flask + flask-cors: what moto.server needs for S3),
+#                   boto3, botocore, s3fs, aiobotocore, aiohttp and their dependencies, resolved
+#                   by pip for the target Python and held to this .venv's versions (~33 MB; the
+#                   wheels already in .gpu/whl left out). GPU_KIT_MOTO="moto[server]" packs all
+#                   of moto's server extras (cfn-lint, sympy, docker, ...: ~53 MB); GPU_KIT_S3=0
+#                   skips the folder.
 #   .gpu/horovod-0.28.1.tar.gz   Horovod's sdist (from make setup's cache)
 #   .gpu/data/digits-shards      the digits demo's shards (made here: no scikit-learn there)
 #   .gpu/wheels/    a Horovod GPU wheel brought back by an earlier gpu-check, if any (kept)
@@ -34,6 +41,37 @@ EOF
   --python-version "$PYVER" --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d "$KIT/whl" "${pins[@]}" \
   || die "pip download of the wheels for Python $PYVER failed"
+
+# S3 rows (gpu_feed_bench.py --s3): the dependency closure by pip's resolver for the target
+# Python, every package held to this venv's version where it has one (a constraints file from
+# pip freeze; torch, nvidia-*, triton and this checkout left out: the GPU machine has its own)
+if [ "${GPU_KIT_S3:-1}" != 0 ]; then
+  constraints="$(mktemp)"
+  trap 'rm -f "$constraints"' EXIT
+  "$PY" -m pip freeze --exclude-editable 2>/dev/null | grep '==' \
+    | grep -viE '^(torch|nvidia-|triton|horovod|tensorflow|ringfeed)' >"$constraints"
+  mapfile -t s3pins < <("$PY" - "${GPU_KIT_MOTO:-moto[s3]}" <<'EOF'
+import sys
+from importlib.metadata import version
+moto = sys.argv[1]
+print(f"{moto}=={version('moto')}")
+for name in ("flask", "flask-cors", "boto3", "botocore", "s3fs", "aiobotocore", "aiohttp"):
+    print(f"{name}=={version(name)}")
+EOF
+)
+  rm -rf "$KIT/whl-s3"
+  "$PY" -m pip download -q --only-binary=:all: --implementation cp --python-version "$PYVER" \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -c "$constraints" -d "$KIT/whl-s3" "${s3pins[@]}" \
+    || die "pip download of the S3 wheels (${s3pins[*]}) for Python $PYVER failed"
+  for w in "$KIT"/whl-s3/*.whl; do  # one copy of each wheel: gpu-check installs both folders
+    if [ -f "$KIT/whl/$(basename "$w")" ]; then rm -f "$w"; fi
+  done
+  bad="$(find "$KIT/whl-s3" -iname 'torch-*' -o -iname 'nvidia_*' -o -iname 'triton-*' | head -3)"
+  [ -z "$bad" ] || die "the S3 wheels' closure pulled in torch/nvidia/triton: $bad"
+  du -sh "$KIT/whl-s3" | awk -v n="$(find "$KIT/whl-s3" -name '*.whl' | wc -l)" \
+    '{print "gpu-kit: " n " S3 wheels, " $1 " in .gpu/whl-s3 (for gpu_check.sh feed-s3)"}'
+fi
 
 sdist="$CACHE/src/horovod-0.28.1.tar.gz"
 [ -f "$sdist" ] || die "no $sdist: make setup keeps Horovod's sdist there; run it first"
