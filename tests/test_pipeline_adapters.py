@@ -212,6 +212,7 @@ def test_booked_survives_dataloader_conversion_and_pinning(monkeypatch):
     from torch.utils.data._utils.collate import default_convert
     from torch.utils.data._utils.pin_memory import pin_memory
 
+    from ringfeed.pipeline import PipelineDataError
     from ringfeed.pipeline.stream import Booked
     from ringfeed.pipeline.torch import _WorkerError
 
@@ -226,5 +227,6 @@ def test_booked_survives_dataloader_conversion_and_pinning(monkeypatch):
     assert [p.shape for p in pinned] == [(2, 4, 4, 3)]
     assert list(out.tag) == [1, 0, 3] and out.stats == stats
     assert out.batch["__key__"] == ["a", "b"] and out.batch["__index__"] == [4, 5]
-    error = pin_memory(default_convert(_WorkerError("x.tar: sample 3")))
+    error = pin_memory(default_convert(_WorkerError(PipelineDataError, "x.tar: sample 3")))
     assert isinstance(error, _WorkerError) and error.message == "x.tar: sample 3"
+    assert error.error is PipelineDataError  # raised as the same type in the trainer
