@@ -34,7 +34,7 @@ from pydantic import (
 from ringfeed.errors import UserError
 from ringfeed.formats.manifest import ManifestError
 from ringfeed.formats.manifest_index import ManifestIndex, load_index
-from ringfeed.pipeline.config import PipelineConfig, WeightedSource
+from ringfeed.pipeline.config import PipelineConfig, WeightedSource, pipeline_config
 from ringfeed.train.checkpoint import refuse_earlier_run
 from ringfeed.train.horovod_env import launch_problem
 from ringfeed.userhooks import IMPORT_PATH
@@ -88,6 +88,7 @@ SourceSpec = Annotated[Annotated[str, Tag("<path>")] | Annotated[list[WeightedSo
 RUN_OWNED_DATA_KEYS = {"split": "data.train_split and data.val_split",
                        "seed": "train.seed (one seed for the model and the data order)",
                        "read_ahead": "nothing: the loop reads ahead while the run goes on"}
+RUN_SPLITS = ("train", "val")
 
 
 class DataSection(PipelineConfig):
@@ -111,6 +112,33 @@ class DataSection(PipelineConfig):
     normalize: NormalizeSection | Literal["auto"] | None = "auto"
     # "auto": on when the split's decoded samples fit cache_limit (the pipeline decides)
     decoded_cache: bool | str = "auto"
+
+    def to_pipeline_config(self, split: str, seed: int = 0) -> PipelineConfig:
+        """The PipelineConfig that reads the run's `split` ("train" or "val"): this section's
+        pipeline keys, with what a run decides itself (the manifest split, the seed, shuffling,
+        the epoch's tail, normalize, read-ahead, a mixture's epoch_samples). Pure: the section
+        is not changed. (`ShardPipeline(source, data.to_pipeline_config("train"))`.)"""
+        if split not in RUN_SPLITS:
+            raise ValueError(f"split must be one of {RUN_SPLITS}, got {split!r}")
+        training = split == "train"
+        if not training and self.val_split is None:
+            raise UserError("data.val_split: null (no validation), so there is no val pipeline")
+        normalize = self.normalize
+        keys = {k: getattr(self, k) for k in PipelineConfig.model_fields}
+        keys.update(
+            split=self.train_split if training else self.val_split,
+            seed=seed,
+            shuffle=self.shuffle and training,
+            # Validation pads instead of dropping: every sample is scored once, the padding is
+            # masked out by __valid__, and all ranks still run the same number of batches.
+            balance=self.balance if training else "pad",
+            # (auto: tables are standardised by split_batch; images are left as they are)
+            normalize=(None if normalize is None or normalize == "auto"
+                       else (normalize.mean, normalize.std)),
+            read_ahead=training,  # the loop says when no next epoch is coming
+            epoch_samples=self.epoch_samples if training else None,
+        )
+        return pipeline_config(None, keys)
 
 
 class OptimSection(_Section):
@@ -261,6 +289,11 @@ class RunConfig(_Section):
             return None
         return self.data.val or self.data.train
 
+    def to_pipeline_config(self, split: str) -> PipelineConfig:
+        """The data section's PipelineConfig for `split` ("train" or "val"), seeded with
+        train.seed (DataSection.to_pipeline_config)."""
+        return self.data.to_pipeline_config(split, seed=self.train.seed)
+
     def to_yaml(self) -> str:
         dumped = self.model_dump(mode="json", exclude={"data": set(RUN_OWNED_DATA_KEYS)})
         return yaml.safe_dump(dumped, sort_keys=False)
@@ -301,10 +334,24 @@ def load_config(path: str | Path, overrides: list[str] = (), resume: str | None 
         cfg = RunConfig.model_validate(raw)
     except ValidationError as e:
         raise UserError(f"{path}: {_describe(e)}") from None
-    _check_consistency(cfg, path)
+    resolved = resolve_config(cfg, path)
     if check_paths:
-        _check_paths(cfg, path)
-    return cfg
+        _check_paths(resolved, path)
+    return resolved
+
+
+def resolve_config(cfg: RunConfig, path: str | Path = "config") -> RunConfig:
+    """`cfg` checked for consistency, with what it leaves to be worked out settled, as a new
+    config (`cfg` is not changed): data.batch_size from data.global_batch_size, and
+    data.val_split null when validation was not asked for and local train shards have no split
+    of the default name. The same with or without load_config's path checks."""
+    data = _check_consistency(cfg, path)
+    if _no_default_val_split(cfg):
+        data["val_split"] = None  # shards without a val split: no validation unless asked
+    if not data:
+        return cfg.model_copy(deep=True)
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update=data, deep=True)},
+                          deep=True)
 
 
 def read_yaml_mapping(path: Path, what: str = "config file",
@@ -370,8 +417,11 @@ def _hint(loc: tuple) -> str:
     return f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {valid})"
 
 
-def _check_consistency(cfg: RunConfig, path: str | Path) -> None:
+def _check_consistency(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
+    """Raises a UserError for keys that do not go together; returns the data keys they settle
+    ({"batch_size": ...} from global_batch_size), without changing `cfg`."""
     t, d = cfg.train, cfg.data
+    settled: dict[str, Any] = {}
     if t.epochs is None and t.max_steps is None:
         raise UserError(f"{path}: train: set train.epochs or train.max_steps")
     if cfg.elastic.enabled and d.global_batch_size is not None:
@@ -386,7 +436,7 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> None:
                 f"{path}: data.global_batch_size={d.global_batch_size} is not divisible by "
                 f"ranks ({ranks}) x train.accumulate ({t.accumulate}) = {per_step}"
             )
-        d.batch_size = d.global_batch_size // per_step
+        settled["batch_size"] = d.global_batch_size // per_step
     _check_local_sgd(cfg, path)
     problem = launch_problem(cfg.horovod, os.environ)
     if problem:
@@ -414,6 +464,7 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> None:
             if not found:
                 raise UserError(f"{path}: {field}: module {module!r} not found "
                                 "(is it on PYTHONPATH?)")
+    return settled
 
 
 def _check_local_sgd(cfg: RunConfig, path: str | Path) -> None:
@@ -430,10 +481,9 @@ def _check_local_sgd(cfg: RunConfig, path: str | Path) -> None:
 
 
 def _check_paths(cfg: RunConfig, path: str | Path) -> None:
-    """Shards exist and hold the splits asked for; checkpoints are not silently mixed."""
+    """Shards exist and hold the splits asked for; checkpoints are not silently mixed. Checks
+    only: `cfg` is a resolved config (resolve_config) and is not changed."""
     sources = list(_paths("data.train", cfg.data.train, cfg.data.train_split))
-    if _no_default_val_split(cfg):
-        cfg.data.val_split = None  # shards without a val split: no validation unless asked
     if cfg.val_source is not None:
         sources += _paths("data.val" if cfg.data.val else "data.train", cfg.val_source,
                           cfg.data.val_split)

@@ -52,13 +52,13 @@ class DataSpec:
 
 
 def make_pipeline(cfg, split: str, rank: int, world_size: int):
-    """The ShardPipeline for `split` ("train" or "val") of this rank: the data section's
-    options, with what differs between training and validation."""
+    """The ShardPipeline for `split` ("train" or "val") of this rank, read as
+    cfg.to_pipeline_config(split) says (the data section's options, with what differs between
+    training and validation)."""
     from ringfeed.pipeline import ShardPipeline
 
-    d = cfg.data
     training = split == "train"
-    source = d.train if training else cfg.val_source
+    source = cfg.data.train if training else cfg.val_source
     if not training and not isinstance(source, str):
         # a mixture is validated on every val sample of every source once (no weights), with
         # the train mixture's names so the per-source metrics line up
@@ -66,19 +66,8 @@ def make_pipeline(cfg, split: str, rank: int, world_size: int):
 
         source = [{"path": s.path, "name": name}
                   for s, name in zip(source, source_names(source), strict=True)]
-    return ShardPipeline(
-        source, d, rank=rank, world_size=world_size,
-        split=d.train_split if training else d.val_split,
-        seed=cfg.train.seed,
-        shuffle=d.shuffle and training,
-        # Validation pads instead of dropping: every sample is scored once, the padding is
-        # masked out by __valid__, and all ranks still run the same number of batches.
-        balance=d.balance if training else "pad",
-        # (auto: tables are standardised by split_batch; images are left as they are)
-        normalize=None if d.normalize in (None, "auto") else (d.normalize.mean, d.normalize.std),
-        read_ahead=training,  # the loop says when no next epoch is coming
-        epoch_samples=d.epoch_samples if training else None,
-    )
+    return ShardPipeline(source, cfg.to_pipeline_config(split), rank=rank,
+                         world_size=world_size)
 
 
 def infer_spec(cfg, pipe) -> DataSpec:
