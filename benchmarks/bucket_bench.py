@@ -211,6 +211,13 @@ def profile(counts: dict[str, Any], log: list[dict[str, Any]], t0: float) -> dic
             peak = max(peak, level)
         out["peak_in_flight"] = peak
         out["ranged_gets"] = sum(1 for r in log if r["method"] == "GET" and r["range"])
+
+        def rel(t: float | None) -> float | None:
+            return None if t is None else round(t - t0, 4)
+        out["log"] = [{"conn": r["conn"], "method": r["method"],
+                       "object": r["target"].split("?")[0], "range": r["range"],
+                       "t_request": rel(r["t_request"]), "t_first_byte": rel(r["t_first_byte"]),
+                       "t_end": rel(r["t_end"]), "bytes": r["bytes"]} for r in log]
     return out
 
 
