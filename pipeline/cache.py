@@ -37,23 +37,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import fsspec
-
 from ringfeed.formats.tarindex import COMPRESSED_SUFFIXES as COMPRESSED_SUFFIXES
 from ringfeed.formats.tarindex import strip_compressed_suffix
 from ringfeed.formats.tarread import CompressedDataError, decompress_tar
 from ringfeed.fsutil import (
-    WRITE_BEHIND,
-    HashingIO,
-    atomic_open,
     atomic_write_text,
     publish,
     temp_open,
 )
 from ringfeed.pipeline.background import BackgroundIterator
+from ringfeed.pipeline.download import ChecksumMismatch, download
 from ringfeed.pipeline.errors import PipelineDataError
 from ringfeed.pipeline.source import ShardRef, local_path
-from ringfeed.remote import BodyCutShort, RetryCounts, RetryPolicy, retrying, with_timeouts
+from ringfeed.remote import RetryCounts, RetryPolicy
 
 log = logging.getLogger("ringfeed.pipeline")
 
@@ -66,9 +62,6 @@ PART_SUFFIX = ".tmp"  # atomic_open's temp files: .<name>.<random>.tmp
 # tarfile reads its stream in 10 KiB pieces; a large buffer turns those into memory copies
 # instead of one read() system call each.
 READ_BUFFER = 1 << 20
-# A download's reads: what a broken transfer can lose (the read under way), and, for stores
-# read by ranges (not S3's one streamed GET), one GET each.
-DOWNLOAD_CHUNK = 256 << 10
 DECOMPRESS_CHECK_CHUNK = 4 << 20  # reads of a plain copy's crc32 check
 
 
@@ -234,7 +227,7 @@ class ShardCache:
                 handle = self._open_cached(ref, counts)
                 handle.storage = counts
                 return handle
-            except _ChecksumMismatch as e:
+            except ChecksumMismatch as e:
                 last = e
             except (FileNotFoundError, PermissionError) as e:
                 last = e
@@ -242,7 +235,7 @@ class ShardCache:
                     break
             except OSError as e:  # a local file that cannot be read (NFS hiccup, EIO)
                 last = e
-        what = "checksum mismatch" if isinstance(last, _ChecksumMismatch) else "cannot read shard"
+        what = "checksum mismatch" if isinstance(last, ChecksumMismatch) else "cannot read shard"
         tries = f"after {attempt + 1} attempt{'s' if attempt else ''}"
         raise PipelineDataError(f"{ref.url}: {what} {tries} ({_describe(last)})")
 
@@ -281,7 +274,7 @@ class ShardCache:
             handle = self._open_entry(ref, path, hit=True)  # another process fetched it
             if handle is not None:
                 return handle
-            size = self._download(ref, path, counts)
+            size = download(ref, path, self.storage_options, self.policy, counts)
             handle = self._open_entry(ref, path, hit=False)
         if handle is None:
             raise OSError(f"{path}: vanished right after download")
@@ -359,96 +352,6 @@ class ShardCache:
         self._checked.add((st.st_dev, st.st_ino, st.st_size))
         return ShardHandle(source.ref, f, cache_hit=False, plain_of=identity, decompressed=size)
 
-    def _download(self, ref: ShardRef, path: Path, counts: RetryCounts) -> int:
-        """Stream the shard into a temp file (hashing as it goes) and rename it into place;
-        on any error the temp file is removed and `path` untouched. A transfer broken by a
-        storage fault resumes where it stopped (a range read) where the store allows it."""
-        with atomic_open(path) as f:
-            out = HashingIO(f, write_behind=WRITE_BEHIND)
-
-            def fetch_rest() -> None:
-                nonlocal out
-                if out.size and not self._resumable(ref):  # start over
-                    f.seek(0)
-                    f.truncate()
-                    out = HashingIO(f, write_behind=WRITE_BEHIND)
-                with self._remote(ref, out.size) as src:
-                    while chunk := src.read(DOWNLOAD_CHUNK):
-                        try:
-                            out.write(chunk)
-                        except OSError as e:  # the local disk, not the store: not retried
-                            raise _LocalWriteError(e) from e
-                    stored = getattr(src, "size", None)  # what the store says it holds
-                if isinstance(stored, int) and out.size < stored:
-                    raise BodyCutShort(f"got {out.size} of {stored} bytes")
-
-            try:
-                retrying(fetch_rest, ref.url, "download", self.policy, counts)
-            except _LocalWriteError as e:
-                raise e.error from None
-            if ref.bytes is not None and out.size != ref.bytes:
-                raise _ChecksumMismatch(f"expected {ref.bytes} bytes, the object holds "
-                                        f"{out.size}")
-            digest = out.sha256.hexdigest()
-            if ref.sha256 is not None and digest != ref.sha256:
-                raise _ChecksumMismatch(f"expected sha256 {ref.sha256[:12]}..., "
-                                        f"got {digest[:12]}...")
-        return out.size
-
-    @staticmethod
-    def _resumable(ref: ShardRef) -> bool:
-        """Whether a broken transfer can go on from an offset: object stores serve ranges;
-        plain HTTP servers may not, and a pipe cannot seek."""
-        return not ref.url.startswith(("pipe:", "http://", "https://"))
-
-    def _remote(self, ref: ShardRef, offset: int = 0) -> IO[bytes]:
-        if ref.url.startswith("pipe:"):
-            from webdataset.gopen import gopen
-
-            return gopen(ref.url, "rb")
-        fs, rpath = fsspec.core.url_to_fs(ref.url, **with_timeouts(ref.url,
-                                                                   self.storage_options))
-        if "s3" in fs.protocol:
-            return S3Stream(fs, rpath, offset)
-        if "http" in fs.protocol:  # plain HTTP servers may not serve ranges: one stream
-            options: dict[str, Any] = {"block_size": 0}
-        else:  # each read one ranged GET of its size
-            options = {"block_size": DOWNLOAD_CHUNK, "cache_type": "none"}
-        src = fs.open(rpath, "rb", **options)
-        if offset:
-            src.seek(offset)
-        return src
-
-
-class S3Stream:
-    """An S3 object from `offset` to its end as one streamed GET (one request, however large;
-    s3fs's `open` would make one ranged GET per read), with the object's size from the
-    response. Reads run on the filesystem's event loop."""
-
-    def __init__(self, fs: Any, path: str, offset: int = 0) -> None:
-        from fsspec.asyn import sync
-
-        self._sync, self._loop = sync, fs.loop
-        bucket, key, version = fs.split_path(path)
-        extra = {"VersionId": version} if version else {}
-        response = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key,
-                        **({"Range": f"bytes={offset}-"} if offset else {}), **extra)
-        self._body = response["Body"]
-        self.size = offset + int(response.get("ContentLength") or 0)
-
-    def read(self, n: int) -> bytes:
-        return self._sync(self._loop, self._body.read, n)
-
-    def close(self) -> None:
-        self._body.close()
-
-    def __enter__(self) -> S3Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 class Prefetcher:
     """Opens the shards a stream will read, up to `depth` ahead, in a background thread (only
     when some are remote: local shards open instantly).
@@ -477,19 +380,6 @@ class Prefetcher:
         progress: the thread closes that handle itself when it sees the stop."""
         if self._background is not None:
             self._background.close()
-
-
-class _ChecksumMismatch(Exception):
-    pass
-
-
-class _LocalWriteError(Exception):
-    """A write to the cache's disk failed during a download (carried past the retry policy,
-    which retries only the store's faults)."""
-
-    def __init__(self, error: OSError) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 def _describe(e: Exception | None) -> str:

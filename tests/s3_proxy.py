@@ -822,7 +822,10 @@ def aws_test_env(setenv=None) -> dict[str, str]:
 def start_moto(set_env: bool = True):
     """Start moto's S3 server on 127.0.0.1 (a free port) in this process's threads.
 
-    Returns (server, endpoint_url); `server.stop()` ends it."""
+    Returns (server, endpoint_url); `server.stop()` ends it. Every moto server of a process
+    shares one in-memory store: it is emptied first, so each server starts with no bucket."""
+    import urllib.request
+
     from moto.server import ThreadedMotoServer
 
     if set_env:
@@ -830,7 +833,10 @@ def start_moto(set_env: bool = True):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    return server, f"http://{host}:{port}"
+    endpoint = f"http://{host}:{port}"
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"),
+                           timeout=30).close()
+    return server, endpoint
 
 
 def host_port(url: str) -> tuple[str, int]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from pipeline_util import collect, http_server, write_shards
+from s3_proxy import start_moto
 
 from ringfeed.pipeline import PipelineDataError, ShardPipeline
 from ringfeed.pipeline.cache import ShardCache
@@ -124,15 +125,13 @@ def test_missing_and_unreachable_urls_are_clear_errors(shard_dir, tmp_path):
 
 @pytest.fixture
 def s3_server(monkeypatch):
-    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("moto.server")
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.setenv(name, "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
+    server, endpoint = start_moto(set_env=False)
+    yield endpoint
     server.stop()
 
 
@@ -141,7 +140,7 @@ def test_s3_through_moto_server(shard_dir, tmp_path, s3_server):
 
     options = {"endpoint_url": s3_server, "key": "testing", "secret": "testing"}
     fs = s3fs.S3FileSystem(**options)
-    fs.mkdir("bucket")
+    fs.makedirs("bucket", exist_ok=True)  # (moto keeps one store per process)
     for path in shard_dir.iterdir():
         fs.put_file(str(path), f"bucket/shards/{path.name}")
     local = collect(make(shard_dir, tmp_path / "unused", rank=1, world_size=2))

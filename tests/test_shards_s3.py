@@ -14,6 +14,7 @@ import time
 
 import pytest
 from helpers import BIN, ringfeed, test_env
+from s3_proxy import start_moto
 from shards_util import cli, tree_bytes
 
 pytestmark = pytest.mark.integration
@@ -25,13 +26,10 @@ JSONL_ARGS = ["--format", "jsonl", "--field", "text=txt", "--field", "label=cls"
 @pytest.fixture(scope="module")
 def s3():
     """(endpoint, s3fs filesystem, --storage-option flags) of a moto server with a bucket."""
-    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("moto.server")
     s3fs = pytest.importorskip("s3fs")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server, endpoint = start_moto(set_env=False)
     try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
         options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
         fs = s3fs.S3FileSystem(**options)
         fs.mkdir("bucket")

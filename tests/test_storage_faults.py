@@ -41,7 +41,7 @@ def bucket(tmp_path_factory):
     server, endpoint = start_moto()
     shards = write_toy_shards(tmp_path_factory.mktemp("toy") / "shards")
     fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing")
-    fs.mkdir("bucket")
+    fs.makedirs("bucket", exist_ok=True)  # (moto keeps one store per process)
     fs.put(str(shards) + "/", "bucket/toy/", recursive=True)
     try:
         yield endpoint, shards
@@ -244,7 +244,7 @@ def test_readme_data_in_a_bucket_recipe_runs_as_written(bucket, tmp_path):
     write_parquet(tmp_path / "table.parquet", "breast_cancer")
     import s3fs
 
-    s3fs.S3FileSystem(endpoint_url=bucket[0]).mkdir("my-bucket")
+    s3fs.S3FileSystem(endpoint_url=bucket[0]).makedirs("my-bucket", exist_ok=True)
     script = config + re.sub(r"^(ringfeed train .*)$", r"\1 --set train.max_steps=3",
                              block.replace("\\\n", " "), flags=re.M)
     res = run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, timeout=300,
