@@ -32,7 +32,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -361,11 +361,24 @@ class Prefetcher:
     """
 
     def __init__(self, cache: ShardCache, refs: Iterable[ShardRef], depth: int,
-                 remote: bool, plain: bool = False) -> None:
+                 remote: bool, plain: bool = False,
+                 also: Callable[[ShardRef], object] | None = None) -> None:
         """`refs` may be lazy (it is read in order, as far ahead as `depth`); `remote`: whether
         any of them is (only then is there a thread); `plain`: compressed shards as their plain
-        copies (`ShardCache.open`)."""
-        opened = (cache.open(ref, plain=plain) for ref in refs)
+        copies (`ShardCache.open`); `also`: what else to fetch for each shard once it is open
+        (its tar index sidecar), in the same thread."""
+
+        def fetch(ref: ShardRef) -> ShardHandle:
+            handle = cache.open(ref, plain=plain)
+            if also is not None:
+                try:
+                    also(ref)
+                except BaseException:
+                    handle.close()
+                    raise
+            return handle
+
+        opened = (fetch(ref) for ref in refs)
         self._background: BackgroundIterator | None = None
         if depth > 0 and remote:
             self._background = BackgroundIterator(opened, depth, "ringfeed-prefetch",

@@ -75,8 +75,10 @@ class ShardOpener:
         all_local = getattr(refs, "all_local", None)
         if all_local is None:  # a list of ShardRefs (made from URLs): they exist already
             all_local = all(refs[int(s)].is_local for s in np.unique(reads.run_shard))
+        indexes = context.indexes
         self.prefetcher = Prefetcher(context.cache, self._to_fetch(), context.prefetch,
-                                     remote=not all_local, plain=context.indexes is not None)
+                                     remote=not all_local, plain=indexes is not None,
+                                     also=indexes.fetch_sidecar if indexes is not None else None)
         self._handles = iter(self.prefetcher)
         self.open: dict[int, Source] = {}
         self._next = 0

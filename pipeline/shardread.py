@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ringfeed.fsutil import atomic_write_bytes
 from ringfeed.pipeline.cache import COMPRESSED_SUFFIXES as COMPRESSED_SUFFIXES
 from ringfeed.pipeline.cache import ShardHandle, is_compressed, shard_identity
-from ringfeed.pipeline.source import is_local_url, local_path
+from ringfeed.pipeline.source import ShardRef, is_local_url, local_path
 from ringfeed.remote import RetryPolicy, StorageUnavailable, read_url, retrying
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class IndexStore:
         size = os.fstat(handle.file.fileno()).st_size
         cached = self.cached_path(handle)
         with _mapped(handle.file.fileno(), size) as buf:
-            for candidate in (self._sidecar(handle), cached):
+            for candidate in (self.fetch_sidecar(handle.ref), cached):
                 index = _load(candidate)
                 if index is not None and _complete(index, handle):
                     intact = index.intact_samples(buf, size)
@@ -133,10 +133,11 @@ class IndexStore:
                 pass
         return index, intact, reason
 
-    def _sidecar(self, handle: ShardHandle) -> Path | None:
+    def fetch_sidecar(self, ref: ShardRef) -> Path | None:
         """The shard's sidecar as a local file: in place, or fetched once into the index
-        cache (a few bytes per member, against a tar scan of tens of microseconds each)."""
-        url = handle.ref.index
+        cache (a few bytes per member, against a tar scan of tens of microseconds each); the
+        prefetcher fetches it with the shard, ahead of the read."""
+        url = ref.index
         if not url:
             return None
         if is_local_url(url):

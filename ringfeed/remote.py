@@ -204,8 +204,8 @@ def with_timeouts(url: str, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_url(url: str, storage_options: dict[str, Any]) -> bytes:
-    """A small remote object (a manifest, an index), read whole in one call."""
+    """A small remote object (a manifest, an index), read whole in one GET (no HEAD first)."""
     import fsspec
 
-    with fsspec.open(url, "rb", **with_timeouts(url, storage_options)) as f:
-        return f.read()
+    fs, path = fsspec.core.url_to_fs(url, **with_timeouts(url, storage_options))
+    return fs.cat_file(path)
