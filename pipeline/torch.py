@@ -44,7 +44,7 @@ from ringfeed.pipeline.core import ShardPipeline
 from ringfeed.pipeline.errors import PipelineDataError
 from ringfeed.pipeline.plan import Planner, Segment
 from ringfeed.pipeline.stream import Booked, StreamContext, WorkerStream
-from ringfeed.remote import StorageUnavailable
+from ringfeed.remote import StorageUnavailable, forget_inherited_storage_sessions
 
 _STATE_BYTES = 1 << 16
 # per-sample arrays small enough to travel from worker processes as lists (see _StreamDataset)
@@ -124,6 +124,7 @@ class _WorkerInit:
     def __call__(self, worker_id: int) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        forget_inherited_storage_sessions()
         if self.then is not None:
             self.then(worker_id)
 

@@ -209,3 +209,20 @@ def read_url(url: str, storage_options: dict[str, Any]) -> bytes:
 
     fs, path = fsspec.core.url_to_fs(url, **with_timeouts(url, storage_options))
     return fs.cat_file(path)
+
+
+def forget_inherited_storage_sessions() -> None:
+    """In a forked child (a loader worker): drop s3fs's exit-time closers of the S3 clients
+    the parent opened. Those clients belong to the parent (their sockets are shared with it);
+    run here, each printed a 'Task exception was never retrieved ... attached to a different
+    loop' traceback when the inherited instance was collected."""
+    import sys
+    import weakref
+
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is None:
+        return
+    close = s3fs.S3FileSystem.close_session
+    for finalizer, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]
+        if info.func is close:
+            finalizer.detach()

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -255,3 +256,40 @@ def test_readme_data_in_a_bucket_recipe_runs_as_written(bucket, tmp_path):
     assert summary["step"] == 3 and summary["pipeline"]["shards_opened"] > 0
     assert summary["pipeline"]["storage_retries"] == 0  # (counted there; none here)
     assert any("-train-" in p.name for p in (tmp_path / "cache").iterdir())  # downloaded
+
+
+LOADER_SCRIPT = """
+import shutil, sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+import s3fs
+from s3_proxy import FaultProxy, host_port, start_moto
+from train_util import write_toy_shards
+from ringfeed.pipeline import ShardPipeline
+from ringfeed.pipeline.torch import make_loader
+server, endpoint = start_moto()
+s3fs.S3FileSystem(endpoint_url=endpoint).put(
+    str(write_toy_shards(Path(sys.argv[2]) / "toy")) + "/", "bucket/toy/", recursive=True)
+for attempt in range(2):  # the second loader's workers inherit the first's S3 clients
+    with FaultProxy(host_port(endpoint)) as proxy:
+        pipe = ShardPipeline("s3://bucket/toy", batch_size=4, rank=0, world_size=1,
+                             cache_dir=str(Path(sys.argv[2]) / f"cache{attempt}"),
+                             num_workers=2, storage_options={"endpoint_url": proxy.url})
+        loader = make_loader(pipe)
+        for epoch in range(2):
+            print("samples", sum(len(b["__index__"]) for b in loader), flush=True)
+        del loader, pipe
+server.stop()
+"""
+
+
+def test_loader_workers_reading_s3_end_without_a_traceback(tmp_path):
+    """Loader workers inherit the parent's S3 clients (connections open, as S3 keeps them)
+    and make their own; none is closed with a traceback (s3fs's exit-time closer of an
+    inherited client printed 'Task exception was never retrieved ... different loop')."""
+    tests = Path(__file__).resolve().parent
+    res = run([sys.executable, "-c", LOADER_SCRIPT, str(tests), str(tmp_path)], timeout=180,
+              env=test_env(**AWS_ENV))
+    assert res.returncode == 0 and res.stdout.count("samples 480") == 4, res.output[-3000:]
+    assert "Traceback" not in res.stderr and "never retrieved" not in res.stderr, \
+        res.stderr[-3000:]
