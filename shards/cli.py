@@ -20,23 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="output folder or URL (new or empty; wds-index: defaults to SRC)")
     p.add_argument("--format", required=True, metavar="FORMAT",
                    help=f"input format: {', '.join(FORMATS)}")
-    p.add_argument("--field", action="append", default=[], metavar="NAME=EXT",
-                   help="jsonl/csv/parquet/npz: store field NAME as tar member EXT (e.g. "
-                        "text=txt, label=cls, price=y.npy, path=jpg for an image file path or "
-                        "a parquet image column); numeric columns no --field names go to x.npy, "
-                        "the rest to `json`")
-    p.add_argument("--features", action="append", default=[], metavar="COLS=EXT",
-                   help="jsonl/csv/parquet: store columns COLS as one float32 vector member EXT "
-                        "(e.g. 'a,b,c=x.npy', 'pixel_*=x.npy', numeric=x.npy for every numeric "
-                        "column not named elsewhere); replaces the default x.npy")
-    p.add_argument("--categorical", action="append", default=[], metavar="COL",
-                   help="jsonl/csv/parquet: map the values of column COL to ids 0..V-1 "
-                        "(vocabulary in the manifest): the id as a --field, one-hot in features")
-    p.add_argument("--fill", type=float, metavar="VALUE",
-                   help="jsonl/csv/parquet: put VALUE into missing numeric cells (default: a "
-                        "missing cell is an error naming its row and column)")
-    p.add_argument("--key", dest="key_field", metavar="FIELD",
-                   help="jsonl/csv/parquet: take sample keys from FIELD (default: row numbers)")
+    _table_options(p)
     p.add_argument("--max-size", metavar="SIZE",
                    help=f"max bytes per shard, e.g. 256MB (default {DEFAULT_MAX_SIZE // 10**6}MB "
                         "when --max-count is not given either)")
@@ -51,17 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--strict", action="store_true",
                    help="imagefolder: fail on a non-image or unreadable file instead of skipping it")
     p.add_argument("--overwrite", action="store_true", help="replace shards already in OUT")
-    p.add_argument("--seq-len", type=int, default=1024, metavar="N",
-                   help="text: tokens per sample (default 1024)")
-    p.add_argument("--tokenizer", default="bytes", metavar="SPEC",
-                   help="text: 'bytes' (ids 0..255, EOS 256; the default) or module:attr of an "
-                        "installed tokenizer")
-    p.add_argument("--text-field", default="text", metavar="NAME",
-                   help="text: the document field of .jsonl files or column of .parquet files "
-                        "(default text)")
-    p.add_argument("--glob", default="*", metavar="PATTERN",
-                   help="text: file name pattern inside a SRC folder, searched recursively "
-                        "(default: every file; e.g. '*.txt')")
+    _text_options(p)
     p.add_argument("--split", metavar="NAME",
                    help="wds-index: put every shard in this split (default: from the file "
                         "name, e.g. val-0001.tar, else train)")
@@ -87,6 +61,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     i.add_argument("--workers", type=int, default=1, metavar="K")
     _storage_option(i)
     i.set_defaults(func=run_inspect)
+
+
+def _table_options(p: argparse.ArgumentParser) -> None:
+    """jsonl/csv/parquet/npz: which columns become which members."""
+    p.add_argument("--field", action="append", default=[], metavar="NAME=EXT",
+                   help="jsonl/csv/parquet/npz: store field NAME as tar member EXT (e.g. "
+                        "text=txt, label=cls, price=y.npy, path=jpg for an image file path or "
+                        "a parquet image column); numeric columns no --field names go to x.npy, "
+                        "the rest to `json`")
+    p.add_argument("--features", action="append", default=[], metavar="COLS=EXT",
+                   help="jsonl/csv/parquet: store columns COLS as one float32 vector member EXT "
+                        "(e.g. 'a,b,c=x.npy', 'pixel_*=x.npy', numeric=x.npy for every numeric "
+                        "column not named elsewhere); replaces the default x.npy")
+    p.add_argument("--categorical", action="append", default=[], metavar="COL",
+                   help="jsonl/csv/parquet: map the values of column COL to ids 0..V-1 "
+                        "(vocabulary in the manifest): the id as a --field, one-hot in features")
+    p.add_argument("--fill", type=float, metavar="VALUE",
+                   help="jsonl/csv/parquet: put VALUE into missing numeric cells (default: a "
+                        "missing cell is an error naming its row and column)")
+    p.add_argument("--key", dest="key_field", metavar="FIELD",
+                   help="jsonl/csv/parquet: take sample keys from FIELD (default: row numbers)")
+
+
+def _text_options(p: argparse.ArgumentParser) -> None:
+    """text: tokenising documents into fixed-length samples."""
+    p.add_argument("--seq-len", type=int, default=1024, metavar="N",
+                   help="text: tokens per sample (default 1024)")
+    p.add_argument("--tokenizer", default="bytes", metavar="SPEC",
+                   help="text: 'bytes' (ids 0..255, EOS 256; the default) or module:attr of an "
+                        "installed tokenizer")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="text: the document field of .jsonl files or column of .parquet files "
+                        "(default text)")
+    p.add_argument("--glob", default="*", metavar="PATTERN",
+                   help="text: file name pattern inside a SRC folder, searched recursively "
+                        "(default: every file; e.g. '*.txt')")
 
 
 def _storage_option(parser: argparse.ArgumentParser) -> None:
