@@ -50,9 +50,10 @@ def _only_system_tests_start_processes(request: pytest.FixtureRequest,
 # the 2-core box, 2026-11-25), so the last to finish is a short one; the netns group mostly
 # waits on Slurm's 30 s time-limit checks, which the other worker fills with CPU work.
 NETNS_GROUP = {"test_slurm.py": "netns", "test_multinode.py": "netns", "test_bench.py": "netns"}
-SLOWEST_FIRST = ["netns", "test_promises.py", "test_tune.py", "test_tabular_train.py",
-                 "test_fault.py", "test_local_sgd.py", "test_fault_elastic.py",
-                 "test_throughput.py", "test_train.py", "test_train_equivalence.py"]
+SLOWEST_FIRST = ["netns", "test_promises.py", "test_tune.py", "test_storage_faults.py",
+                 "test_tabular_train.py", "test_fault.py", "test_local_sgd.py",
+                 "test_fault_elastic.py", "test_throughput.py", "test_train.py",
+                 "test_train_equivalence.py", "test_shards_s3.py"]
 
 
 def file_group(nodeid: str) -> str:

@@ -362,6 +362,10 @@ def read_yaml_mapping(path: Path, what: str = "config file",
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise UserError(f"{path}: {what} not found") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory; give the {what} (a YAML file) itself") from None
+    except (PermissionError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read the {what} ({e})") from None
     except yaml.YAMLError as e:
         raise UserError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(data, dict):

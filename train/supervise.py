@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 # The trainer's one error line: every `ringfeed: error:` is an exit 2-4 (ringfeed.errors.UserError)
 NO_RESTART_MARKER = "ringfeed: error:"
@@ -65,8 +66,14 @@ class Supervisor:
     def _attempt(self, cmd: list[str], restarts: int) -> tuple[int, bool]:
         """Run once, streaming output; return (exit code, saw the not-restartable marker)."""
         env = dict(os.environ, **{RESTART_ENV: str(restarts)})
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, bufsize=1, env=env, start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True, bufsize=1, env=env, start_new_session=True)
+        except OSError as e:  # no such launcher, not executable: no relaunch can help
+            from ringfeed.errors import UserError
+
+            raise UserError(f"ringfeed run: cannot start {cmd[0]!r} ({e.strerror}; check the "
+                            "launcher's name and PATH)") from None
         fatal = False
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -117,10 +124,28 @@ def run(args: argparse.Namespace) -> int:
     return Supervisor(cmd, args.max_restarts, args.backoff, args.backoff_max).run()
 
 
+def _at_least_zero(kind: type) -> Callable[[str], int | float]:
+    """An argparse type: a number of `kind` >= 0 (argparse's one-line error otherwise)."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+        return value
+
+    return parse
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="supervise a launch: relaunch with --resume auto after a crash")
-    p.add_argument("--max-restarts", type=int, default=3, help="relaunches before giving up (3)")
-    p.add_argument("--backoff", type=float, default=5.0, help="first wait before a relaunch, s (5)")
-    p.add_argument("--backoff-max", type=float, default=300.0, help="longest wait, s (300)")
+    p.add_argument("--max-restarts", type=_at_least_zero(int), default=3,
+                   help="relaunches before giving up (3)")
+    p.add_argument("--backoff", type=_at_least_zero(float), default=5.0,
+                   help="first wait before a relaunch, s (5)")
+    p.add_argument("--backoff-max", type=_at_least_zero(float), default=300.0,
+                   help="longest wait, s (300)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- LAUNCHER ARGS...")
     p.set_defaults(func=run)

@@ -1,0 +1,39 @@
+"""The CLI's own arguments (issue 41, item 5): a bad `ringfeed run` option or launcher and a
+config path that is a directory or unreadable are one line and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import ringfeed
+
+pytestmark = pytest.mark.system  # runs the console script
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--backoff", "-5"], "argument --backoff: must be 0 or more, got -5"),
+    (["--max-restarts", "-3"], "argument --max-restarts: must be 0 or more, got -3"),
+    (["--backoff-max", "soon"], "argument --backoff-max: expected a number, got 'soon'"),
+])
+def test_ringfeed_run_refuses_bad_numbers(args, says):
+    res = ringfeed("run", *args, "--", "true", timeout=60)
+    assert res.returncode == 2 and says in res.stderr, res.output
+    assert "Traceback" not in res.output
+
+
+def test_ringfeed_run_names_a_launcher_that_does_not_exist():
+    res = ringfeed("run", "--", "horovdrun", "-np", "2", timeout=60)
+    assert res.returncode == 2, res.output
+    assert res.stderr.strip() == ("ringfeed: error: ringfeed run: cannot start 'horovdrun' (No "
+                                  "such file or directory; check the launcher's name and PATH)")
+
+
+def test_a_config_path_that_is_a_directory_or_not_text_is_one_line(tmp_path):
+    res = ringfeed("train", str(tmp_path), timeout=60)
+    assert res.returncode == 2 and res.stderr.strip() == (
+        f"ringfeed: error: {tmp_path}: is a directory; give the config file (a YAML file) "
+        "itself"), res.output
+    binary = tmp_path / "cfg.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    res = ringfeed("train", str(binary), timeout=60)
+    assert res.returncode == 2 and "cannot read the config file" in res.stderr, res.output
+    assert "Traceback" not in res.output
