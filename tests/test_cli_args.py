@@ -37,3 +37,21 @@ def test_a_config_path_that_is_a_directory_or_not_text_is_one_line(tmp_path):
     res = ringfeed("train", str(binary), timeout=60)
     assert res.returncode == 2 and "cannot read the config file" in res.stderr, res.output
     assert "Traceback" not in res.output
+
+
+def test_output_dir_that_is_a_file_is_one_line_and_exit_4(tmp_path):
+    """(issue 41, item 1) exit 4, which `ringfeed run` does not relaunch, not a traceback."""
+    from train_util import toy_config, write_config, write_toy_shards
+
+    shards = write_toy_shards(tmp_path / "shards", n_train=64, n_val=16)
+    in_the_way = tmp_path / "out"
+    in_the_way.write_text("a file, not a directory\n")
+    cfg = write_config(tmp_path / "cfg.yaml", **toy_config(
+        shards, in_the_way, checkpoint={"on_error": "warn"}, train={"max_steps": 2}))
+    res = ringfeed("train", str(cfg), timeout=180)
+    assert res.returncode == 4, res.output[-3000:]
+    assert "Traceback" not in res.output
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"ringfeed: error: output.dir {in_the_way}: cannot write the run's files there (File "
+        "exists; choose a writable directory)")
+    assert in_the_way.read_text() == "a file, not a directory\n"  # nothing written over

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from ringfeed.errors import UserError
 from ringfeed.fsutil import atomic_write_text
 from ringfeed.train.throughput import Accounting, summary_lines
 
@@ -89,6 +90,14 @@ def bottleneck_line(share: float) -> str:
     return f"input is not the bottleneck: ranks waited on data for {pct} of step time"
 
 
+def output_dir_error(out_dir: Path, error: OSError) -> UserError:
+    """output.dir cannot take the run's files (a file in the way, no permission, no space): no
+    relaunch fixes that, so exit 4 like a checkpoint that cannot be written."""
+    reason = error.strerror or str(error)
+    return UserError(f"output.dir {out_dir}: cannot write the run's files there ({reason}; "
+                     "choose a writable directory)", exit_code=4)
+
+
 @dataclass
 class RunLogger:
     """Everything rank 0 reports. On other ranks every method is a no-op."""
@@ -111,10 +120,13 @@ class RunLogger:
         self._jsonl: IO[str] | None = None
         if not self.enabled:
             return
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
-        _truncate_after(self.metrics_path, self.start_step)
-        self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 - closed in close()
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            _truncate_after(self.metrics_path, self.start_step)
+            self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 - closed in close()
+        except OSError as e:
+            raise output_dir_error(self.out_dir, e) from None
         if self.tensorboard:
             self._events = EventWriter(self.out_dir / "tensorboard")
         if sys.stderr.isatty():  # a live bar on a terminal; plain log lines otherwise

@@ -33,7 +33,7 @@ from ringfeed.fsutil import atomic_write_text
 from ringfeed.train.backend import Backend, StepResult
 from ringfeed.train.config import RunConfig
 from ringfeed.train.data import LM, DataSpec
-from ringfeed.train.metrics import RunLogger, SampleLog, Throughput
+from ringfeed.train.metrics import RunLogger, SampleLog, Throughput, output_dir_error
 from ringfeed.train.profile import StepProfiler
 from ringfeed.train.runstate import Recovery, TrainState
 from ringfeed.train.throughput import Accounting, FlopCount, resolve_peak
@@ -101,8 +101,11 @@ class Reporter:
         if pipe.mixture is not None and self.mixture_samples is None:
             self.mixture_samples = np.zeros(len(pipe.source_names), dtype=np.int64)
         if dist.is_root:
-            out.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(out / "config.yaml", cfg.to_yaml())
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(out / "config.yaml", cfg.to_yaml())
+            except OSError as e:
+                raise output_dir_error(out, e) from None
         if dist.is_root and self.accounting is None:
             self.accounting = count_throughput(self.backend, spec, pipe, cfg.train.peak_tflops)
         self.logger = RunLogger(out, dist.is_root, total_steps, global_batch,
