@@ -55,3 +55,36 @@ def test_output_dir_that_is_a_file_is_one_line_and_exit_4(tmp_path):
         f"ringfeed: error: output.dir {in_the_way}: cannot write the run's files there (File "
         "exists; choose a writable directory)")
     assert in_the_way.read_text() == "a file, not a directory\n"  # nothing written over
+
+
+def test_shard_workers_die_with_a_sigkilled_parent(tmp_path):
+    """(issue 41, item 4) `ringfeed shard --workers 2` SIGKILLed: no worker writes on."""
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+    from helpers import BIN, test_env
+    from shards_util import make_images
+
+    make_images(tmp_path / "imgs", {f"c{i}": 600 for i in range(6)}, side=32)
+    proc = subprocess.Popen([str(BIN / "ringfeed"), "shard", str(tmp_path / "imgs"),
+                             str(tmp_path / "out"), "--format", "imagefolder", "--workers", "2",
+                             "--max-count", "50"], env=test_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline, workers = time.monotonic() + 60, []
+        while time.monotonic() < deadline and len(workers) < 2 and proc.poll() is None:
+            workers = psutil.Process(proc.pid).children(recursive=True)
+            time.sleep(0.02)
+        assert len(workers) >= 2, "the pool's workers never started"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for child in psutil.Process().children(recursive=True):
+            if child.pid != proc.pid and child.cmdline()[1:2] == proc.args[:1]:
+                child.kill()
