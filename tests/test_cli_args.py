@@ -88,3 +88,21 @@ def test_shard_workers_die_with_a_sigkilled_parent(tmp_path):
         for child in psutil.Process().children(recursive=True):
             if child.pid != proc.pid and child.cmdline()[1:2] == proc.args[:1]:
                 child.kill()
+
+
+@pytest.mark.parametrize("name, text, extra", [
+    ("head.csv", "a,b,label\n", []),
+    ("head.csv", "a,b,label\n", ["--field", "label=cls"]),
+    ("empty.jsonl", "", []),
+])
+def test_a_table_without_rows_is_one_line_naming_the_file(tmp_path, name, text, extra):
+    """(issue 41, item 3) was a KeyError traceback, or "no column 'label' (columns: )"."""
+    src = tmp_path / name
+    src.write_text(text)
+    fmt = "csv" if name.endswith(".csv") else "jsonl"
+    res = ringfeed("shard", str(src), str(tmp_path / "out"), "--format", fmt, *extra,
+                   timeout=60)
+    assert res.returncode == 2 and res.stderr.strip() == (
+        f"ringfeed: error: {src}: no rows to shard (a header alone, or empty); add rows, or "
+        "check the file is the one meant"), res.output
+    assert not (tmp_path / "out" / "manifest.json").exists()

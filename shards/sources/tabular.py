@@ -249,6 +249,9 @@ class TableSource(Source):
             for path in files:
                 self.record_input(path)
                 self.type_file(path)
+        if not self._columns:  # the typing pass met no row (a header alone, or nothing)
+            raise UserError(f"{self.path}: no rows to shard (a header alone, or empty); "
+                            "add rows, or check the file is the one meant")
         self._scratch = WorkDir(self._out)
         self.plan = plan_table(self._columns, self.spec, self.format, self.path)
         self.check_plan(self.plan)
