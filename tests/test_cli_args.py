@@ -106,3 +106,13 @@ def test_a_table_without_rows_is_one_line_naming_the_file(tmp_path, name, text, 
         f"ringfeed: error: {src}: no rows to shard (a header alone, or empty); add rows, or "
         "check the file is the one meant"), res.output
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_csv_given_as_npz_is_named_for_what_it_is(tmp_path):
+    """(issue 41, item 3) numpy's own error suggested allow_pickle for any non-numpy file."""
+    src = tmp_path / "t.csv"
+    src.write_text("a,b\n1,2\n")
+    res = ringfeed("shard", str(src), str(tmp_path / "out"), "--format", "npz", timeout=60)
+    assert res.returncode == 2 and res.stderr.strip() == (
+        f"ringfeed: error: {src}: not a .npy or .npz file (no numpy header; a table is "
+        "--format csv, jsonl or parquet)"), res.output

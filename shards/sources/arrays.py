@@ -29,6 +29,8 @@ from ringfeed.shards.sources.base import (
     visible,
 )
 
+NPY_MAGIC = b"\x93NUMPY"  # how every .npy file begins
+
 
 class Arrays(Source):
     def __init__(self, opts: ShardOptions):
@@ -89,6 +91,14 @@ class Arrays(Source):
 
     def _load_npy(self, path: Path) -> np.ndarray:
         self.record_input(path)
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(len(NPY_MAGIC))
+        except OSError as e:
+            raise UserError(f"{path}: cannot read it ({e.strerror})") from None
+        if magic != NPY_MAGIC:  # numpy would try it as a pickle, and suggest allow_pickle
+            raise UserError(f"{path}: not a .npy or .npz file (no numpy header; a table is "
+                            "--format csv, jsonl or parquet)")
         try:
             return np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as e:
