@@ -116,3 +116,24 @@ def test_a_csv_given_as_npz_is_named_for_what_it_is(tmp_path):
     assert res.returncode == 2 and res.stderr.strip() == (
         f"ringfeed: error: {src}: not a .npy or .npz file (no numpy header; a table is "
         "--format csv, jsonl or parquet)"), res.output
+
+
+def test_images_too_small_for_the_builtin_cnn_are_a_config_error(tmp_path):
+    """(issue 41, item 2) was a shape error from inside the model, exit 1, relaunched."""
+    from shards_util import make_images
+    from train_util import write_config
+
+    make_images(tmp_path / "imgs", {"a": 8, "b": 8})
+    res = ringfeed("shard", str(tmp_path / "imgs"), str(tmp_path / "shards"), "--format",
+                   "imagefolder", timeout=60)
+    assert res.returncode == 0, res.output
+    cfg = write_config(tmp_path / "cfg.yaml", model={"name": "cnn"},
+                       data={"train": str(tmp_path / "shards"), "image_size": [2, 2],
+                             "batch_size": 4, "val_split": None},
+                       train={"max_steps": 1}, output={"dir": str(tmp_path / "run")})
+    res = ringfeed("train", str(cfg), timeout=180)
+    assert res.returncode == 2, res.output[-3000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        "ringfeed: error: model.name cnn needs images of at least 4 x 4 pixels (height, width, "
+        "channels), got samples of shape (2, 2, 3) (set data.image_size, or use model.name "
+        "mlp)") and "Traceback" not in res.output

@@ -19,6 +19,8 @@ from ringfeed.userhooks import call_with_optional, load_callable
 
 
 def build_model(framework: str, name: str, args: dict[str, Any], spec: DataSpec) -> Any:
+    if name == "cnn":
+        check_cnn_input(spec.input_shape)
     if name in BUILTIN_MODELS:
         if framework == "torch":
             from ringfeed.train.models import torch_models as builders
@@ -32,6 +34,16 @@ def build_model(framework: str, name: str, args: dict[str, Any], spec: DataSpec)
     model = call_with_optional(factory, args, {"spec": spec, "framework": framework})
     _check_type(framework, name, model)
     return model
+
+
+def check_cnn_input(shape: tuple[int, ...]) -> None:
+    """The built-in cnn takes (height, width, channels) images of at least 4 x 4 pixels (it
+    halves them twice); anything else is a config error, found before the first step (it was
+    a shape error from inside the model, which a restart would repeat)."""
+    if len(shape) != 3 or min(shape[:2]) < 4:
+        raise UserError(f"model.name cnn needs images of at least 4 x 4 pixels (height, width, "
+                        f"channels), got samples of shape {tuple(shape)} (set data.image_size, "
+                        "or use model.name mlp)")
 
 
 def _check_type(framework: str, name: str, model: Any) -> None:
