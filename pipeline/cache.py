@@ -396,6 +396,12 @@ class Prefetcher:
 
 
 def _describe(e: Exception | None) -> str:
+    """Why a shard could not be read, in a few words (fsspec's not-found errors carry only the
+    URL, which the message names already)."""
+    if isinstance(e, FileNotFoundError):
+        return "no such file or object: check the URL and the manifest's location"
+    if isinstance(e, PermissionError):
+        return f"access denied ({str(e).splitlines()[0][:200] if str(e) else 'permission'})"
     text = str(e) or type(e).__name__
     return text.splitlines()[0][:300]
 
