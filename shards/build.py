@@ -56,20 +56,13 @@ def created_by() -> str:
         return "ringfeed"
 
 
-def shard_dataset(opts: ShardOptions) -> ShardRun:
-    start = time.monotonic()
-    if opts.src_url or opts.out_url:
-        from ringfeed.shards.remote_build import fetch_src, remove_staging, shard_to_store
-
-        fetch_src(opts)
-        if opts.out_url:
-            return shard_to_store(opts, start)
+def shard_dataset(opts: ShardOptions, start: float | None = None) -> ShardRun:
+    """Shard a local SRC into a local OUT (`start`: when the run began, if before this call;
+    shards/remote_build.py handles URLs and calls this for a fetched SRC)."""
+    start = time.monotonic() if start is None else start
     check_out_dir(opts.out, opts.overwrite, opts.src)
     try:
-        run = _shard(opts, start)
-        if opts.src_url:
-            remove_staging(opts)
-        return run
+        return _shard(opts, start)
     except OSError as e:  # disk full, no permission, input gone: the file, the reason, resume
         raise UserError(f"{e.filename or opts.out}: {e.strerror or e}; fix that and run the same "
                         "command again (finished shards are kept)") from e

@@ -189,6 +189,10 @@ def run_shard(args: argparse.Namespace) -> int:
         from ringfeed.shards.wds_index import index_shards
 
         run = index_shards(opts)
+    elif opts.src_url or opts.out_url:
+        from ringfeed.shards.remote_build import shard_remote
+
+        run = shard_remote(opts)
     else:
         from ringfeed.shards.build import shard_dataset
 

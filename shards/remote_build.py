@@ -36,6 +36,7 @@ from ringfeed.shards.build import (
     _manifest,
     _write_all,
     adopt_src_url,
+    shard_dataset,
 )
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.packing import PlannedShard, fingerprint, plan_shards
@@ -43,6 +44,18 @@ from ringfeed.shards.remote import JOURNAL, RemoteJournal, Store, fetch_source, 
 from ringfeed.shards.sources import open_source
 
 Kept = dict[str, tuple[ShardInfo, str | None, str | None]]  # name: (info, tar, sidecar ETag)
+
+
+def shard_remote(opts: ShardOptions) -> ShardRun:
+    """`ringfeed shard` when SRC or OUT is a URL: a remote SRC is fetched into staging first,
+    then shards go to the store, or to a local OUT (the fetched copy removed once done)."""
+    start = time.monotonic()
+    fetch_src(opts)
+    if opts.out_url:
+        return shard_to_store(opts, start)
+    run = shard_dataset(opts, start)
+    remove_staging(opts)
+    return run
 
 
 def fetch_src(opts: ShardOptions) -> None:
