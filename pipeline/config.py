@@ -88,6 +88,22 @@ class PipelineConfig(BaseModel):
     indexed: bool = Field(True, description="read shards through their tar index")
     epoch_samples: PositiveInt | None = Field(
         None, description="samples per epoch of a weighted mixture (default: all its sources')")
+    order: Literal["rank", "global"] = Field(
+        "rank", description="rank: each rank's batches depend on the world size and workers; "
+                            "global: the global batches are the same at any world size and "
+                            "worker count (needs global_batch_size)")
+    global_batch_size: PositiveInt | None = Field(
+        None, description="samples per batch over all ranks (order: global; each rank's batch "
+                          "is this / world_size, batch_size is not read); ringfeed train: per "
+                          "optimizer step, batch_size = this / (ranks x train.accumulate)")
+    canonical_streams: PositiveInt = Field(
+        12, description="order: global: the epoch is dealt into this many streams; it must "
+                        "divide global_batch_size (per batch) and be divisible by every world "
+                        "size the run uses (12: 1, 2, 3, 4, 6, 12 ranks)")
+    skip: list[NonNegativeInt] | PathStr | None = Field(
+        None, description="sample ids (__index__) left out of every epoch (order: global): a "
+                          "list, or a file of ids (whitespace/comma separated, or samples.jsonl "
+                          "lines)")
 
     @field_validator("decode", "transform")
     @classmethod

@@ -21,6 +21,7 @@ from ringfeed.formats.manifest import Manifest
 from ringfeed.pipeline.background import BackgroundIterator
 from ringfeed.pipeline.batch import collate
 from ringfeed.pipeline.cache import ShardCache
+from ringfeed.pipeline.canonical import RankStreams, canonical_config, leave_out_for, load_skip
 from ringfeed.pipeline.config import PipelineConfig, pipeline_config
 from ringfeed.pipeline.decode import Decoder, as_pair
 from ringfeed.pipeline.decoded_cache import DecodedStore, layout_of
@@ -52,7 +53,7 @@ from ringfeed.pipeline.source import (
 )
 from ringfeed.pipeline.state import PipelineState
 from ringfeed.pipeline.stats import PipelineStats
-from ringfeed.pipeline.stream import Booked, StreamContext, WorkerStream
+from ringfeed.pipeline.stream import Booked, StreamContext
 from ringfeed.remote import RetryPolicy
 from ringfeed.userhooks import load_callable
 
@@ -143,13 +144,11 @@ class ShardPipeline:
         self.indexes = (IndexStore(self.cache.cache_dir, c.storage_options, self.cache.policy)
                         if c.indexed else None)
         self.sources = resolve_sources(source, c, self.cache, self.indexes)
-        self.progress = PipelineState(self.layout, c.seed, c.shuffle, SegmentConfig(
-            self.world_size, c.num_workers, c.batch_size, c.shuffle_buffer if c.shuffle else 0,
-            c.balance), self.mixture)
+        self.progress, self.streams = self._position(c)
         if self.batches_per_epoch == 0:
             raise PipelineError(
                 f"{self.layout.num_samples} samples over {self.world_size} ranks give no full "
-                f"batch of {c.batch_size} with balance='drop' (use balance='pad' or a smaller "
+                f"batch of {self.batch_size} with balance='drop' (use balance='pad' or a smaller "
                 "batch_size)")
         self.decoder = make_decoder(c, self.sources.field_kinds())
         if self.mixture is not None:
@@ -157,6 +156,27 @@ class ShardPipeline:
         self._context: StreamContext | None = None  # made by prepare()
         self._stats = PipelineStats()
         self._passes = PassReaders(self)
+
+    def _position(self, c: PipelineConfig) -> tuple[PipelineState, RankStreams]:
+        """The plan's state and this rank's loader streams, in the order `c.order` says."""
+        if c.order == "global":
+            skip = load_skip(c.skip, self.layout.num_samples)
+            config = canonical_config(c, self.world_size)
+            return (PipelineState(self.layout, c.seed, c.shuffle, config, self.mixture,
+                                  "global", leave_out_for(skip, self.mixture)),
+                    RankStreams(self.rank, self.world_size, c.num_workers, "global", skip))
+        if c.skip is not None:
+            raise PipelineError("skip: a skip list needs order: global (set order: global and "
+                                "global_batch_size)")
+        config = SegmentConfig(self.world_size, c.num_workers, c.batch_size,
+                               c.shuffle_buffer if c.shuffle else 0, c.balance)
+        return (PipelineState(self.layout, c.seed, c.shuffle, config, self.mixture),
+                RankStreams(self.rank, self.world_size, c.num_workers))
+
+    @property
+    def skip_listed(self) -> int:
+        """Ids of the skip list found in this split: each is left out of every epoch."""
+        return 0 if self.streams.skip is None else len(self.streams.skip)
 
     # -- the sources (resolve_sources' value) ---------------------------------------------
     @property
@@ -218,7 +238,8 @@ class ShardPipeline:
 
     @property
     def batch_size(self) -> int:
-        return self.config.batch_size
+        """Samples per batch of this rank (order: global: global_batch_size / world_size)."""
+        return self.streams.batch_size(self.progress.config)
 
     @property
     def decoded_cache(self) -> bool:
@@ -266,7 +287,7 @@ class ShardPipeline:
     def stats(self) -> dict[str, Any]:
         """samples/s, bytes/s, cache hits/misses/hit rate, skipped and padded samples, and
         data_wait_s: time the consumer spent waiting for batches."""
-        return self._stats.as_dict()
+        return {**self._stats.as_dict(), "skip_listed": self.skip_listed}
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -378,8 +399,7 @@ class PassReaders:
         context = self.pipe.prepare()
         self.convert = convert
         if not self.threaded:
-            return converted(iter(WorkerStream.resuming(context, plan, self.pipe.rank, 0, t0)),
-                             convert), None
+            return converted(self.pipe.streams.open(context, plan, 0, t0), convert), None
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
             if ahead[0] == key and ahead[1].convert == convert:
@@ -389,8 +409,8 @@ class PassReaders:
         return reader.batches(), reader
 
     def start(self, plan: SegmentPlan, t0: int) -> StreamReader:
-        streams = [WorkerStream.resuming(self.pipe.prepare(), plan, self.pipe.rank, w, t0)
-                   for w in range(plan.config.streams)]
+        streams = [self.pipe.streams.open(self.pipe.prepare(), plan, w, t0)
+                   for w in range(self.pipe.streams.count)]
         return StreamReader(streams, t0, plan.batches, max(1, self.pipe.config.prefetch),
                             self.convert)
 
@@ -642,7 +662,7 @@ class StreamReader:
     from the moment this is made. `batches()` yields batches t0..total-1, batch t from stream
     t % W (DataLoader's order); `close()` stops the threads."""
 
-    def __init__(self, streams: list[WorkerStream], t0: int, total: int, depth: int,
+    def __init__(self, streams: list[Iterator[Booked]], t0: int, total: int, depth: int,
                  convert: Convert | None = None) -> None:
         self.t0, self.total, self.convert = t0, total, convert
         self._streams = [BackgroundIterator(converted(iter(s), convert), depth,

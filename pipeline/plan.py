@@ -105,10 +105,12 @@ def _prefix_sums(counts: np.ndarray) -> np.ndarray:
     return out
 
 
-def batches_for(n: int, world_size: int, batch_size: int, balance: str) -> int:
-    """The batch count every rank yields when `n` samples are split over `world_size` ranks."""
+def batches_for(n: int, world_size: int, batch_size: int, balance: str,
+                leave_out: int = 0) -> int:
+    """The batch count every rank yields when `n` samples are split over `world_size` ranks;
+    `leave_out` (drop): samples a skip list may take out of one rank's range (canonical.py)."""
     if balance == "drop":
-        return (n // world_size) // batch_size
+        return max(0, (n // world_size) // batch_size * batch_size - leave_out) // batch_size
     per_rank = -(-n // world_size)
     return -(-per_rank // batch_size)
 
@@ -245,8 +247,8 @@ class SegmentPlan:
     def rank_ranges(self, ranks: IntOrArray) -> tuple[IntOrArray, IntOrArray]:
         """(first position in L_k, own sample count) of rank(s) `ranks` (an int or array)."""
         c, n = self.config, len(self.remaining)
-        if c.balance == "drop":
-            per_rank = self.batches * c.batch_size
+        if c.balance == "drop":  # (the range before a skip list's leave_out)
+            per_rank = (n // c.world_size) // c.batch_size * c.batch_size
             return ranks * per_rank, ranks * 0 + per_rank
         q, r = divmod(n, c.world_size)
         return ranks * q + np.minimum(ranks, r), q + (ranks < r) * 1
@@ -375,16 +377,19 @@ class Mixed(Protocol):
 
 
 def plan_segments(layout: Layout, seed: int, epoch: int, shuffle: bool,
-                  segments: list[Segment], mixture: Mixed | None = None) -> list[SegmentPlan]:
+                  segments: list[Segment], mixture: Mixed | None = None,
+                  leave_out: int = 0) -> list[SegmentPlan]:
     """Replay the epoch's segments: each one partitions what the previous ones left. With a
-    `mixture`, L is its interleaved order (over `layout`, the sources' shards end to end)."""
+    `mixture`, L is its interleaved order (over `layout`, the sources' shards end to end).
+    `leave_out`: see batches_for (a skip list, order: global, which has one segment config)."""
     remaining: Positions = (EpochOrder(layout, seed, epoch, shuffle) if mixture is None
                             else mixture.order(seed, epoch, shuffle))
     plans = []
     for k, seg in enumerate(segments):
         c = seg.config
         plan = SegmentPlan(k, c, remaining, batches_for(len(remaining), c.world_size,
-                                                        c.batch_size, c.balance), seed, epoch)
+                                                        c.batch_size, c.balance, leave_out),
+                           seed, epoch)
         plans.append(plan)
         if k + 1 < len(segments) and seg.batches_consumed:
             remaining = Carried(remaining, plan, seg.batches_consumed)
@@ -395,8 +400,9 @@ class Planner:
     """`plan_segments` for one dataset and seed, remembering the last epoch it planned."""
 
     def __init__(self, layout: Layout, seed: int, shuffle: bool,
-                 mixture: Mixed | None = None) -> None:
+                 mixture: Mixed | None = None, leave_out: int = 0) -> None:
         self.layout, self.seed, self.shuffle, self.mixture = layout, seed, shuffle, mixture
+        self.leave_out = leave_out
         self._key: tuple | None = None
         self._plans: list[SegmentPlan] = []
 
@@ -406,13 +412,13 @@ class Planner:
                segments[-1].config)
         if key != self._key:
             self._plans = plan_segments(self.layout, self.seed, epoch, self.shuffle, segments,
-                                        self.mixture)
+                                        self.mixture, self.leave_out)
             self._key = key
         return self._plans
 
     def fresh(self) -> Planner:
         """A planner of the same epochs with nothing remembered (for a worker process)."""
-        return Planner(self.layout, self.seed, self.shuffle, self.mixture)
+        return Planner(self.layout, self.seed, self.shuffle, self.mixture, self.leave_out)
 
     @property
     def epoch_samples(self) -> int:

@@ -28,10 +28,12 @@ STATE_VERSION = 1
 
 class PipelineState:
     def __init__(self, layout: Layout, seed: int, shuffle: bool, config: SegmentConfig,
-                 mixture: Mixed | None = None) -> None:
+                 mixture: Mixed | None = None, order: str = "rank", leave_out: int = 0) -> None:
+        """`order` "global": `config` is the canonical one (canonical.py), the same at every
+        world size, so a state resumes as one segment; `leave_out`: see plan.batches_for."""
         self.layout, self.seed, self.shuffle, self.config = layout, seed, shuffle, config
-        self.mixture = mixture
-        self.planner = Planner(layout, seed, shuffle, mixture)
+        self.mixture, self.order, self.leave_out = mixture, order, leave_out
+        self.planner = Planner(layout, seed, shuffle, mixture, leave_out)
         self.lock = threading.Lock()
         self.epoch = 0
         self.segments = [Segment(config)]
@@ -40,7 +42,8 @@ class PipelineState:
     @property
     def batches_per_epoch(self) -> int:
         c = self.config
-        return batches_for(self.planner.epoch_samples, c.world_size, c.batch_size, c.balance)
+        return batches_for(self.planner.epoch_samples, c.world_size, c.batch_size, c.balance,
+                           self.leave_out)
 
     @property
     def batches_remaining(self) -> int:
@@ -64,6 +67,7 @@ class PipelineState:
                 "num_shards": num_shards,
                 "segments": [s.to_dict() for s in self.segments],
                 **({"mixture": self.mixture.describe()} if self.mixture is not None else {}),
+                **({"order": self.order} if self.order != "rank" else {}),
             }
 
     def load_state_dict(self, state: dict[str, Any], num_shards: int) -> None:
@@ -74,6 +78,10 @@ class PipelineState:
             if name in state and state[name] != mine:
                 raise PipelineError(f"pipeline state has {name}={state[name]!r}, this pipeline "
                                     f"{mine!r}: it belongs to another dataset or setup")
+        if state.get("order", "rank") != self.order:
+            raise PipelineError(f"pipeline state has order={state.get('order', 'rank')!r}, this "
+                                f"pipeline order={self.order!r}: resume with the order it was "
+                                "taken with")
         c = self.config
         defaults = {"batch_size": state.get("batch_size", c.batch_size),
                     "shuffle_buffer": c.shuffle_buffer, "balance": c.balance}
@@ -84,6 +92,14 @@ class PipelineState:
             raise PipelineError(f"malformed pipeline state ({e!r})") from None
         if not segments:
             raise PipelineError("malformed pipeline state (no segments)")
+        if self.order == "global" and any(seg.config != c for seg in segments):
+            other = segments[-1].config
+            raise PipelineError(
+                f"pipeline state has canonical_streams={other.world_size}, "
+                f"{other.batch_size * other.world_size} samples per global batch, "
+                f"shuffle_buffer={other.shuffle_buffer}; this pipeline {c.world_size}, "
+                f"{c.batch_size * c.world_size}, {c.shuffle_buffer}: order: global resumes "
+                "only with the same ones")
         with self.lock:
             self.epoch, self.segments = epoch, segments
             if segments[-1].config != self.config and not self._epoch_complete():

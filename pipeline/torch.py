@@ -40,10 +40,11 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
 
 from ringfeed.errors import UserError
+from ringfeed.pipeline.canonical import RankStreams
 from ringfeed.pipeline.core import ShardPipeline
 from ringfeed.pipeline.errors import PipelineDataError
 from ringfeed.pipeline.plan import Planner, Segment
-from ringfeed.pipeline.stream import Booked, StreamContext, WorkerStream
+from ringfeed.pipeline.stream import Booked, StreamContext
 from ringfeed.remote import StorageUnavailable, forget_inherited_storage_sessions
 
 _STATE_BYTES = 1 << 16
@@ -81,8 +82,9 @@ class _PassState:
 class _StreamDataset(IterableDataset):
     """What each DataLoader worker process runs: its worker stream of the pass in `state`."""
 
-    def __init__(self, context: StreamContext, planner: Planner, rank: int, state: _PassState) -> None:
-        self.context, self.planner, self.rank, self.state = context, planner, rank, state
+    def __init__(self, context: StreamContext, planner: Planner, streams: RankStreams,
+                 state: _PassState) -> None:
+        self.context, self.planner, self.streams, self.state = context, planner, streams, state
 
     def __iter__(self) -> Iterator[Booked | _WorkerError]:
         info = get_worker_info()
@@ -90,8 +92,8 @@ class _StreamDataset(IterableDataset):
         segments = [Segment.from_dict(d, {}) for d in state["segments"]]
         plan = self.planner.plans(state["epoch"], segments)[-1]
         t0 = state["t0"]
-        w = (info.id + t0) % plan.config.streams
-        stream = WorkerStream.resuming(self.context, plan, self.rank, w, t0)
+        w = (info.id + t0) % self.streams.count
+        stream = self.streams.open(self.context, plan, w, t0)
         try:
             for booked in stream:
                 # small arrays travel as lists: a tensor each would cost a shared-memory
@@ -186,7 +188,7 @@ class TorchLoader:
             pipe.read_in_workers()  # and read the next epoch when it is asked for
             self._state = _PassState()
             dataset = _StreamDataset(pipe.context, pipe.progress.planner.fresh(),
-                                     pipe.rank, self._state)
+                                     pipe.streams, self._state)
         options: dict[str, Any] = {
             "batch_size": None,  # the streams batch themselves
             "num_workers": workers,

@@ -103,7 +103,6 @@ class DataSection(PipelineConfig):
     val: SourceSpec | None = None  # default: `train`'s sources (`val_split`)
     train_split: str = "train"
     val_split: str | None = "val"  # null: no validation
-    global_batch_size: PositiveInt | None = None  # if set: batch_size = this / (ranks * accumulate)
     input_key: str | None = None  # default: inferred from the manifest's fields
     target_key: str | None = None
     # A run's defaults differ from a bare pipeline's for these two:
@@ -113,7 +112,8 @@ class DataSection(PipelineConfig):
     # "auto": on when the split's decoded samples fit cache_limit (the pipeline decides)
     decoded_cache: bool | str = "auto"
 
-    def to_pipeline_config(self, split: str, seed: int = 0) -> PipelineConfig:
+    def to_pipeline_config(self, split: str, seed: int = 0, accumulate: int = 1
+                           ) -> PipelineConfig:
         """The PipelineConfig that reads the run's `split` ("train" or "val"): this section's
         pipeline keys, with what a run decides itself (the manifest split, the seed, shuffling,
         the epoch's tail, normalize, read-ahead, a mixture's epoch_samples). Pure: the section
@@ -137,6 +137,12 @@ class DataSection(PipelineConfig):
                        else (normalize.mean, normalize.std)),
             read_ahead=training,  # the loop says when no next epoch is coming
             epoch_samples=self.epoch_samples if training else None,
+            # validation is in the rank order (it pads); global_batch_size is per optimizer
+            # step, the pipeline's per batch: k micro-batches make a step
+            order=self.order if training else "rank",
+            global_batch_size=(self.global_batch_size // accumulate
+                               if training and self.global_batch_size else None),
+            skip=self.skip if training else None,
         )
         return pipeline_config(None, keys)
 
@@ -292,7 +298,8 @@ class RunConfig(_Section):
     def to_pipeline_config(self, split: str) -> PipelineConfig:
         """The data section's PipelineConfig for `split` ("train" or "val"), seeded with
         train.seed (DataSection.to_pipeline_config)."""
-        return self.data.to_pipeline_config(split, seed=self.train.seed)
+        return self.data.to_pipeline_config(split, seed=self.train.seed,
+                                            accumulate=self.train.accumulate)
 
     def to_yaml(self) -> str:
         dumped = self.model_dump(mode="json", exclude={"data": set(RUN_OWNED_DATA_KEYS)})
@@ -441,6 +448,9 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
                 f"ranks ({ranks}) x train.accumulate ({t.accumulate}) = {per_step}"
             )
         settled["batch_size"] = d.global_batch_size // per_step
+    elif d.order == "global":
+        raise UserError(f"{path}: data.order: global needs data.global_batch_size (the samples "
+                        "of one optimizer step over all ranks)")
     _check_local_sgd(cfg, path)
     problem = launch_problem(cfg.horovod, os.environ)
     if problem:

@@ -386,6 +386,9 @@ def plan_steps(cfg: RunConfig, pipe: Any, step: int, steps_per_epoch: int, world
     else:
         epochs_after = max(0, cfg.train.epochs - pipe.epoch - 1)
         total = step + pipe.batches_remaining // k + epochs_after * steps_per_epoch
+    if cfg.data.order == "global":  # the global batch is data.global_batch_size at any size,
+        # and so is the rate: optim.lr as given (no world-size scaling)
+        return total, cfg.data.global_batch_size, make_schedule(cfg.optim, 1, 1, total)
     return (total, world_size * cfg.data.batch_size * k,
             make_schedule(cfg.optim, world_size, k, total))
 

@@ -1,0 +1,174 @@
+"""`order: global` (pipeline/canonical.py): the epoch's global batches - which ids form global
+batch t - depend on the seed, the epoch and the data alone, not on the world size or the loader
+workers; a resume at another world size continues them exactly; skip lists.
+
+Ranks are simulated in one process: each rank's real ShardPipeline built with rank/world_size,
+global batch t = the ranks' batches t joined in rank order (what allreduce averages over).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from pipeline_util import write_shards
+
+from ringfeed.pipeline import PipelineError, ShardPipeline
+
+pytestmark = pytest.mark.integration
+
+SIZES = [37, 50, 13, 64, 41, 29, 55, 33]  # 322 samples, uneven shards
+G, C = 24, 6  # global batch, canonical streams: 13 global batches of 4 per stream
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("global")
+    write_shards(root / "a", SIZES)
+    write_shards(root / "b", [40, 70], prefix="b")
+    return root
+
+
+def make(source, rank, world_size, workers=0, **options):
+    options = {"order": "global", "global_batch_size": G, "canonical_streams": C,
+               "shuffle_buffer": 16, "seed": 5, "num_workers": workers, **options}
+    return ShardPipeline(source, rank=rank, world_size=world_size, **options)
+
+
+def global_batches(pipes, loader=False, stop_after=None):
+    """Global batch t (the ranks' ids joined in rank order), checking each decoded sample is
+    the one its id names (write_shards: npy = [id, 2 id]) and each rank's batch is G / N."""
+    per_rank = []
+    for pipe in pipes:
+        if loader:
+            from ringfeed.pipeline.torch import make_loader
+
+            batches = make_loader(pipe)
+        else:
+            batches = pipe
+        ids = []
+        for t, batch in enumerate(batches):
+            index = np.asarray(batch["__index__"])
+            assert len(index) == G // len(pipes) == pipe.batch_size
+            if pipe.mixture is None:
+                assert (np.asarray(batch["npy"])[:, 0] == index).all()
+            ids.append(index.tolist())
+            if stop_after is not None and t + 1 == stop_after:
+                break
+        per_rank.append(ids)
+    assert len({len(ids) for ids in per_rank}) == 1  # every rank the same batch count
+    return [sum(parts, []) for parts in zip(*per_rank, strict=True)]
+
+
+def test_global_batches_are_the_same_on_1_2_3_ranks_and_0_or_2_loader_workers(shards):
+    source = shards / "a"
+    reference = global_batches([make(source, 0, 1)])
+    assert len(reference) == 322 // G and all(len(b) == G for b in reference)
+    ids = sum(reference, [])
+    assert len(set(ids)) == len(ids)  # every sample at most once per epoch
+    for ranks, workers, loader in [(2, 0, False), (3, 0, False), (3, 2, False), (1, 2, True),
+                                   (3, 2, True)]:
+        got = global_batches([make(source, r, ranks, workers) for r in range(ranks)], loader)
+        assert got == reference, (ranks, workers, loader)  # same ids, same order
+    other_epoch = [make(source, 0, 1)]
+    other_epoch[0].set_epoch(1)
+    assert global_batches(other_epoch) != reference
+
+
+def test_a_rank_reads_the_shards_of_its_own_range_only(shards):
+    """Locality: rank r's streams are a contiguous block, so it opens the shards its stretch
+    of the epoch's shard order covers (about a third each on 3 ranks), not all of them."""
+    opened = []
+    for r in range(3):
+        pipe = make(shards / "a", r, 3)
+        for _ in pipe:
+            pass
+        opened.append(pipe.stats()["shards_opened"])
+    assert sum(opened) <= len(SIZES) + 2 * C, opened  # (boundary shards: at most 2 per stream)
+    assert max(opened) < len(SIZES), opened
+
+
+@pytest.mark.parametrize("mixture", [False, True])
+def test_resume_at_another_world_size_continues_the_global_batches(shards, mixture):
+    source = ([{"path": str(shards / "a"), "weight": 0.6},
+               {"path": str(shards / "b"), "weight": 0.4}] if mixture else shards / "a")
+    reference = global_batches([make(source, 0, 1)])
+    first = [make(source, r, 3) for r in range(3)]
+    head = global_batches(first, stop_after=5)
+    state = first[0].state_dict()
+    assert all(p.state_dict() == state for p in first)  # any rank's state resumes them all
+    assert state["segments"][-1]["batches_consumed"] == 5
+    second = [make(source, r, 2, workers=2) for r in range(2)]
+    for pipe in second:
+        pipe.load_state_dict(json.loads(json.dumps(state)))
+    assert head + global_batches(second) == reference
+
+
+def test_global_order_rules_are_one_line_errors(shards):
+    source = shards / "a"
+    with pytest.raises(PipelineError, match=r"canonical_streams=6 is not divisible by "
+                                            r"world_size 4: set canonical_streams to a multiple"):
+        make(source, 0, 4)
+    with pytest.raises(PipelineError, match=r"global_batch_size=20 is not divisible by "
+                                            r"canonical_streams=6"):
+        make(source, 0, 2, global_batch_size=20)
+    with pytest.raises(PipelineError, match="order: global needs global_batch_size"):
+        make(source, 0, 1, global_batch_size=None)
+    with pytest.raises(PipelineError, match="balance='pad' is for the rank order"):
+        make(source, 0, 1, balance="pad")
+    with pytest.raises(PipelineError, match="skip: a skip list needs order: global"):
+        ShardPipeline(source, skip=[1])
+    rank_state = ShardPipeline(source, batch_size=4, seed=5).state_dict()
+    with pytest.raises(PipelineError, match="order='rank', this pipeline order='global'"):
+        make(source, 0, 1).load_state_dict(rank_state)
+    with pytest.raises(PipelineError, match="canonical_streams=6, 24 samples per global batch"):
+        make(source, 0, 1, canonical_streams=12).load_state_dict(make(source, 0, 1).state_dict())
+
+
+# -- skip lists ---------------------------------------------------------------------------------
+def test_a_skip_list_leaves_its_ids_out_on_every_rank_and_keeps_earlier_batches(shards):
+    source = shards / "a"
+    reference = global_batches([make(source, 0, 1)])
+    skip = reference[7][:2] + reference[9][5:6] + [10**6]  # (an id past the split: ignored)
+    for ranks, workers in [(1, 0), (3, 2)]:
+        pipes = [make(source, r, ranks, workers, skip=skip) for r in range(ranks)]
+        got = global_batches(pipes)
+        # each stream loses at most 3 of its 52 samples: every stream is cut to 49 // 4 chunks
+        assert len(got) == (322 // G * (G // C) - 3) // (G // C) == 12
+        assert not set(skip) & {i for batch in got for i in batch}
+        assert got[:7] == reference[:7]  # batches before the first skipped id are unchanged
+        assert all(p.stats()["skip_listed"] == 3 for p in pipes)
+        assert pipes[0].batches_per_epoch == 12
+
+
+def test_skip_list_files_take_ids_or_samples_jsonl_lines(shards, tmp_path):
+    source = shards / "a"
+    listed = tmp_path / "skip.txt"
+    listed.write_text("3, 17\n\n40 41\n")
+    jsonl = tmp_path / "samples.jsonl"
+    jsonl.write_text(json.dumps({"step": 9, "epoch": 0, "ids": [[3, 17], [40]]}) + "\n"
+                     + json.dumps({"step": 10, "epoch": 0, "ids": [[41], []]}) + "\n")
+    expected = global_batches([make(source, 0, 1, skip=[3, 17, 40, 41])])
+    for path in (listed, jsonl):
+        assert global_batches([make(source, 0, 1, skip=str(path))]) == expected
+    bad = tmp_path / "bad.txt"
+    bad.write_text("1 2\nthree\n")
+    with pytest.raises(PipelineError, match=r"skip: .*bad.txt:2: expected sample ids"):
+        make(source, 0, 1, skip=str(bad))
+    with pytest.raises(PipelineError, match=r"skip: cannot read .*missing.txt"):
+        make(source, 0, 1, skip=str(tmp_path / "missing.txt"))
+
+
+def test_ids_added_to_the_skip_list_after_a_checkpoint_resume_exactly(shards):
+    """The rerun of a spike: ids trained after the checkpoint are skipped from it on; the
+    resumed run (another world size) yields what a run with the list from the start does."""
+    source = shards / "a"
+    reference = global_batches([make(source, 0, 1)])
+    first = [make(source, r, 3) for r in range(3)]
+    head = global_batches(first, stop_after=5)
+    skip = reference[8][3:6]
+    resumed = [make(source, r, 2, workers=2, skip=skip) for r in range(2)]
+    for pipe in resumed:
+        pipe.load_state_dict(first[0].state_dict())
+    assert head + global_batches(resumed) == global_batches([make(source, 0, 1, skip=skip)])
