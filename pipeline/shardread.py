@@ -126,6 +126,7 @@ class IndexStore:
             handle.file.seek(0)
             index, reason = build_index(handle.file)
             intact = index.intact_samples(buf, size)
+        check_listed_count(index, intact, reason, handle.ref)
         if reason is None and intact == index.num_samples and _complete(index, handle):
             try:
                 index.save(cached)
@@ -164,6 +165,23 @@ def _load(path: Path | None) -> TarIndex | None:
         return TarIndex.load(path)
     except (OSError, ValueError):
         return None
+
+
+def check_listed_count(index: TarIndex, intact: int, reason: str | None, ref: ShardRef) -> None:
+    """A whole shard (no damage) holding more samples than its manifest lists: the manifest is
+    not this shard's (out of date, or the shard was replaced). Reading only the listed count
+    would leave the rest out of training without a word, and the epoch is planned on the
+    manifest's counts on every rank, so it stops the run (exit 2) naming both counts. (Fewer
+    samples than listed is a damaged shard: the bad-sample policy meets the missing ones.)"""
+    listed = ref.num_samples
+    if reason is None and intact == index.num_samples and 0 < listed < index.num_samples:
+        from ringfeed.pipeline.errors import PipelineDataError
+
+        raise PipelineDataError(
+            f"{ref.url}: holds {index.num_samples} samples (its tar index) but the "
+            f"manifest.json that lists it says {listed}: the manifest is out of date (run "
+            "`ringfeed shard` again, or `ringfeed verify` on the folder to list the shards "
+            "that differ)")
 
 
 def _complete(index: TarIndex, handle: ShardHandle) -> bool:

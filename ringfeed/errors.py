@@ -1,16 +1,146 @@
-"""The one error type users see as a single line: `ringfeed: error: <what> (<what to do>)`."""
+"""What a ringfeed command's failure looks like: one line, `ringfeed: <label>: <what> (<what to
+do>)`, and an exit code that says whether a restart can help.
+
+`EXIT_STATUSES` is the one table of exit codes: the CLI exits with them (`exit_status`, called
+once, in train/cli.py), `ringfeed run` decides from them what it relaunches (`relaunches`), and
+train/RECOVERY.md's exit-code table is checked against it by a test.
+"""
 
 from __future__ import annotations
+
+import errno
+import sys
+import traceback
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import IO
+
+EXIT_CRASH = 1
+EXIT_CONFIG = 2
+EXIT_DIVERGED = 3
+EXIT_WRITE = 4
+EXIT_STORAGE_UNAVAILABLE = 75  # sysexits.h EX_TEMPFAIL: "try again later"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: what a shell reports for a job ended by SIGTERM
+
+# The line that says the user's code raised; before the process's first step it is followed by
+# " (" (and not relaunched: the relaunch would run the same code on the same state), after it
+# by " at step N (".
+USER_CODE_LINE = "ringfeed: error in your code"
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """One row of the exit-code table: a process's exit code, the line it prints last on stderr
+    ("" when it prints none of its own), what it means, and whether `ringfeed run` relaunches a
+    job that ends so."""
+
+    code: int
+    line: str
+    meaning: str
+    relaunch: bool
+
+
+EXIT_STATUSES: tuple[ExitStatus, ...] = (
+    ExitStatus(0, "", "finished", False),
+    ExitStatus(EXIT_CRASH, f"{USER_CODE_LINE} (", "your code (model.name, train.loss, "
+               "train.metrics) raised before this process's first step: a relaunch would run "
+               "it again on the same state; its traceback comes first", False),
+    ExitStatus(EXIT_CRASH, f"{USER_CODE_LINE} at step", "your code raised during training; its "
+               "traceback comes first", True),
+    ExitStatus(EXIT_CRASH, "", "a crash: a lost rank, or a bug in ringfeed (a traceback)", True),
+    ExitStatus(EXIT_CONFIG, "ringfeed: error:", "bad config, arguments or data", False),
+    ExitStatus(EXIT_DIVERGED, "ringfeed: error:", "the loss became NaN/inf", False),
+    ExitStatus(EXIT_WRITE, "ringfeed: error:", "a checkpoint or a file under output.dir cannot be "
+               "written (disk full, read-only, not a directory)", False),
+    ExitStatus(EXIT_STORAGE_UNAVAILABLE, "ringfeed: storage unavailable:", "object storage "
+               "failed for the whole data.retry_budget_s", True),
+    ExitStatus(EXIT_INTERRUPTED, "ringfeed: interrupted", "SIGINT (Ctrl-C)", False),
+    ExitStatus(EXIT_PREEMPTED, "", "stopped by SIGTERM (after saving a checkpoint once "
+               "training started)", True),
+)
 
 
 class UserError(Exception):
     """Bad input (config, path, data) the user can fix. The CLI prints it on one line and exits
     with `exit_code` (2 by default), without a traceback."""
 
-    exit_code = 2
+    exit_code = EXIT_CONFIG
     label = "error"  # the CLI prints `ringfeed: <label>: <message>`
 
     def __init__(self, message: str, exit_code: int | None = None):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
+
+
+def markers_in(line: str) -> set[str]:
+    """The exit-code table's lines that `line` of a job's output carries (a launcher may put a
+    prefix such as `[1,0]<stderr>:` before them)."""
+    return {s.line for s in EXIT_STATUSES if s.line and s.line in line}
+
+
+def relaunches(code: int, markers: Collection[str]) -> bool:
+    """Whether `ringfeed run` relaunches a job that exited with `code` after printing lines
+    carrying `markers` (launchers such as horovodrun do not pass a rank's exit code on, so a
+    rank's not-restartable line decides as much as the code). Exit codes outside the table (a
+    rank killed by a signal, a launcher's own failure) are crashes: relaunched."""
+    if code == 0:
+        return False
+    if any(not s.relaunch for s in EXIT_STATUSES if s.line and s.line in markers):
+        return False
+    rows = [s for s in EXIT_STATUSES if s.code == code]
+    return not rows or any(s.relaunch for s in rows)
+
+
+# Write errors no restart fixes: the CLI names the file and exits EXIT_WRITE.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+def exit_status(exc: BaseException, stream: IO[str] | None = None) -> int:
+    """The one place a command's exception becomes its exit code: prints the line (and, for the
+    user's code, its traceback first) on `stream` (stderr) and returns the code. Anything
+    else is re-raised: a crash, with Python's traceback and exit 1."""
+    stream = stream or sys.stderr
+    if isinstance(exc, UserError):
+        line, code = f"ringfeed: {exc.label}: {exc}", exc.exit_code
+    elif isinstance(exc, KeyboardInterrupt):
+        line, code = "ringfeed: interrupted", EXIT_INTERRUPTED
+    elif isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
+        where = f"cannot write {exc.filename}" if exc.filename else "a write failed"
+        line, code = (f"ringfeed: error: {where} ({exc.strerror}; free space or choose another "
+                      "directory; what was written before is kept)"), EXIT_WRITE
+    else:
+        from ringfeed.userhooks import user_code_of
+
+        culprit = user_code_of(exc)
+        if culprit is None:
+            raise exc
+        traceback.print_exception(exc, file=stream)
+        line, code = f"{USER_CODE_LINE}{culprit}: {type(exc).__name__}: {exc}", EXIT_CRASH
+    # one line, whatever the message held (a library's multi-line text, folded)
+    print(" ".join(line.split()) if "\n" in line else line, file=stream, flush=True)
+    return code
+
+
+def model_mismatch(checkpoint: object, differences: list[str]) -> UserError:
+    """A checkpoint whose weights do not fit the configured model (model.name or model.args
+    changed since it was written): one line naming the first differences and what to do,
+    instead of the framework's list of every tensor. No relaunch changes that: exit 2."""
+    shown = "; ".join(differences[:3])
+    more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
+    return UserError(f"checkpoint {checkpoint} holds another model than the config's: {shown}"
+                     f"{more} (resume with the model.name/model.args it was written with, or "
+                     "start afresh with --resume none or another checkpoint.dir)")
+
+
+def state_dict_differences(saved: dict[str, tuple[int, ...]],
+                           live: dict[str, tuple[int, ...]]) -> list[str]:
+    """What differs between a checkpoint's tensors and the model's, by name and shape:
+    missing names first, then extra ones, then shapes."""
+    missing = [k for k in live if k not in saved]
+    extra = [k for k in saved if k not in live]
+    shapes = [f"{k}: {tuple(saved[k])} in the checkpoint, {tuple(live[k])} in the model"
+              for k in live if k in saved and tuple(saved[k]) != tuple(live[k])]
+    return ([f"not in the checkpoint: {', '.join(missing[:4])}"] if missing else []) + \
+        ([f"only in the checkpoint: {', '.join(extra[:4])}"] if extra else []) + shapes

@@ -17,22 +17,22 @@ the URL and the error (again every `report_every_s`), one when it recovers.
 
 from __future__ import annotations
 
+import errno
 import logging
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from ringfeed.errors import UserError
+from ringfeed.errors import EXIT_STORAGE_UNAVAILABLE, UserError
 
 log = logging.getLogger("ringfeed.storage")
 
 T = TypeVar("T")
 Kind = Literal["transient", "throttle", "permanent"]
-
-EXIT_STORAGE_UNAVAILABLE = 75  # sysexits.h EX_TEMPFAIL: "try again later"
 
 # The exception types of the libraries that talk to storage, by module: an error raised from
 # them that is none of the permanent kinds below is a network or service fault.
@@ -141,10 +141,34 @@ def _seconds(s: float) -> str:
     return f"{s:.0f}s" if s >= 10 else f"{s:.1f}s"
 
 
+# Socket errors said in words: a library's text ("Connect call failed ('127.0.0.1', 9)") often
+# leaves out why the connection failed.
+_SOCKET_ERRORS = {errno.ECONNREFUSED: "connection refused", errno.ECONNRESET: "connection reset",
+                  errno.ETIMEDOUT: "connection timed out", errno.EHOSTUNREACH: "host unreachable",
+                  errno.ENETUNREACH: "network unreachable"}
+
+
 def describe(e: BaseException) -> str:
-    """An exception as one short line: its type and first line."""
+    """An exception as one short line: why the connection failed in words when a socket error
+    is behind it, then its type and first line."""
     text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    line = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    # (Python's own socket errors say why by their name: ConnectionResetError)
+    why = None if type(e).__module__ == "builtins" else _socket_error(e)
+    return f"{why} ({line})" if why and why not in line.lower() else line
+
+
+def _socket_error(e: BaseException | None) -> str | None:
+    """The socket error behind `e` (its cause, context, or aiohttp's os_error), in words."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, socket.gaierror):
+            return "host name not resolved"
+        if isinstance(e, OSError) and e.errno in _SOCKET_ERRORS:
+            return _SOCKET_ERRORS[e.errno]
+        e = getattr(e, "os_error", None) or e.__cause__ or e.__context__
+    return None
 
 
 def retrying(fn: Callable[[], T], url: str, what: str, policy: RetryPolicy,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +26,58 @@ def load_callable(path: str, field: str) -> Callable[..., Any]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UserError(f"{field}: {module_name!r} has no callable {attr!r}")
+    where = _source_of(module)
+    if where is not None:
+        _loaded.setdefault(where, f"{field}={path}")
     return fn
+
+
+# The user code this process loaded: its module's file (a package's folder) -> "field=path".
+_loaded: dict[str, str] = {}
+# The optimizer steps this process completed (the loop counts them): an error from user code
+# before the first one is deterministic - a relaunch runs the same code on the same state.
+_steps = {"done": 0, "last": 0}
+
+
+def _source_of(module: Any) -> str | None:
+    """Where a module's code lives: its file, or its folder for a package."""
+    file = getattr(module, "__file__", None)
+    if not file:
+        return None
+    file = os.path.realpath(file)
+    if os.path.basename(file) == "__init__.py":
+        return os.path.dirname(file) + os.sep
+    return file
+
+
+def note_step(step: int) -> None:
+    """The loop completed optimizer step `step` in this process."""
+    _steps["done"] += 1
+    _steps["last"] = step
+
+
+def reset() -> None:
+    """A new command in this process: no user code loaded, no step taken."""
+    _loaded.clear()
+    _steps.update(done=0, last=0)
+
+
+def user_code_of(exc: BaseException) -> str | None:
+    """Whether `exc` was raised from the user's code (a frame of a module the config named, in
+    its traceback or its cause's): " (field=module:function)" before this process's first
+    step, " at step N (field=...)" after it; None when no user code is involved."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
+            name = os.path.realpath(frame.f_code.co_filename)
+            for where, field in _loaded.items():
+                if name == where or (where.endswith(os.sep) and name.startswith(where)):
+                    if not _steps["done"]:
+                        return f" ({field})"
+                    return f" at step {_steps['last'] + 1} ({field})"
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def call_with_optional(fn: Callable[..., Any], kwargs: dict[str, Any],

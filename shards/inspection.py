@@ -85,17 +85,38 @@ def _unreadable(out: str, url: str, e: Exception) -> UserError:
 
 
 def _class_balance(m: Manifest, out: str | Path, workers: int) -> list[str]:
-    lines = []
+    lines, warnings = [], []
     for split_name, split in m.splits.items():
         names = [s.name for s in split.shards]
-        counts = sum(parallel_map(_count_classes, names, workers, str(out), 1), Counter())
+        per_shard = list(parallel_map(_count_classes, names, workers, str(out), 1))
+        counts = sum(per_shard, Counter())
         total = sum(counts.values()) or 1
         labels = m.class_names or []
         shown = ", ".join(
             f"{labels[c] if 0 <= c < len(labels) else c}: {n} ({100 * n / total:.1f}%)"
             for c, n in sorted(counts.items()))
         lines.append(f"classes in {split_name} ({len(counts)}): {shown}")
-    return lines
+        warnings.extend(_count_mismatches(out, split_name, split.shards, per_shard))
+    return lines + warnings
+
+
+def _count_mismatches(out: str | Path, split_name: str, shards: list[Any],
+                      per_shard: list[Counter]) -> list[str]:
+    """Warnings for the shards whose class labels do not add up to the samples the manifest
+    lists: a shard cut short or damaged (a flipped bit can hide a tar member without an error),
+    or a manifest that is not the shards'. The class totals above then disagree with it."""
+    wrong = [(s.name, s.num_samples, sum(c.values()))
+             for s, c in zip(shards, per_shard, strict=True) if sum(c.values()) != s.num_samples]
+    if not wrong:
+        return []
+    listed = sum(n for _, n, _ in wrong)
+    found = sum(n for _, _, n in wrong)
+    named = ", ".join(f"{name} ({have} of {n})" for name, n, have in wrong[:3])
+    more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+    return [f"warning: the class totals of {split_name} disagree with the manifest: "
+            f"{len(wrong)} shard(s) hold {found} class labels where it lists {listed} samples: "
+            f"{named}{more}; the shard is damaged or not the manifest's (`ringfeed verify "
+            f"{out}` checks every shard)"]
 
 
 def _samples(m: Manifest, out: str | Path, count: int) -> list[str]:

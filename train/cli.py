@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from ringfeed.errors import UserError
+from ringfeed.errors import exit_status
 
 COMMAND_MODULES = [
     "ringfeed.train.info",        # ringfeed info
@@ -42,15 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit code (ringfeed/errors.py's table, decided by exit_status:
+    one line, no traceback, for everything but a crash and the user's own code)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except UserError as e:
-        print(f"ringfeed: {e.label}: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("ringfeed: interrupted", file=sys.stderr)
-        return 130
+    except (Exception, KeyboardInterrupt) as e:
+        return exit_status(e, sys.stderr)
 
 
 if __name__ == "__main__":

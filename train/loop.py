@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ringfeed import userhooks
 from ringfeed.errors import UserError
 from ringfeed.train import faults
 from ringfeed.train.backend import Backend, Dist
@@ -236,6 +237,7 @@ class Trainer:
         if not result.finite:  # every rank sees the same averaged loss: all stop here
             raise TrainingDiverged.at(result.loss, state)
         state.step += 1
+        userhooks.note_step(state.step)
         self.reporter.on_step(state, result, micro, lr, waited)
         if val_every and state.step % val_every == 0:
             self.validate()

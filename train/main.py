@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ringfeed import userhooks
 from ringfeed.errors import UserError
 
 
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from ringfeed.train.runstate import StartupSignals
 
     StartupSignals.install()  # before anything slow: a scheduler's SIGTERM may come any time
+    userhooks.reset()
     from ringfeed.train.config import load_config, template
 
     if args.config is None:

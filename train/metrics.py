@@ -7,8 +7,10 @@ and protos (torch's SummaryWriter and tf.summary would drag the other framework 
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
 import socket
 import sys
 import time
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ringfeed.errors import UserError
+from ringfeed.errors import EXIT_WRITE, UserError
 from ringfeed.fsutil import atomic_write_text
 from ringfeed.train.throughput import Accounting, summary_lines
 
@@ -26,8 +28,39 @@ BOTTLENECK_SHARE = 0.20
 MINOR_SHARE = 0.05
 
 
+class AppendFile:
+    """A file under output.dir that whole records are appended to, unbuffered. A record that
+    cannot be written (disk full, quota, read-only) is cut off again, so the file holds whole
+    records only and nothing written before is touched, and the run stops with the exit-4
+    error naming the file (a relaunch would fill the disk the same way)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file: IO[bytes] | None = open(path, "ab", buffering=0)  # noqa: SIM115 - close()
+
+    def append(self, data: bytes) -> None:
+        assert self._file is not None
+        before = os.fstat(self._file.fileno()).st_size
+        try:
+            view = memoryview(data)
+            while view:  # (a raw write may take part of it and fail on the rest)
+                view = view[self._file.write(view):]
+        except OSError as e:
+            try:
+                os.truncate(self.path, before)
+            except OSError:
+                pass  # the record's start may stay; the error below names the file
+            raise output_write_error(self.path, e) from None
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()  # (unbuffered: nothing left to write, so nothing to fail)
+            self._file = None
+
+
 class EventWriter:
-    """Appends scalar summaries to a TensorBoard event file (tensorboard's RecordWriter)."""
+    """Appends scalar summaries to a TensorBoard event file (tensorboard's RecordWriter), one
+    whole record at a time."""
 
     def __init__(self, logdir: Path):
         from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -36,8 +69,9 @@ class EventWriter:
         self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
         logdir.mkdir(parents=True, exist_ok=True)
         name = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.ringfeed"
-        self._file: IO[bytes] = open(logdir / name, "ab")  # noqa: SIM115 - closed in close()
-        self._records = RecordWriter(self._file)
+        self._file = AppendFile(logdir / name)
+        self._record = io.BytesIO()  # one framed record, appended whole
+        self._records = RecordWriter(self._record)
         self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
@@ -49,7 +83,10 @@ class EventWriter:
 
     def _write(self, event) -> None:
         self._records.write(event.SerializeToString())
-        self._file.flush()
+        data = self._record.getvalue()
+        self._record.seek(0)
+        self._record.truncate()
+        self._file.append(data)
 
     def close(self) -> None:
         self._file.close()
@@ -95,7 +132,16 @@ def output_dir_error(out_dir: Path, error: OSError) -> UserError:
     relaunch fixes that, so exit 4 like a checkpoint that cannot be written."""
     reason = error.strerror or str(error)
     return UserError(f"output.dir {out_dir}: cannot write the run's files there ({reason}; "
-                     "choose a writable directory)", exit_code=4)
+                     "choose a writable directory)", exit_code=EXIT_WRITE)
+
+
+def output_write_error(path: Path, error: OSError) -> UserError:
+    """A file under output.dir could not be written during the run (the disk filled): exit 4,
+    naming the file; what the run wrote before (logs, checkpoints) is kept for a resume."""
+    reason = error.strerror or str(error)
+    return UserError(f"output.dir: cannot write {path} ({reason}; free space there or choose "
+                     "another output.dir, then resume with --resume auto: what was written "
+                     "before is kept)", exit_code=EXIT_WRITE)
 
 
 @dataclass
@@ -117,18 +163,18 @@ class RunLogger:
         self._window_loss = 0.0
         self._bar = None
         self._events: EventWriter | None = None
-        self._jsonl: IO[str] | None = None
+        self._jsonl: AppendFile | None = None
         if not self.enabled:
             return
         self.metrics_path = self.out_dir / "metrics.jsonl"
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             _truncate_after(self.metrics_path, self.start_step)
-            self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 - closed in close()
+            self._jsonl = AppendFile(self.metrics_path)
+            if self.tensorboard:
+                self._events = EventWriter(self.out_dir / "tensorboard")
         except OSError as e:
             raise output_dir_error(self.out_dir, e) from None
-        if self.tensorboard:
-            self._events = EventWriter(self.out_dir / "tensorboard")
         if sys.stderr.isatty():  # a live bar on a terminal; plain log lines otherwise
             from tqdm import tqdm
 
@@ -179,9 +225,8 @@ class RunLogger:
         """A non-metric record in metrics.jsonl (e.g. an elastic reset), not in TensorBoard."""
         if self.enabled:
             assert self._jsonl is not None
-            self._jsonl.write(json.dumps({"step": step, **details,
-                                          "time": round(time.time(), 3)}) + "\n")
-            self._jsonl.flush()
+            self._jsonl.append((json.dumps({"step": step, **details,
+                                            "time": round(time.time(), 3)}) + "\n").encode())
 
     def validation(self, step: int, epoch: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -193,8 +238,7 @@ class RunLogger:
     def _record(self, record: dict[str, Any]) -> None:
         assert self._jsonl is not None
         record = {**record, "time": round(time.time(), 3)}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        self._jsonl.append((json.dumps(record) + "\n").encode())
         if self._events is not None:
             self._events.scalars(record["step"], {
                 k: v for k, v in record.items()
@@ -206,7 +250,11 @@ class RunLogger:
         """Print the end-of-run summary and write it to `summary.json`."""
         if not self.enabled:
             return
-        atomic_write_text(self.out_dir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+        path = self.out_dir / "summary.json"
+        try:
+            atomic_write_text(path, json.dumps(summary, indent=2, default=str) + "\n")
+        except OSError as e:
+            raise output_write_error(path, e) from None
         lines = [f"ringfeed train: {summary['status']} at step {summary['step']} "
                  f"(epoch {summary['epoch']}), {summary['train_seconds']:.1f}s training"]
         if summary.get("final_loss") is not None:
@@ -256,17 +304,19 @@ class SampleLog:
     exactly the steps that made the current weights."""
 
     def __init__(self, out_dir: Path, enabled: bool, start_step: int = 0):
-        self._file: IO[str] | None = None
+        self._file: AppendFile | None = None
         if enabled:
             path = Path(out_dir) / "samples.jsonl"
-            _truncate_after(path, start_step)
-            self._file = open(path, "a")  # noqa: SIM115 - closed in close()
+            try:
+                _truncate_after(path, start_step)
+                self._file = AppendFile(path)
+            except OSError as e:
+                raise output_dir_error(Path(out_dir), e) from None
 
     def step(self, step: int, epoch: int, ids_per_rank: list[list[int]]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({"step": step, "epoch": epoch, "ids": ids_per_rank})
-                             + "\n")
-            self._file.flush()
+            self._file.append((json.dumps({"step": step, "epoch": epoch, "ids": ids_per_rank})
+                               + "\n").encode())
 
     def close(self) -> None:
         if self._file is not None:

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ringfeed.errors import EXIT_PREEMPTED
+
 
 @dataclass
 class TrainState:
@@ -58,7 +60,6 @@ class Recovery:
         return text
 
 
-EXIT_PREEMPTED = 128 + signal.SIGTERM  # what a shell reports for a job ended by SIGTERM
 
 
 class StartupSignals:

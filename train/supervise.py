@@ -5,19 +5,21 @@
 If the job exits non-zero, it is started again with `--resume auto` added to its `ringfeed train`
 command (replacing any --resume; so it continues from the newest complete checkpoint), up to
 --max-restarts times with exponential backoff; RINGFEED_RESTART_COUNT tells the job which
-attempt it is (the trainer reports it). Errors a restart cannot fix stop it at once: a job that
-exits with code 2 (bad config or input), 3 (loss became NaN: it would again) or 4 (checkpoint
-cannot be written), or whose output carries ringfeed's error line, `ringfeed: error: <why>`,
-which the trainer prints (once, on stderr) for exactly those errors (launchers like horovodrun
-do not pass exit codes on). Anything else is relaunched: a crash, a lost rank, and storage that
-stayed unreachable for the pipeline's retry budget (`ringfeed: storage unavailable:`, exit 75).
+attempt it is (the trainer reports it). Which endings are relaunched is ringfeed/errors.py's
+exit-code table (`relaunches`), decided from the job's exit code and the lines it printed
+(launchers like horovodrun do not pass a rank's exit code on, so a rank's line counts as much):
+errors a restart cannot fix stop it at once (bad config or data, a NaN loss, a checkpoint or
+output that cannot be written, the user's code failing before the first step); a crash, a lost
+rank, and storage that stayed unreachable for the retry budget are relaunched.
 SIGTERM/SIGINT to the supervisor are forwarded to the job and end supervision (a scheduler asked
-the job to stop).
+the job to stop). The job dies with the supervisor: it gets SIGTERM if the supervisor is killed
+(even by SIGKILL), so no launcher or rank is left running without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import subprocess
@@ -25,9 +27,8 @@ import sys
 import time
 from collections.abc import Callable
 
-# The trainer's one error line: every `ringfeed: error:` is an exit 2-4 (ringfeed.errors.UserError)
-NO_RESTART_MARKER = "ringfeed: error:"
-NO_RESTART_EXIT_CODES = {2, 3, 4}  # bad config/data, NaN loss, checkpoint unwritable
+from ringfeed.errors import markers_in, relaunches
+
 RESTART_ENV = "RINGFEED_RESTART_COUNT"
 
 
@@ -63,41 +64,43 @@ class Supervisor:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signum)
 
-    def _attempt(self, cmd: list[str], restarts: int) -> tuple[int, bool]:
-        """Run once, streaming output; return (exit code, saw the not-restartable marker)."""
+    def _attempt(self, cmd: list[str], restarts: int) -> tuple[int, set[str]]:
+        """Run once, streaming output; return (exit code, the exit-code table's lines seen)."""
         env = dict(os.environ, **{RESTART_ENV: str(restarts)})
         try:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         text=True, bufsize=1, env=env, start_new_session=True)
+                                         text=True, bufsize=1, env=env, start_new_session=True,
+                                         preexec_fn=functools.partial(_die_with_parent,
+                                                                      os.getpid()))
         except OSError as e:  # no such launcher, not executable: no relaunch can help
             from ringfeed.errors import UserError
 
             raise UserError(f"ringfeed run: cannot start {cmd[0]!r} ({e.strerror}; check the "
                             "launcher's name and PATH)") from None
-        fatal = False
+        markers: set[str] = set()
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
-            fatal = fatal or NO_RESTART_MARKER in line
+            markers |= markers_in(line)
         code = self.proc.wait()
         # a job killed by signal N: the status a shell gives it (128 + N), which is what this
         # process exits with (Popen's -N would become 256 - N)
-        return (128 - code if code < 0 else code), fatal
+        return (128 - code if code < 0 else code), markers
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward)
         cmd, restarts, delay = self.cmd, 0, self.backoff
         while True:
-            code, fatal = self._attempt(cmd, restarts)
+            code, markers = self._attempt(cmd, restarts)
             if code == 0:
                 print(f"ringfeed run: job finished after {restarts} restart(s)", flush=True)
                 return 0
             if self.stopping:
                 print(f"ringfeed run: stopped by signal; job exited {code}", flush=True)
                 return code
-            if fatal or code in NO_RESTART_EXIT_CODES:
+            if not relaunches(code, markers):
                 print(f"ringfeed run: job failed with an error a restart cannot fix (exit {code}); "
                       "not restarting", flush=True)
                 return code
@@ -111,6 +114,22 @@ class Supervisor:
                   f"in {delay:.0f}s with --resume auto", flush=True)
             time.sleep(delay)
             delay = min(delay * 2, self.backoff_max)
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the job's process, before it execs: SIGTERM when the supervisor dies (Linux's
+    PR_SET_PDEATHSIG), which a launcher passes on to its ranks and a trainer answers by saving
+    and stopping. start_new_session keeps the job out of a terminal's signals, so without this
+    a SIGKILLed supervisor would leave the job running unsupervised."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the job outlives a killed supervisor
+        return
+    if os.getppid() != parent:  # the supervisor died before the death signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ import tensorflow as tf
 from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
 
+from ringfeed.errors import model_mismatch
 from ringfeed.train.backend import (
     STATS_LOSS,
     Groups,
@@ -103,7 +104,10 @@ class TFCheckpoints:
 
     def read_payload(self, directory: Path) -> None:
         prefix = str(Path(directory) / CHECKPOINT_PREFIX)
-        tf.train.Checkpoint(**self._payload).read(prefix).assert_existing_objects_matched()
+        try:
+            tf.train.Checkpoint(**self._payload).read(prefix).assert_existing_objects_matched()
+        except (ValueError, AssertionError) as e:  # TensorFlow names the first tensor only
+            raise model_mismatch(directory, [" ".join(str(e).split()).rstrip(".")]) from None
         if self.sync_every > 1:  # (absent from a sync_every: 1 checkpoint: starts at 0)
             self._steps_var.assign(0)
             tf.train.Checkpoint(local_sgd_steps=self._steps_var).read(prefix).expect_partial()

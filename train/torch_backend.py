@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 
+from ringfeed.errors import model_mismatch, state_dict_differences
 from ringfeed.train.backend import (
     Dist,
     Groups,
@@ -159,6 +160,11 @@ class TorchCheckpoints:
     def read_payload(self, directory: Path) -> None:
         # weights_only: tensors and plain containers only, no arbitrary pickle.
         state = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=True)
+        differences = state_dict_differences(
+            {k: tuple(v.shape) for k, v in state["model"].items()},
+            {k: tuple(v.shape) for k, v in self.model.state_dict().items()})
+        if differences:
+            raise model_mismatch(directory, differences)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])

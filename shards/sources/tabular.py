@@ -93,12 +93,19 @@ def _jsonl_rows(f: IO[bytes]) -> Iterator[tuple[int, int, Any]]:
 
 def _csv_rows(f: IO[bytes]) -> Iterator[tuple[int, int, list[str]]]:
     """(byte offset, first line number, cells) per record; a quoted cell may span lines."""
-    consumed = [0]
+    consumed, read = [0], [0]  # bytes and lines pulled from the file so far
 
     def lines() -> Iterator[str]:
         for raw in f:
             consumed[0] += len(raw)
-            yield raw.decode("utf-8-sig" if consumed[0] == len(raw) else "utf-8")
+            read[0] += 1
+            try:
+                yield raw.decode("utf-8-sig" if consumed[0] == len(raw) else "utf-8")
+            except UnicodeDecodeError as e:  # named by the line it is on, not the record's
+                raise UserError(
+                    f"{f.name}:{read[0]}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                    f"{e.start + 1}; save the file as UTF-8, e.g. iconv -f latin1 -t utf-8)"
+                ) from None
 
     reader = csv.reader(lines())
     start, line = 0, 1
@@ -107,8 +114,8 @@ def _csv_rows(f: IO[bytes]) -> Iterator[tuple[int, int, list[str]]]:
             # csv pulls lines only as a record needs them: `consumed` is where the next one starts
             yield start, line, cells
             start, line = consumed[0], reader.line_num + 1
-    except (csv.Error, UnicodeDecodeError) as e:
-        raise UserError(f"{f.name}:{reader.line_num}: not readable as UTF-8 CSV ({e})") from None
+    except csv.Error as e:
+        raise UserError(f"{f.name}:{reader.line_num}: not readable as CSV ({e})") from None
 
 
 class _Store:
