@@ -103,6 +103,9 @@ class DataSection(PipelineConfig):
     val: SourceSpec | None = None  # default: `train`'s sources (`val_split`)
     train_split: str = "train"
     val_split: str | None = "val"  # null: no validation
+    # optimizer steps whose batches are read but not trained on (the step counts, weights and
+    # optimizer stay): a spike's steps left out on a rerun from the checkpoint before them
+    skip_steps: list[PositiveInt] = Field(default_factory=list)
     input_key: str | None = None  # default: inferred from the manifest's fields
     target_key: str | None = None
     # A run's defaults differ from a bare pipeline's for these two:

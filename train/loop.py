@@ -230,6 +230,8 @@ class Trainer:
         """One optimizer step over k micro-batches and what follows it; True when a signal
         asked to stop."""
         state, val_every = self.state, self.cfg.train.val_every
+        if state.step + 1 in self.cfg.data.skip_steps:
+            return self.skip_step(micro)
         faults.before_step(state.step + 1, self.dist.rank)
         lr = self.schedule(state.step)
         with self.reporter.span("ringfeed.step", step=state.step + 1):
@@ -248,6 +250,16 @@ class Trainer:
             self.elastic.after_step(state.step)
         self.reporter.on_step_end(state.step)
         return result.stop_requested
+
+    def skip_step(self, micro: list[Any]) -> bool:
+        """data.skip_steps: the step's batches were read (the data position moves on, as on
+        every rank) and are not trained on; the step counts, weights and optimizer stay."""
+        self.state.step += 1
+        samples = sum(len(m["__index__"]) for m in micro) * self.dist.size
+        self.reporter.event(self.state.step, {"event": "skipped_step", "samples": samples})
+        self.reporter.say(f"step {self.state.step}: skipped (data.skip_steps), {samples} "
+                          "samples not trained on")
+        return False
 
     def validate(self) -> None:
         """Collective: the validation metrics of the model as it is now."""
