@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "ringfeed.train.supervise",   # ringfeed run -- <launcher ...>
     "ringfeed.train.bench",       # ringfeed bench
     "ringfeed.train.tune",        # ringfeed tune SEARCH.yaml
+    "ringfeed.train.replay",      # ringfeed replay RUN_DIR --steps A:B
 ]
 
 

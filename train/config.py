@@ -192,6 +192,9 @@ class TrainSection(_Section):
     # ranks share GPUs round-robin (for debugging; each rank then holds its own model copy).
     share_gpus: bool = False
     log_every: PositiveInt = 10
+    # end the run after this optimizer step; the lr schedule still plans the whole run
+    # (max_steps or epochs): what `ringfeed replay` sets
+    stop_after_step: PositiveInt | None = None
     val_every: PositiveInt | None = None  # steps; null: at the end of every epoch
     loss: str | None = None  # "module:function"(outputs, targets) -> per-sample losses
     metrics: str | None = None  # "module:function"(outputs, targets) -> {name: per-sample}

@@ -305,6 +305,8 @@ class Trainer:
         self.total_steps, self.global_batch, self.schedule = plan_steps(
             self.cfg, self.train_pipe, self.state.step, self.steps_per_epoch, self.dist.size,
             self.accumulate)
+        if self.cfg.train.stop_after_step is not None:  # (the schedule plans the whole run)
+            self.total_steps = min(self.total_steps, self.cfg.train.stop_after_step)
 
     def header(self) -> str:
         """The run's first line: framework, ranks, model, data, batch, steps, precision, lr."""
