@@ -154,7 +154,7 @@ def test_torch_counts_builtin_models_like_the_analytic_count() -> None:
                 hidden=128, dropout=0.5)
     before = [p.detach().clone() for p in cnn.parameters()]
     rng = torch.get_rng_state()
-    counted = count_torch_flops(cnn, (16, 8, 8, 1), torch.uint8)
+    counted = count_torch_flops(cnn, (16, 1, 8, 8), torch.uint8)  # NCHW
     expected = cnn_training_flops(8, 8, 1, 32, 128, 10)
     assert counted.per_sample == pytest.approx(expected, rel=0.05), counted
     assert "FlopCounterMode" in counted.method

@@ -56,6 +56,11 @@ def _import_path_or_none(value: str | None, field: str) -> str | None:
 class ModelSection(_Section):
     name: str = "mlp"  # mlp | cnn | gpt | "package.module:function"
     args: dict[str, Any] = Field(default_factory=dict)
+    # How image batches (samples of shape height x width x channels) reach the model. auto: the
+    # framework's convention - torch models get (N, C, H, W), a channels_last view of the
+    # pipeline's NHWC batch (no copy), TensorFlow/Keras models (N, H, W, C); nchw / nhwc:
+    # that layout whatever the framework (TensorFlow's nchw is a transposed copy).
+    input_layout: Literal["auto", "nchw", "nhwc"] = "auto"
 
     @field_validator("name")
     @classmethod

@@ -42,8 +42,9 @@ from ringfeed.train.backend import (
     choose_gpu,
     metric_sums,
 )
-from ringfeed.train.data import DataSpec, split_batch
-from ringfeed.train.models import build_model
+from ringfeed.train.data import REGRESS, DataSpec, split_batch
+from ringfeed.train.models import build_model, channels_first
+from ringfeed.train.models.outputs import on_logits
 from ringfeed.train.throughput import FlopCount, count_tf_flops
 
 CHECKPOINT_PREFIX = "tf_checkpoint"
@@ -55,6 +56,28 @@ def cross_entropy(logits: tf.Tensor, targets: tf.Tensor) -> tf.Tensor:
     losses = keras.losses.sparse_categorical_crossentropy(
         targets, tf.cast(logits, tf.float32), from_logits=True)
     return tf.reduce_mean(losses, axis=1) if losses.shape.rank == 2 else losses
+
+
+def probabilities_cross_entropy(probs: tf.Tensor, targets: tf.Tensor) -> tf.Tensor:
+    """cross_entropy for a model that ends in a softmax (outputs are probabilities, as
+    keras.applications' classifiers give by default): Keras' from_logits=False loss, which
+    for a softmax output of the TensorFlow backend reads the logits before it (numerically as
+    stable as from_logits=True) and otherwise clips the probabilities."""
+    losses = keras.losses.sparse_categorical_crossentropy(targets, probs, from_logits=False)
+    losses = tf.cast(losses, tf.float32)
+    return tf.reduce_mean(losses, axis=1) if losses.shape.rank == 2 else losses
+
+
+def ends_in_softmax(model: keras.Model) -> bool:
+    """Whether the model's (single) output is a softmax: its last layer is a softmax
+    Activation/Softmax layer, or a layer with activation="softmax"."""
+    if not model.layers or len(model.outputs or ()) > 1:
+        return False
+    last = model.layers[-1]
+    if isinstance(last, keras.layers.Softmax):
+        return True
+    activation = getattr(last, "activation", None)
+    return getattr(activation, "__name__", None) == "softmax"
 
 
 def accuracy(logits: tf.Tensor, targets: tf.Tensor) -> dict[str, tf.Tensor]:
@@ -146,6 +169,7 @@ class TFBackend(TFCheckpoints, HorovodBackend):
         keras.mixed_precision.set_dtype_policy(POLICIES[t.precision])
         keras.utils.set_random_seed(t.seed)
         self.model = build_model("tensorflow", cfg.model.name, dict(cfg.model.args), spec)
+        self._output_fns(cfg, spec)
         self.inner_optimizer = make_optimizer(cfg.optim, t.grad_clip)
         self.optimizer = (keras.optimizers.LossScaleOptimizer(self.inner_optimizer)
                           if t.precision == "fp16" else self.inner_optimizer)
@@ -173,6 +197,23 @@ class TFBackend(TFCheckpoints, HorovodBackend):
         self._evaluate = tf.function(self._evaluate_fn, autograph=False)
         keras.utils.set_random_seed(self.rank_seed())  # per-rank stream
 
+    def _output_fns(self, cfg: Any, spec: DataSpec) -> None:
+        """The image layout the model gets (model.input_layout), and the built-in loss and
+        metrics on the logits in its outputs; a classifier ending in a softmax gets the
+        cross entropy of probabilities (said once, on rank 0)."""
+        self.nchw = channels_first("tensorflow", cfg.model.input_layout, spec)
+        t = cfg.train
+        if not t.loss and spec.task != REGRESS and ends_in_softmax(self.model):
+            self.loss_fn = probabilities_cross_entropy
+            if self.dist.is_root:
+                print(f"model.name {cfg.model.name}: the model ends in a softmax, so its outputs "
+                      "are taken as probabilities (cross entropy with from_logits=False)",
+                      flush=True)
+        if not t.loss:
+            self.loss_fn = on_logits(self.loss_fn, tf.is_tensor, cfg.model.name)
+        if not t.metrics:
+            self.metrics_fn = on_logits(self.metrics_fn, tf.is_tensor, cfg.model.name)
+
     def loader(self, pipe):
         from ringfeed.pipeline.tf import TensorLoader
 
@@ -183,11 +224,13 @@ class TFBackend(TFCheckpoints, HorovodBackend):
         x, y, valid = split_batch(batch, self.spec)
         return self._as_input(tf.convert_to_tensor(x)), tf.convert_to_tensor(y), valid
 
-    @staticmethod
-    def _as_input(x: tf.Tensor) -> tf.Tensor:
+    def _as_input(self, x: tf.Tensor) -> tf.Tensor:
         if x.dtype == tf.uint8:
-            return tf.cast(x, tf.float32) / 255.0
-        return tf.cast(x, tf.float32) if x.dtype.is_floating else x
+            x = tf.cast(x, tf.float32) / 255.0
+        elif x.dtype.is_floating:
+            x = tf.cast(x, tf.float32)
+        # model.input_layout: nchw under TensorFlow is a transposed copy
+        return tf.transpose(x, (0, 3, 1, 2)) if self.nchw else x
 
     def _step_fn(self, micro: list, settings: tf.Tensor) -> tf.Tensor:
         """The whole optimizer step in one graph: micro-batch gradients, one grouped allreduce
@@ -260,7 +303,8 @@ class TFBackend(TFCheckpoints, HorovodBackend):
         gradient traced as a graph, not run)."""
         x = np.asarray(split_batch(batch, self.spec)[0])
         dtype = tf.float32 if x.dtype.kind == "f" else tf.as_dtype(x.dtype)  # as _as_input
-        return count_tf_flops(self.model, x.shape, dtype)
+        shape = np.transpose(x, (0, 3, 1, 2)).shape if self.nchw else x.shape
+        return count_tf_flops(self.model, shape, dtype)
 
     def accounting_device(self) -> tuple[str | None, str]:
         """(this rank's GPU name, or None on CPU; the dtype its matmuls run in): fp32 counts

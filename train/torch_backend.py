@@ -38,7 +38,8 @@ from ringfeed.train.backend import (
 )
 from ringfeed.train.checkpoint import open_for_write
 from ringfeed.train.data import DataSpec, split_batch
-from ringfeed.train.models import build_model
+from ringfeed.train.models import build_model, channels_first
+from ringfeed.train.models.outputs import on_logits
 from ringfeed.train.throughput import FlopCount, count_torch_flops
 
 STATE_FILE = "state.pt"
@@ -221,6 +222,12 @@ class TorchBackend(TorchCheckpoints, HorovodBackend):
         self.setup_steps(spec, accumulate, (cross_entropy, accuracy))
         torch.manual_seed(t.seed)
         self.model = build_model("torch", cfg.model.name, dict(cfg.model.args), spec)
+        # image batches as (N, C, H, W), the layout torch models take (model.input_layout)
+        self.nchw = channels_first("torch", cfg.model.input_layout, spec)
+        if not t.loss:
+            self.loss_fn = on_logits(self.loss_fn, torch.is_tensor, cfg.model.name)
+        if not t.metrics:
+            self.metrics_fn = on_logits(self.metrics_fn, torch.is_tensor, cfg.model.name)
         self.model.to(self.device)
         if t.channels_last:
             self.model.to(memory_format=torch.channels_last)
@@ -257,8 +264,11 @@ class TorchBackend(TorchCheckpoints, HorovodBackend):
     def _inputs(self, x: Any) -> torch.Tensor:
         x = torch.as_tensor(x).to(self.device, non_blocking=True)
         if x.dtype == torch.uint8:
-            return x.float().div_(255.0)
-        return x.float() if x.is_floating_point() else x
+            x = x.float().div_(255.0)
+        elif x.is_floating_point():
+            x = x.float()
+        # NHWC -> (N, C, H, W) as a view: its memory stays NHWC, i.e. torch.channels_last
+        return x.permute(0, 3, 1, 2) if self.nchw else x
 
     def _prepare(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
         x, y, valid = split_batch(batch, self.spec)
@@ -351,7 +361,8 @@ class TorchBackend(TorchCheckpoints, HorovodBackend):
         compute, no gradient on the real parameters, RNG states kept)."""
         x = torch.as_tensor(split_batch(batch, self.spec)[0])
         dtype = torch.float32 if x.is_floating_point() else x.dtype  # as _inputs() feeds it
-        return count_torch_flops(self.model, tuple(x.shape), dtype, self.device)
+        shape = tuple(x.permute(0, 3, 1, 2).shape if self.nchw else x.shape)
+        return count_torch_flops(self.model, shape, dtype, self.device)
 
     def accounting_device(self) -> tuple[str | None, str]:
         """(this rank's GPU name, or None on CPU; the dtype its matmuls run in): fp32 counts

@@ -4,8 +4,11 @@ named "module:function".
 A user factory is called with the config's `model.args` as keywords, plus `spec` (the DataSpec:
 input shape, number of classes, vocabulary, sequence length) and `framework` if its signature
 asks for them. It returns a `torch.nn.Module` or a Keras model. Every model receives the batch's
-input field as the pipeline yields it (images HWC, channels last, float in [0, 1] or normalized;
-tokens as int64 ids) and returns logits: (batch, classes) or (batch, seq, vocab).
+input field: images (samples of shape height x width x channels) as float in [0, 1] or
+normalized, laid out (N, C, H, W) for torch - a channels_last view of the pipeline's NHWC batch -
+and (N, H, W, C) for Keras (`model.input_layout` picks the other); tokens as int64 ids; table
+rows as float vectors. It returns logits, (batch, classes) or (batch, seq, vocab), as a tensor
+or in the forms outputs.py accepts (a ModelOutput with `logits`, a tuple led by the logits).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 from ringfeed.errors import UserError
 from ringfeed.train.config import BUILTIN_MODELS
-from ringfeed.train.data import DataSpec
+from ringfeed.train.data import LM, DataSpec
 from ringfeed.userhooks import call_with_optional, load_callable
 
 
@@ -34,6 +37,18 @@ def build_model(framework: str, name: str, args: dict[str, Any], spec: DataSpec)
     model = call_with_optional(factory, args, {"spec": spec, "framework": framework})
     _check_type(framework, name, model)
     return model
+
+
+def channels_first(framework: str, layout: str, spec: DataSpec) -> bool:
+    """Whether the model gets its image batches as (N, C, H, W): model.input_layout, where
+    `auto` is the framework's convention (torch: NCHW, what torch.nn, torchvision, timm and
+    Hugging Face expect; TensorFlow/Keras: NHWC). Only image inputs (samples of shape
+    height x width x channels) are laid out; tokens and table rows pass as they are."""
+    if spec.task == LM or len(spec.input_shape) != 3:
+        return False
+    if layout == "auto":
+        return framework == "torch"
+    return layout == "nchw"
 
 
 def check_cnn_input(shape: tuple[int, ...]) -> None:

@@ -27,12 +27,16 @@ class MLP(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 4:
+            # images come as (N, C, H, W), a view of NHWC memory: flattened in (H, W, C)
+            # order, as Keras' Flatten does - the batch's own memory order, so no copy
+            x = x.permute(0, 2, 3, 1)
         return self.net(x)
 
 
 class CNN(nn.Module):
-    """Three 3x3 conv stages (two 2x2 max-pools), then a dense head; takes NHWC (the
-    pipeline's layout)."""
+    """Three 3x3 conv stages (two 2x2 max-pools), then a dense head; takes (N, C, H, W), as
+    torch.nn's convolutions do (the trainer hands images over as a channels_last view)."""
 
     def __init__(self, input_shape: Sequence[int], num_classes: int, width: int = 32,
                  hidden: int = 128, dropout: float = 0.0):
@@ -50,7 +54,7 @@ class CNN(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x.permute(0, 3, 1, 2)))
+        return self.head(self.features(x))
 
 
 class Block(nn.Module):
