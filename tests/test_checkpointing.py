@@ -37,8 +37,9 @@ class OneRank:
     def rng_states(self) -> Any:
         return ["rng"]
 
-    def write_payload(self, directory: Path, rng_states: Any) -> None:
-        (Path(directory) / "state.bin").write_text(json.dumps(rng_states))
+    def payload(self, rng_states: Any, copy: bool) -> Any:
+        return lambda directory: (Path(directory) / "state.bin").write_text(
+            json.dumps(rng_states))
 
     def read_payload(self, directory: Path) -> None:
         self.loaded.append(Path(directory))
@@ -68,18 +69,21 @@ def test_a_fresh_dir_starts_at_step_0_and_a_saved_step_is_resumed(tmp_path):
     assert ckpt.restore(Pipe(), restarts=0) is None
     assert backend.synced == [False] and "starting at step 0" in lines[-1]
     pipe = Pipe()
+    directory = Path(ckpt.directory)
     for step in (10, 20, 30):
-        path = ckpt.save(TrainState(step=step, epoch=1), pipe, "every_steps")
-        assert path == ckpt.directory / f"ckpt-{step:09d}"
-    assert [p.name for p in list_checkpoints(ckpt.directory)] == ["ckpt-000000020",
-                                                                  "ckpt-000000030"]
+        (saved,) = ckpt.save(TrainState(step=step, epoch=1), pipe, "every_steps")
+        assert saved.location == str(directory / f"ckpt-{step:09d}") and saved.error is None
+        assert saved.blocked_s >= saved.write_s > 0
+        assert f"saved checkpoint {saved.location} (every_steps): training blocked " \
+            in lines[-1]
+    assert [p.name for p in list_checkpoints(directory)] == ["ckpt-000000020", "ckpt-000000030"]
     resumed, backend, lines = make(tmp_path, resume="auto")
     pipe = Pipe()
     state = resumed.restore(pipe, restarts=2)
-    assert state == TrainState(step=30, epoch=1, last_checkpoint=ckpt.directory / "ckpt-000000030",
-                               saved_step=30)
+    assert state == TrainState(step=30, epoch=1,
+                               last_checkpoint=str(directory / "ckpt-000000030"), saved_step=30)
     assert pipe.loaded == [{"epoch": 1, "consumed": 7}]
-    assert backend.loaded == [ckpt.directory / "ckpt-000000030"] and backend.synced == [True]
+    assert backend.loaded == [directory / "ckpt-000000030"] and backend.synced == [True]
     assert lines[-1].endswith("; restart 2 by `ringfeed run`")
 
 
@@ -105,9 +109,9 @@ def test_a_checkpoint_is_due_on_a_signal_every_n_steps_and_at_an_unsaved_end(tmp
 def test_a_snapshot_is_taken_before_and_apart_from_its_write(tmp_path):
     ckpt, _, _ = make(tmp_path)
     snapshot = ckpt.snapshot(TrainState(step=3, epoch=2), Pipe(), "signal")
-    assert not ckpt.directory.exists()  # nothing written yet
+    assert not Path(ckpt.directory).exists()  # nothing written yet
     assert snapshot.meta["pipeline"] == {"epoch": 1, "consumed": 7}
-    path = ckpt.write(snapshot)
+    path = Path(ckpt.write(snapshot).location)
     meta = json.loads((path / "meta.json").read_text())
     assert (meta["step"], meta["epoch"], meta["reason"]) == (3, 2, "signal")
     assert json.loads((path / "state.bin").read_text()) == ["rng"]
@@ -116,13 +120,14 @@ def test_a_snapshot_is_taken_before_and_apart_from_its_write(tmp_path):
 @pytest.mark.parametrize("on_error", ["fail", "warn"])
 def test_a_failed_write_raises_or_is_reported_and_not_retried_at_the_end(tmp_path, on_error):
     ckpt, _, lines = make(tmp_path, on_error=on_error)
-    ckpt.directory.parent.mkdir(parents=True)
-    ckpt.directory.write_text("a file, not a directory")
+    Path(ckpt.directory).parent.mkdir(parents=True)
+    Path(ckpt.directory).write_text("a file, not a directory")
     state = TrainState(step=8)
     if on_error == "fail":
         with pytest.raises(CheckpointWriteError, match="at step 8"):
             ckpt.save(state, Pipe(), "every_steps")
         return
-    assert ckpt.save(state, Pipe(), "every_steps") is None
+    (saved,) = ckpt.save(state, Pipe(), "every_steps")
+    assert saved.location is None and "cannot write checkpoint" in saved.error
     assert "checkpoint at step 8 NOT saved" in lines[-1]
     assert not ckpt.due_at_end(state)

@@ -24,6 +24,7 @@ from ringfeed.train.data import REGRESS, DataSpec
 from ringfeed.train.horovod_env import apply_horovod_env, check_controller
 from ringfeed.train.losses import regression_fns
 from ringfeed.train.profile import no_span
+from ringfeed.train.watchdog import hang_timeout_s
 from ringfeed.userhooks import load_callable
 
 # Per-step agreement vector, allreduced with op=Average on every step. Any rank's request
@@ -129,11 +130,14 @@ class CheckpointBackend(Protocol):
     def rng_states(self) -> Any:
         """Collective: every rank's RNG state, gathered on rank 0 (None elsewhere)."""
 
-    def write_payload(self, directory: Path, rng_states: Any) -> None:
-        """Rank 0: model, optimizer, scaler (and RNG states) into `directory`."""
+    def payload(self, rng_states: Any, copy: bool) -> Callable[[Path], None]:
+        """Rank 0: the function that writes model, optimizer, scaler (and `rng_states`) into a
+        directory. Without `copy` it writes the live objects, so it must run before the next
+        step; with `copy` it writes a host-memory copy taken now (device -> host), so training
+        may go on while another thread writes it."""
 
     def read_payload(self, directory: Path) -> None:
-        """Rank 0: load what write_payload wrote into the live objects."""
+        """Rank 0: load what payload() wrote into the live objects."""
 
     def sync_from_root(self, resumed: bool) -> None:
         """Collective: all ranks take rank 0's state (weights; after a resume also optimizer,
@@ -315,7 +319,8 @@ class CommStats:
 def start_horovod(hvd: Any, cfg: Any) -> Dist:
     """hvd.init() (horovod.torch or horovod.tensorflow) with the config's `horovod:` knobs,
     checked against what the launch gave; this rank's place in the job."""
-    apply_horovod_env(cfg.horovod)  # Horovod reads its knobs in init() only
+    # Horovod reads its knobs in init() only
+    apply_horovod_env(cfg.horovod, hang_timeout_s=hang_timeout_s(cfg))
     hvd.init()
     check_controller(cfg.horovod, hvd.mpi_enabled(), hvd.gloo_enabled())
     return Dist(hvd.rank(), hvd.size(), hvd.local_rank())

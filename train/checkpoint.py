@@ -1,42 +1,56 @@
-"""Checkpoint files and policy: atomic directories, newest-complete lookup with corruption
-fallback, keep-last-K.
+"""Checkpoint files and policy: atomic publication, newest-complete lookup with corruption
+fallback, keep-last-K, in a local directory or object storage (train/checkpoint_store.py).
 
-A checkpoint is a directory `ckpt-<step>` holding the framework's payload (torch: `state.pt`,
-read back with `torch.load(weights_only=True)`; TensorFlow: a `tf.train.Checkpoint`) and
-`meta.json` (step, epoch, pipeline resume state, config, sha256 of every payload file). It is
-written under a temporary name, fsynced and renamed into place, and `meta.json` is written last,
-so a `ckpt-*` directory with a meta.json whose hashes match is complete; anything else is
-reported and skipped in favour of the previous one. A process killed anywhere in the write
-leaves only a `.ckpt-*.tmp-<pid>` directory, removed by the next run.
+A checkpoint `ckpt-<step>` holds the framework's payload (torch: `state.pt`, read back with
+`torch.load(weights_only=True)`; TensorFlow: a `tf.train.Checkpoint`) and `meta.json` (step,
+epoch, pipeline resume state, config, sha256 of every payload file). It is staged in a local
+directory and published by the store: locally a rename of the fsynced directory, in object
+storage the upload of `meta.json` after every payload object. So a `ckpt-*` with a meta.json
+whose hashes match is complete; anything else is reported and skipped in favour of the previous
+one. A process killed anywhere in the write leaves a temporary directory (local) or objects
+without a meta.json (remote), removed by the next run.
 
-A write that fails (disk full, read-only or missing directory) raises CheckpointWriteError
-(exit 4) after removing its temporary directory; older checkpoints are untouched.
+A write that fails (disk full, read-only or missing directory, access denied) raises
+CheckpointWriteError (exit 4) after removing what it wrote; older checkpoints are untouched.
+Storage that stays unavailable past the retry budget raises StorageUnavailable (exit 75).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from ringfeed.errors import UserError
-from ringfeed.fsutil import fsync_path, sha256_file
+from ringfeed.fsutil import sha256_file
+from ringfeed.remote import StorageUnavailable
 from ringfeed.train import faults
+from ringfeed.train.checkpoint_store import (
+    META,
+    PREFIX,
+    CheckpointStore,
+    checkpoint_name,
+    open_store,
+    parent_and_name,
+)
 
-PREFIX = "ckpt-"
-META = "meta.json"
+__all__ = ["META", "PREFIX", "CheckpointError", "CheckpointWriteError", "Found",
+           "checkpoint_path", "describe_write_error", "find_resume_point", "list_checkpoints",
+           "open_for_write", "probe_writable", "refuse_earlier_run", "remove_stale_temporaries",
+           "verify", "write_checkpoint"]
+
 FORMAT = "ringfeed-checkpoint"
 VERSION = 1
 
+Location = str | Path | CheckpointStore
+
 
 class CheckpointError(Exception):
-    """A checkpoint directory that cannot be used (the message says why)."""
+    """A checkpoint that cannot be used (the message says why)."""
 
 
 class CheckpointWriteError(UserError):
@@ -47,64 +61,71 @@ class CheckpointWriteError(UserError):
 
 @dataclass(frozen=True)
 class Found:
-    path: Path
+    """A complete, verified checkpoint: its path or URL, its meta.json, and `path`, a local
+    directory holding its files (the checkpoint itself when local, a download when remote:
+    `store.release(path)` after loading it)."""
+
+    location: str
     meta: dict[str, Any]
+    path: Path
+    store: CheckpointStore
+
+
+def as_store(location: Location) -> CheckpointStore:
+    return location if isinstance(location, CheckpointStore) else open_store(location)
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
-    return Path(directory) / f"{PREFIX}{step:09d}"
+    """The local directory of ckpt-<step> in `directory`."""
+    return Path(directory) / checkpoint_name(step)
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    """`ckpt-<step>` directories, oldest first (temporary ones are not listed)."""
-    if not Path(directory).is_dir():
-        return []
-    found = [p for p in Path(directory).iterdir()
-             if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    """Local `ckpt-<step>` directories, oldest first (temporary ones are not listed)."""
+    store = open_store(directory)
+    return [Path(store.location(n)) for n in store.names()]
 
 
-def refuse_earlier_run(resume: str, directory: Path) -> None:
+def refuse_earlier_run(resume: str, directory: Location) -> None:
     """A run that does not resume (`resume: none`) must not write into a checkpoint.dir that
     holds checkpoints of an earlier run: UserError."""
-    if resume == "none" and list_checkpoints(directory):
+    store = as_store(directory)
+    if resume == "none" and store.names():
         raise UserError(
-            f"checkpoint.dir {directory} already holds checkpoints of an earlier run; continue "
+            f"checkpoint.dir {store.url} already holds checkpoints of an earlier run; continue "
             "it with --resume auto, or choose another output.dir / checkpoint.dir")
 
 
-def write_checkpoint(directory: Path, step: int, meta: dict[str, Any],
-                     write_payload: Callable[[Path], None], keep: int) -> Path:
-    """Write `ckpt-<step>` atomically, then delete all but the newest `keep`.
-    CheckpointWriteError if the file system refuses (nothing half-written is left behind)."""
-    directory = Path(directory)
-    final = checkpoint_path(directory, step)
-    tmp = directory / f".{final.name}.tmp-{os.getpid()}"
+def write_checkpoint(directory: Location, step: int, meta: dict[str, Any],
+                     write_payload: Callable[[Path], None], keep: int) -> str:
+    """Write `ckpt-<step>` (staged, payload before meta.json, published last), then delete all
+    but the newest `keep`; returns its path or URL. CheckpointWriteError if the store refuses
+    (nothing half-written is left behind)."""
+    store = as_store(directory)
+    name = checkpoint_name(step)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        with faults.checkpoint_write(step):
-            write_payload(tmp)
-            files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-            full = {"format": FORMAT, "version": VERSION, "step": step, "time": time.time(),
-                    **meta, "files": files}
-            with open_for_write(tmp / META) as f:
-                f.write((json.dumps(full, indent=1) + "\n").encode())
-            _fsync_tree(tmp)
-        if final.exists():  # the same step saved twice (e.g. a signal on the last step)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_path(directory)
+        with store.staging(name) as tmp:
+            with faults.checkpoint_write(step):
+                write_payload(tmp)
+                files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+                full = {"format": FORMAT, "version": VERSION, "step": step, "time": time.time(),
+                        **meta, "files": files}
+                with open_for_write(tmp / META) as f:
+                    f.write((json.dumps(full, indent=1) + "\n").encode())
+                store.upload(name, tmp)
+            store.commit(name, tmp)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(describe_write_error(final, e)) from e
+        store.discard(name)
+        raise CheckpointWriteError(describe_write_error(store.location(name), e)) from e
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        store.discard(name)
         raise
-    for old in list_checkpoints(directory)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    for old in store.names()[:-keep]:
+        try:
+            store.delete(old)
+        except (OSError, StorageUnavailable):  # left for the next save's pass
+            pass
+    return store.location(name)
 
 
 class _CheckpointFile:
@@ -140,85 +161,118 @@ def open_for_write(path: Path) -> Iterator[_CheckpointFile]:
             raise
 
 
-def describe_write_error(path: Path, error: BaseException) -> str:
+def describe_write_error(path: str | Path, error: BaseException) -> str:
     """One line: what could not be written, why, and what to do."""
-    reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+    text = str(error).strip()
+    reason = getattr(error, "strerror", None) or (text.splitlines()[0] if text
+                                                   else type(error).__name__)
     return (f"cannot write checkpoint {path}: {reason} (free space or fix permissions, choose "
             "another checkpoint.dir, or set checkpoint.on_error: warn to train on without "
             "checkpoints)")
 
 
-def probe_writable(directory: Path) -> None:
-    """Fail early, before any training, when `directory` cannot hold files."""
-    directory = Path(directory)
-    probe = directory / f".write-probe-{os.getpid()}"
+def probe_writable(directory: Location) -> None:
+    """Fail early, before any training, when the checkpoint directory cannot hold files."""
+    store = as_store(directory)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"ringfeed")
-            f.flush()
-            os.fsync(f.fileno())
-        probe.unlink()
+        store.probe()
     except OSError as e:
-        with suppress(OSError):
-            probe.unlink(missing_ok=True)
-        raise CheckpointWriteError(describe_write_error(directory, e)) from e
+        raise CheckpointWriteError(describe_write_error(store.url, e)) from e
 
 
-def _fsync_tree(directory: Path) -> None:
-    """Payload files and their directory reach the disk before the rename publishes them."""
-    for p in directory.rglob("*"):
-        if p.is_file():
-            fsync_path(p)
-    fsync_path(directory)
+def remove_stale_temporaries(directory: Location) -> list[str]:
+    """What killed writes and deletes left; the names of incomplete checkpoints removed."""
+    return as_store(directory).remove_leftovers()
 
 
-def remove_stale_temporaries(directory: Path) -> None:
-    """Half-written checkpoints of a killed run (never renamed into place)."""
-    if Path(directory).is_dir():
-        for p in Path(directory).glob(f".{PREFIX}*.tmp-*"):
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def verify(path: Path) -> dict[str, Any]:
-    """The meta of a complete checkpoint; CheckpointError if anything is missing or altered."""
-    meta_path = Path(path) / META
+def parse_meta(data: bytes, where: str) -> dict[str, Any]:
+    """meta.json's content; CheckpointError if it is not a ringfeed checkpoint's."""
     try:
-        meta = json.loads(meta_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {META} (incomplete)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable {META} ({e})") from None
-    if meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
-        raise CheckpointError(f"{path}: {META} is not a ringfeed checkpoint")
-    for name, digest in meta["files"].items():
-        file = Path(path) / name
-        if not file.is_file():
-            raise CheckpointError(f"{path}: {name} is missing")
-        if sha256_file(file) != digest:
-            raise CheckpointError(f"{path}: {name} is corrupt or truncated (sha256 mismatch)")
+        meta = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where}: unreadable {META} ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT \
+            or not isinstance(meta.get("files"), dict):
+        raise CheckpointError(f"{where}: {META} is not a ringfeed checkpoint")
     return meta
 
 
-def find_resume_point(resume: str, directory: Path, log: Callable[[str], None]) -> Found | None:
+def check_files(where: str, directory: Path, meta: dict[str, Any]) -> None:
+    """CheckpointError unless every file of `meta` is in `directory` with its sha256."""
+    for name, digest in meta["files"].items():
+        file = Path(directory) / name
+        if not file.is_file():
+            raise CheckpointError(f"{where}: {name} is missing")
+        if sha256_file(file) != digest:
+            raise CheckpointError(f"{where}: {name} is corrupt or truncated (sha256 mismatch)")
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The meta of a complete local checkpoint; CheckpointError if anything is missing or
+    altered."""
+    try:
+        data = (Path(path) / META).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {META} (incomplete)") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable {META} ({e})") from None
+    meta = parse_meta(data, str(path))
+    check_files(str(path), Path(path), meta)
+    return meta
+
+
+def load_verified(store: CheckpointStore, name: str) -> Found:
+    """Checkpoint `name` of `store`, its files local and checked; CheckpointError if it is
+    incomplete or damaged (a storage error is raised as it is)."""
+    where = store.location(name)
+    try:
+        meta = parse_meta(store.read_meta(name), where)
+    except FileNotFoundError:
+        raise CheckpointError(f"{where}: no {META} (incomplete)") from None
+    local = store.fetch(name, list(meta["files"]))
+    try:
+        check_files(where, local, meta)
+    except BaseException:
+        store.release(local)
+        raise
+    return Found(where, meta, local, store)
+
+
+def find_resume_point(resume: str, directory: Location, log: Callable[[str], None],
+                      open_location: Callable[[str], CheckpointStore] | None = None
+                      ) -> Found | None:
     """`resume` is "none", "auto" (newest complete checkpoint in `directory`), a checkpoint
-    directory, or a directory of checkpoints. Corrupt ones are reported and passed over."""
+    (path or URL), or a directory of checkpoints; `open_location` opens the store of a path or
+    URL given as `resume` (default: without storage options). Damaged ones are reported and
+    passed over."""
     if resume == "none":
         return None
-    target = Path(directory if resume == "auto" else resume)
-    if (target / META).exists():  # one specific checkpoint: it must be good
+    opener = open_location or open_store
+    if resume == "auto":
+        store = as_store(directory)
+    else:
+        parent, name = parent_and_name(resume)
+        one = opener(parent)
         try:
-            return Found(target, verify(target))
-        except CheckpointError as e:
-            raise UserError(f"checkpoint.resume: {e}") from None
-    candidates = list_checkpoints(target)
-    for path in reversed(candidates):
+            one.read_meta(name)
+            named = True
+        except (FileNotFoundError, NotADirectoryError):
+            named = False
+        if named:  # one specific checkpoint: it must be good
+            try:
+                return load_verified(one, name)
+            except CheckpointError as e:
+                raise UserError(f"checkpoint.resume: {e}") from None
+        store = opener(resume)
+    candidates = store.names()
+    for name in reversed(candidates):
         try:
-            return Found(path, verify(path))
+            return load_verified(store, name)
         except CheckpointError as e:
             log(f"warning: skipping checkpoint {e}; trying the previous one")
     if resume != "auto":
-        raise UserError(f"checkpoint.resume: no usable checkpoint in {target}")
+        raise UserError(f"checkpoint.resume: no usable checkpoint in {store.url}")
     if candidates:
-        log(f"warning: no usable checkpoint in {target}; starting from scratch")
+        log(f"warning: no usable checkpoint in {store.url}; starting from scratch")
     return None
+

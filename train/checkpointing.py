@@ -1,37 +1,56 @@
-"""The checkpoint protocol of a run: where it resumes from, when it saves, how a failed write is
-handled. train/checkpoint.py has the files (atomic directories, verification, retention).
+"""The checkpoint protocol of a run: where it resumes from, when it saves, how a write is made
+(now, or in the background) and how a failed one is handled. train/checkpoint.py has the
+files (staging, verification, retention), train/checkpoint_store.py where they live (a local
+directory or object storage).
 
     restore()  collective: rank 0 probes checkpoint.dir, refuses a dir of an earlier run under
-               `resume: none`, removes stale temporaries, finds the checkpoint (`resume:
-               auto|PATH`) and loads it; every rank takes rank 0's state, or rank 0's error
+               `resume: none`, removes what killed writes left, finds the checkpoint (`resume:
+               auto|PATH|URL`), downloads and verifies it if remote, and loads it; every rank
+               takes rank 0's state, or rank 0's error
     due()      after a step: "signal" (SIGUSR1; SIGTERM saves, then the loop stops),
                "every_steps", or nothing
-    save()     collective: snapshot() on every rank, then write() by rank 0, the outcome agreed
-               by all ranks (checkpoint.on_error: fail raises on every rank, warn goes on)
+    save()     collective: snapshot() on every rank, then rank 0 writes it: at once
+               (checkpoint.async: false), or in a background thread while training goes on
+    drain()    collective: the end of the run (and SIGTERM's stop) waits for a write in flight
 
 Two halves, so the write can change without the protocol changing: `snapshot()` takes what must
 be saved (the meta, the RNG states of every rank, and the function that writes the model's
-payload) and `write()` puts a snapshot on disk, retention (`checkpoint.keep`) included.
+payload: of the live objects for a write made now, of a host-memory copy for one made in the
+background) and `write()` puts a snapshot in the store, retention (`checkpoint.keep`) included.
+
+Agreement: a write's outcome is known on rank 0 only. A synchronous save broadcasts it at once.
+An asynchronous one is collected at the next save() or at drain(), points every rank reaches
+(both are collective anyway): rank 0 waits there for the write in flight (at most one; the wait
+is logged), broadcasts its outcome, and every rank handles a failure alike under
+checkpoint.on_error (fail: all stop; warn: all go on). So a background write that fails is
+reported up to checkpoint.every_steps steps later, never by one rank alone.
+
+Every outcome is a `Saved`: the seconds training was blocked by the save and the seconds the
+write took, logged ("saved checkpoint ...") and handed to `record` (metrics.jsonl, summary.json).
 """
 
 from __future__ import annotations
 
+import copy as copy_module
+import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ringfeed.errors import UserError
+from ringfeed.errors import EXIT_STORAGE_UNAVAILABLE, EXIT_WRITE, UserError
+from ringfeed.remote import RetryPolicy, StorageUnavailable
 from ringfeed.train.backend import Backend, StepResult
 from ringfeed.train.checkpoint import (
     CheckpointWriteError,
-    checkpoint_path,
     find_resume_point,
     probe_writable,
     refuse_earlier_run,
     remove_stale_temporaries,
     write_checkpoint,
 )
+from ringfeed.train.checkpoint_store import CheckpointStore, open_store
 from ringfeed.train.config import RunConfig
 from ringfeed.train.runstate import TrainState
 
@@ -46,21 +65,79 @@ class Snapshot:
     write_payload: Callable[[Path], None]  # writes model, optimizer, scaler, RNG into a dir
 
 
+@dataclass(frozen=True)
+class Saved:
+    """The outcome of one checkpoint write, the same on every rank once agreed."""
+
+    step: int
+    reason: str
+    location: str | None  # its path or URL; None when it was not written
+    blocked_s: float  # seconds training waited for this save (rank 0's)
+    write_s: float  # seconds the write took: serialise, hash, write/upload, keep
+    error: str | None = None  # why it was not written
+    exit_code: int = EXIT_WRITE  # under on_error: fail (75: storage unavailable)
+
+    def describe(self) -> str:
+        return (f"training blocked {self.blocked_s:.2f}s, write {self.write_s:.2f}s")
+
+
+class BackgroundWriter:
+    """Rank 0's writer thread: one write at a time. The thread is not a daemon, so a process
+    that ends with a write in flight (an exception elsewhere) finishes it first."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._outcome: Saved | None = None
+
+    def start(self, write: Callable[[], Saved]) -> None:
+        assert self._thread is None, "one checkpoint write at a time"
+
+        def run() -> None:
+            self._outcome = write()
+
+        self._thread = threading.Thread(target=run, name="ringfeed-checkpoint-writer")
+        self._thread.start()
+
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None
+
+    def wait(self) -> Saved | None:
+        """The outcome of the write in flight once it is done (None if there is none)."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread, outcome, self._outcome = None, self._outcome, None
+        return outcome
+
+
 class Checkpointer:
     """Restores, saves and keeps the run's checkpoints. Its own state: the step whose save
-    failed under on_error: warn (not retried at the end)."""
+    failed under on_error: warn (not retried at the end), and rank 0's writer thread."""
 
     cfg: RunConfig
     backend: Backend
+    store: CheckpointStore
     failed_step: int
 
     def __init__(self, cfg: RunConfig, backend: Backend, say: Callable[[str], None],
-                 log: Callable[[str], None]):
-        """`say`: a line on rank 0 before the logs open; `log`: a line of the run's log."""
+                 log: Callable[[str], None], record: Callable[[Saved], None] | None = None):
+        """`say`: a line on rank 0 before the logs open; `log`: a line of the run's log;
+        `record`: each agreed outcome, for metrics.jsonl and summary.json (rank 0)."""
         self.cfg, self.backend = cfg, backend
-        self.section, self.directory = cfg.checkpoint, cfg.checkpoint_dir
-        self.say, self.log = say, log
+        self.section = cfg.checkpoint
+        self.policy = RetryPolicy(budget_s=cfg.data.retry_budget_s)
+        self.store = self.open(cfg.checkpoint_dir)
+        self.directory = self.store.url
+        self.say, self.log, self.record = say, log, record or (lambda saved: None)
         self.failed_step = -1
+        self.writer = BackgroundWriter()
+
+    def open(self, location: str) -> CheckpointStore:
+        """The store of a checkpoint path or URL, with checkpoint.storage_options; remote
+        checkpoints are staged under <output.dir>/.checkpoint-staging."""
+        return open_store(location, self.section.storage_options,
+                          Path(self.cfg.output.dir) / ".checkpoint-staging", self.policy)
 
     # -- restore ------------------------------------------------------------------------------
     def restore(self, pipe: Any, restarts: int) -> TrainState | None:
@@ -70,7 +147,7 @@ class Checkpointer:
         found = self._find() if self.backend.dist.is_root else None
         found = self.backend.broadcast_object(found)
         if found is not None and "error" in found:
-            raise UserError(found["error"], exit_code=found["exit_code"])
+            raise _error(found["error"], found["exit_code"])
         self.backend.sync_from_root(resumed=found is not None)
         restart = f"; restart {restarts} by `ringfeed run`" if restarts else ""
         if found is None:
@@ -80,7 +157,7 @@ class Checkpointer:
             return None
         meta, step = found["meta"], int(found["meta"]["step"])
         state = TrainState(step=step, epoch=int(meta["epoch"]),
-                           last_checkpoint=Path(found["path"]), saved_step=step)
+                           last_checkpoint=found["path"], saved_step=step)
         pipe.load_state_dict(meta["pipeline"])
         self.say(f"resumed from {found['path']} at step {state.step} (epoch {state.epoch}, "
                  f"saved by {meta.get('world_size')} rank(s)){restart}")
@@ -91,16 +168,22 @@ class Checkpointer:
         {"error", "exit_code"} of what stops the run."""
         try:
             self._probe()
-            refuse_earlier_run(self.section.resume, self.directory)
-            remove_stale_temporaries(self.directory)
-            hit = find_resume_point(self.section.resume, self.directory, self.say)
+            refuse_earlier_run(self.section.resume, self.store)
+            removed = remove_stale_temporaries(self.store)
+            if removed:
+                self.say(f"removed incomplete checkpoint(s) {', '.join(removed)} in "
+                         f"{self.directory} (a write or delete cut short)")
+            hit = find_resume_point(self.section.resume, self.store, self.say, self.open)
             if hit is None:
                 return None
-            if hit.meta.get("framework") != self.cfg.framework:
-                raise UserError(f"checkpoint {hit.path} was written by "
-                                f"{hit.meta.get('framework')}, not {self.cfg.framework}")
-            self.backend.read_payload(hit.path)
-            return {"path": str(hit.path), "meta": hit.meta}
+            try:
+                if hit.meta.get("framework") != self.cfg.framework:
+                    raise UserError(f"checkpoint {hit.location} was written by "
+                                    f"{hit.meta.get('framework')}, not {self.cfg.framework}")
+                self.backend.read_payload(hit.path)
+            finally:
+                hit.store.release(hit.path)
+            return {"path": hit.location, "meta": hit.meta}
         except Exception as e:  # noqa: BLE001 - re-raised on every rank by restore()
             return {"error": f"{e}", "exit_code": getattr(e, "exit_code", 2)}
 
@@ -108,7 +191,7 @@ class Checkpointer:
         """Fail before training when checkpoint.dir cannot hold files (on_error: warn says so
         and goes on)."""
         try:
-            probe_writable(self.directory)
+            probe_writable(self.store)
         except CheckpointWriteError as e:
             if self.section.on_error == "fail":
                 raise
@@ -128,44 +211,111 @@ class Checkpointer:
         """The end saves unless this step is saved already, or its save failed (warn)."""
         return state.saved_step != state.step and self.failed_step != state.step
 
-    def save(self, state: TrainState, pipe: Any, reason: str) -> Path | None:
-        """Collective: the checkpoint of `state.step` written, the same answer on every rank:
-        its path, or None when the write failed under on_error: warn (CheckpointWriteError
-        under fail)."""
-        return self.write(self.snapshot(state, pipe, reason))
+    def save(self, state: TrainState, pipe: Any, reason: str) -> list[Saved]:
+        """Collective: a checkpoint of `state.step`. Returns the writes this call saw finish,
+        agreed on every rank (a failed one has no location under on_error: warn; under fail
+        CheckpointWriteError, or StorageUnavailable, is raised on every rank): the one just
+        written, or with checkpoint.async, the previous one (this one goes on in the
+        background; drain() collects the last)."""
+        started = time.perf_counter()
+        done = self.drain()
+        snapshot = self.snapshot(state, pipe, reason, copy=self.section.async_write)
+        if not self.section.async_write:
+            return done + [self.write(snapshot, started)]
+        if self.backend.dist.is_root:
+            blocked = time.perf_counter() - started
+            self.writer.start(lambda: self._write(snapshot, blocked))
+        return done
 
-    def snapshot(self, state: TrainState, pipe: Any, reason: str) -> Snapshot:
+    def drain(self) -> list[Saved]:
+        """Collective: rank 0 waits for the write in flight (saying so when it had to wait);
+        its outcome, agreed on every rank ([] when none was in flight)."""
+        if not self.section.async_write:
+            return []
+        outcome = None
+        if self.writer.pending:  # (rank 0's; after an elastic reset maybe no longer rank 0)
+            started = time.perf_counter()
+            outcome = self.writer.wait()
+            waited = time.perf_counter() - started
+            if waited >= 0.01:
+                self.log(f"waited {waited:.2f}s for the checkpoint write of step "
+                         f"{outcome.step} (checkpoint.async: one write at a time)")
+        outcome = self.backend.broadcast_object(outcome if self.backend.dist.is_root else None)
+        return [] if outcome is None else [self._settle(outcome)]
+
+    def snapshot(self, state: TrainState, pipe: Any, reason: str, copy: bool = False
+                 ) -> Snapshot:
         """Collective: local SGD's replicas averaged (a checkpoint holds one model), every
-        rank's RNG state gathered on rank 0, and rank 0's meta."""
+        rank's RNG state gathered on rank 0, and rank 0's meta; with `copy`, rank 0's payload
+        copied to host memory (the only rank that writes), so training may go on."""
         backend, dist = self.backend, self.backend.dist
         backend.sync_replicas()
         rng = backend.rng_states()
-        meta = None
+        meta, write_payload = None, _nothing
         if dist.is_root:
             meta = {"framework": self.cfg.framework, "epoch": state.epoch,
-                    "world_size": dist.size, "reason": reason, "pipeline": pipe.state_dict(),
+                    "world_size": dist.size, "reason": reason,
+                    "pipeline": copy_module.deepcopy(pipe.state_dict()),
                     "config": self.cfg.model_dump(mode="json")}
-        return Snapshot(state.step, reason, meta,
-                        lambda directory: backend.write_payload(directory, rng))
+            write_payload = backend.payload(rng, copy)
+        return Snapshot(state.step, reason, meta, write_payload)
 
-    def write(self, snapshot: Snapshot) -> Path | None:
-        """Collective: rank 0 writes `snapshot` (keeping the newest checkpoint.keep) and every
-        rank learns whether it worked, so a failed write stops all ranks together (or, under
-        checkpoint.on_error: warn, none of them)."""
-        error = None
+    def write(self, snapshot: Snapshot, started: float | None = None) -> Saved:
+        """Collective: rank 0 writes `snapshot` now (keeping the newest checkpoint.keep) and
+        every rank learns whether it worked, so a failed write stops all ranks together (or,
+        under checkpoint.on_error: warn, none of them). `started`: when the save began (the
+        blocked time counts from there)."""
+        outcome = None
         if self.backend.dist.is_root:
-            try:
-                path = write_checkpoint(self.directory, snapshot.step, snapshot.meta,
+            outcome = self._write(snapshot, 0.0)
+            blocked = time.perf_counter() - started if started is not None else outcome.write_s
+            outcome = replace(outcome, blocked_s=blocked)
+        return self._settle(self.backend.broadcast_object(outcome))
+
+    def _write(self, snapshot: Snapshot, blocked_s: float) -> Saved:
+        """Rank 0 (the caller's thread or the writer's): `snapshot` into the store; the
+        outcome, an error included (never raised: the ranks agree on it first)."""
+        started = time.perf_counter()
+        location, error, code = None, None, EXIT_WRITE
+        try:
+            location = write_checkpoint(self.store, snapshot.step, snapshot.meta,
                                         snapshot.write_payload, self.section.keep)
-                self.log(f"saved checkpoint {path} ({snapshot.reason})")
-            except CheckpointWriteError as e:
-                error = str(e)
-        error = self.backend.broadcast_object(error)
-        if error is None:
-            return checkpoint_path(self.directory, snapshot.step)
+        except StorageUnavailable as e:
+            error, code = str(e), EXIT_STORAGE_UNAVAILABLE
+        except CheckpointWriteError as e:
+            error = str(e)
+        except Exception as e:  # noqa: BLE001 - a background write's failure is agreed first
+            if not self.section.async_write:
+                raise
+            error = f"cannot write checkpoint at step {snapshot.step}: {type(e).__name__}: {e}"
+        return Saved(snapshot.step, snapshot.reason, location, blocked_s,
+                     time.perf_counter() - started, error, code)
+
+    def _settle(self, outcome: Saved) -> Saved:
+        """Every rank: an agreed outcome logged and recorded; a failure raised (on_error:
+        fail) or remembered (warn)."""
+        if outcome.error is None:
+            self.log(f"saved checkpoint {outcome.location} ({outcome.reason}): "
+                     f"{outcome.describe()}")
+            self.record(outcome)
+            return outcome
+        self.record(outcome)
         if self.section.on_error == "fail":
-            raise CheckpointWriteError(f"at step {snapshot.step}: {error}")
-        self.failed_step = snapshot.step
-        self.log(f"warning: checkpoint at step {snapshot.step} NOT saved: {error}; "
+            raise _error(f"at step {outcome.step}: {outcome.error}", outcome.exit_code)
+        self.failed_step = outcome.step
+        self.log(f"warning: checkpoint at step {outcome.step} NOT saved: {outcome.error}; "
                  "training on (checkpoint.on_error: warn)")
-        return None
+        return outcome
+
+
+def _nothing(directory: Path) -> None:
+    """(the payload of a rank that does not write)"""
+
+
+def _error(message: str, exit_code: int) -> UserError:
+    """The exception that stops every rank alike for an error decided on rank 0."""
+    if exit_code == EXIT_STORAGE_UNAVAILABLE:
+        return StorageUnavailable(message)
+    if exit_code == EXIT_WRITE:
+        return CheckpointWriteError(message)
+    return UserError(message, exit_code=exit_code)

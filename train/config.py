@@ -23,12 +23,14 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     Tag,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from ringfeed.errors import UserError
@@ -36,6 +38,7 @@ from ringfeed.formats.manifest import ManifestError
 from ringfeed.formats.manifest_index import ManifestIndex, load_index
 from ringfeed.pipeline.config import PipelineConfig, WeightedSource, pipeline_config
 from ringfeed.train.checkpoint import refuse_earlier_run
+from ringfeed.train.checkpoint_store import is_remote
 from ringfeed.train.horovod_env import launch_problem
 from ringfeed.userhooks import IMPORT_PATH
 
@@ -219,6 +222,17 @@ class TrainSection(_Section):
     # GPUs by name and precision (train/throughput.py), none on CPU
     peak_tflops: PositiveFloat | None = None
     profile: ProfileSection | None = None  # null: off (`ringfeed train --profile`: defaults)
+    # The hang watchdog (train/watchdog.py): no rank making progress for this long ends the job
+    # with every live rank's stacks in <output.dir>/hang/, one line naming the stopped rank(s),
+    # exit 76 (restartable). null: off (and Horovod's Gloo timeout left alone). Off in elastic
+    # runs, where Horovod Elastic handles a lost worker.
+    hang_timeout_s: PositiveFloat | None = 300.0
+    # Added to hang_timeout_s at start-up (restore), the first step (tracing, compiling),
+    # validation, checkpoints and the end (a long checkpoint write on rank 0)
+    hang_grace_s: NonNegativeFloat = 600.0
+    # The slowest rank is named in the log when its own work per step (step time less the time
+    # in the step's collective) exceeds the median rank's by this fraction of the step time
+    straggler_margin: PositiveFloat = 0.2
 
     @field_validator("loss", "metrics")
     @classmethod
@@ -227,11 +241,23 @@ class TrainSection(_Section):
 
 
 class CheckpointSection(_Section):
-    dir: str | None = None  # default: <output.dir>/checkpoints
+    # (`async` is a Python keyword: the attribute is async_write, the YAML key `async`)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    # a local path or any fsspec URL (s3://bucket/run/checkpoints, gs://...); default:
+    # <output.dir>/checkpoints
+    dir: str | None = None
+    # fsspec options for a remote dir (and a checkpoint URL given as resume), as
+    # data.storage_options: endpoint_url, key, secret, ...
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    # true: every rank copies what it saves to host memory and training goes on while rank 0's
+    # background thread writes it (one write at a time; the next save, SIGTERM and the end
+    # wait for it)
+    async_write: bool = Field(False, alias="async")
     every_steps: PositiveInt | None = None  # plus one at the end of the run
     keep: PositiveInt = 3
     save_on_signal: bool = True  # SIGTERM: save and exit 143; SIGUSR1: save and go on
-    resume: str = "none"  # none | auto (newest complete checkpoint) | a checkpoint path
+    resume: str = "none"  # none | auto (newest complete checkpoint) | a checkpoint path/URL
     # A checkpoint that cannot be written (disk full, unwritable dir): fail = stop with exit 4;
     # warn = log it and train on without that checkpoint (the summary counts the failures).
     on_error: Literal["fail", "warn"] = "fail"
@@ -277,10 +303,36 @@ class HorovodSection(_Section):
 
 class OutputSection(_Section):
     dir: str = "runs/ringfeed"
-    tensorboard: bool = True
+    # Where rank 0's scalars, the config and the summary go besides metrics.jsonl
+    # (train/trackers.py): tensorboard (<dir>/tensorboard/), mlflow (MLFLOW_TRACKING_URI),
+    # wandb (WANDB_MODE, WANDB_PROJECT); [] for metrics.jsonl alone.
+    loggers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=lambda: ["tensorboard"])
     # samples.jsonl: the global sample ids (__index__) each step trained on, all ranks, written
     # by rank 0 (an audit of "every sample once"; costs one allgather per log_every steps).
     sample_log: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensorboard_key(cls, data: Any) -> Any:
+        """The key output.loggers replaced: `tensorboard: true|false` still reads as
+        loggers [tensorboard] | []."""
+        if not isinstance(data, dict) or "tensorboard" not in data:
+            return data
+        data = dict(data)
+        on = data.pop("tensorboard")
+        if "loggers" in data or not isinstance(on, bool):
+            raise ValueError("tensorboard: replaced by output.loggers (a list of tensorboard, "
+                             "mlflow, wandb): write loggers: [tensorboard] or loggers: []")
+        data["loggers"] = ["tensorboard"] if on else []
+        return data
+
+    @field_validator("loggers")
+    @classmethod
+    def _once_each(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"each logger once, got {v}")
+        return v
 
 
 class RunConfig(_Section):
@@ -295,8 +347,9 @@ class RunConfig(_Section):
     output: OutputSection = Field(default_factory=OutputSection)
 
     @property
-    def checkpoint_dir(self) -> Path:
-        return Path(self.checkpoint.dir or Path(self.output.dir) / "checkpoints")
+    def checkpoint_dir(self) -> str:
+        """checkpoint.dir: a local path or a URL (train/checkpoint_store.py)."""
+        return self.checkpoint.dir or str(Path(self.output.dir) / "checkpoints")
 
     @property
     def val_source(self) -> str | list[WeightedSource] | None:
@@ -463,6 +516,11 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
         raise UserError(f"{path}: data.order: global needs data.global_batch_size (the samples "
                         "of one optimizer step over all ranks)")
     _check_local_sgd(cfg, path)
+    from ringfeed.train.trackers import missing_package
+
+    missing = missing_package(cfg.output.loggers)
+    if missing:
+        raise UserError(f"{path}: {missing}")
     problem = launch_problem(cfg.horovod, os.environ)
     if problem:
         raise UserError(f"{path}: {problem}")
@@ -474,7 +532,8 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
                         "TensorFlow step is already one traced tf.function); set it false")
     if isinstance(d.normalize, NormalizeSection) and len(d.normalize.mean) != len(d.normalize.std):
         raise UserError(f"{path}: data.normalize: mean and std must have the same length")
-    if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():
+    if cfg.checkpoint.resume not in ("none", "auto") and not is_remote(cfg.checkpoint.resume) \
+            and not Path(cfg.checkpoint.resume).exists():  # (a URL is looked at on rank 0)
         raise UserError(f"{path}: checkpoint.resume: {cfg.checkpoint.resume} does not exist "
                         "(use auto, none or a checkpoint directory)")
     for field, value in (("model.name", cfg.model.name if ":" in cfg.model.name else None),
@@ -534,7 +593,8 @@ def _check_paths(cfg: RunConfig, path: str | Path) -> None:
                                 f"(fields: {', '.join(fields)})")
     # (Elastic runs check this when they start training: a worker joining a running job finds
     # the job's own checkpoints here.)
-    if not cfg.elastic.enabled:
+    # (A remote checkpoint.dir is listed once, on rank 0, when training starts.)
+    if not cfg.elastic.enabled and not is_remote(cfg.checkpoint_dir):
         try:
             refuse_earlier_run(cfg.checkpoint.resume, cfg.checkpoint_dir)
         except UserError as e:

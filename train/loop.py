@@ -40,7 +40,7 @@ from ringfeed import userhooks
 from ringfeed.errors import UserError
 from ringfeed.train import faults
 from ringfeed.train.backend import Backend, Dist
-from ringfeed.train.checkpointing import Checkpointer
+from ringfeed.train.checkpointing import Checkpointer, Saved
 from ringfeed.train.config import RunConfig
 from ringfeed.train.data import DataSpec, infer_spec, make_pipeline
 from ringfeed.train.elastic import ElasticRun
@@ -50,6 +50,7 @@ from ringfeed.train.reporting import Reporter
 from ringfeed.train.runstate import EXIT_PREEMPTED, Recovery, SignalRequests, TrainState
 from ringfeed.train.schedule import LRSchedule, make_schedule
 from ringfeed.train.supervise import RESTART_ENV
+from ringfeed.train.watchdog import Watchdog, limits_for
 
 
 class TrainingDiverged(UserError):
@@ -130,6 +131,7 @@ class Trainer:
     elastic: ElasticRun | None
     checkpointer: Checkpointer  # resume, save, keep
     reporter: Reporter  # logs, sample log, summary, throughput, profiler
+    watchdog: Watchdog | None  # the hang watchdog (train/watchdog.py); None when off
     state: TrainState
     recovery: Recovery
     # data: set by prepare(); again after an elastic world-size change
@@ -153,10 +155,13 @@ class Trainer:
                         if cfg.elastic.enabled else None)
         self.reporter = Reporter(cfg, self.backend)
         self.checkpointer = Checkpointer(cfg, self.backend, self.reporter.say,
-                                         self.reporter.info)
+                                         self.reporter.info, self.reporter.on_checkpoint_saved)
         self.state = TrainState()
         self.recovery = Recovery(restarts=int(os.environ.get(RESTART_ENV, "0") or 0))
         self.train_pipe = self.val_pipe = self.loader = self.val_loader = None
+        limits = limits_for(cfg)
+        self.watchdog = (Watchdog(self.dist.rank, self.dist.size, limits, cfg.output.dir)
+                         if limits is not None else None)
 
     # -- the run ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -168,6 +173,8 @@ class Trainer:
                 signals = SignalRequests(self.cfg.checkpoint.save_on_signal)
                 stopped = self.elastic.run(signals)
             else:
+                if self.watchdog is not None:  # (collective: the hub's address)
+                    self.watchdog.start(self.backend.broadcast_object)
                 self.start()
                 signals = SignalRequests(self.cfg.checkpoint.save_on_signal)
                 stopped = self.train(signals)
@@ -202,6 +209,8 @@ class Trainer:
             self.loader = self.backend.loader(self.train_pipe)
             self.val_loader = self.backend.loader(self.val_pipe) if self.val_pipe else None
         self.reporter.start_timing(self.state.step)
+        if self.watchdog is not None:
+            self.watchdog.first_step = self.state.step  # its first step gets hang_grace_s
         while self.state.step < self.total_steps:
             if self.epoch(signals):
                 return True
@@ -216,6 +225,7 @@ class Trainer:
         state.epoch = pipe.epoch
         # read the next epoch ahead only if the run goes on into it
         pipe.expect_next_epoch(state.step + pipe.batches_remaining // k < self.total_steps)
+        self.phase("data")
         for micro, waited in micro_batch_groups(self.loader, k, self.reporter.profiler):
             if self.step(micro, waited, signals):
                 return True
@@ -232,15 +242,23 @@ class Trainer:
         state, val_every = self.state, self.cfg.train.val_every
         if state.step + 1 in self.cfg.data.skip_steps:
             return self.skip_step(micro)
+        self.phase("step")
         faults.before_step(state.step + 1, self.dist.rank)
         lr = self.schedule(state.step)
+        started = time.perf_counter()
         with self.reporter.span("ringfeed.step", step=state.step + 1):
             result = self.backend.train_step(micro, lr, signals.take())
+        # the time this rank spent in the step's collective (per-rank figures, reporting.py):
+        # the backend's own count where it has one, else the whole step
+        collective_s = getattr(self.backend, "collective_s", None)
+        if collective_s is None:
+            collective_s = time.perf_counter() - started
         if not result.finite:  # every rank sees the same averaged loss: all stop here
             raise TrainingDiverged.at(result.loss, state)
         state.step += 1
         userhooks.note_step(state.step)
-        self.reporter.on_step(state, result, micro, lr, waited)
+        self.phase("report")
+        self.reporter.on_step(state, result, micro, lr, waited, collective_s)
         if val_every and state.step % val_every == 0:
             self.validate()
         reason = self.checkpointer.due(state.step, result)
@@ -249,6 +267,7 @@ class Trainer:
         if self.elastic is not None:
             self.elastic.after_step(state.step)
         self.reporter.on_step_end(state.step)
+        self.phase("data")
         return result.stop_requested
 
     def skip_step(self, micro: list[Any]) -> bool:
@@ -265,6 +284,7 @@ class Trainer:
         """Collective: the validation metrics of the model as it is now."""
         if self.val_pipe is None:
             return
+        self.phase("validate")
         metrics = evaluate(self.backend, self.val_pipe, self.val_loader)
         self.state.last_val_step = self.state.step
         self.reporter.on_validate(self.state, metrics)
@@ -272,26 +292,40 @@ class Trainer:
     def save(self, reason: str) -> None:
         """Collective: a checkpoint of this step (samples.jsonl covers it); a failed write under
         checkpoint.on_error: warn is counted and training goes on."""
+        self.phase("checkpoint")
         self.reporter.on_checkpoint()
-        path = self.checkpointer.save(self.state, self.train_pipe, reason)
-        if path is None:
-            self.recovery.failed_checkpoints += 1
-        else:
-            self.state.last_checkpoint, self.state.saved_step = path, self.state.step
+        self.count_saved(self.checkpointer.save(self.state, self.train_pipe, reason))
+        self.state.saved_step = self.state.step  # (written, being written, or failed: warn)
+
+    def count_saved(self, outcomes: list[Saved]) -> None:
+        """Writes the checkpointer saw finish (with checkpoint.async, a save or the end
+        collects the one before): the newest complete checkpoint, and failures counted."""
+        for saved in outcomes:
+            if saved.location is None:
+                self.recovery.failed_checkpoints += 1
+            else:
+                self.state.last_checkpoint = saved.location
 
     def wrap_up(self, stopped: bool) -> None:
         """Collective: the last validation and checkpoint, the summary, and a barrier."""
         state = self.state
+        self.phase("end")
         if not stopped:
             if self.val_pipe is not None and state.last_val_step != state.step:
                 self.validate()
             if self.checkpointer.due_at_end(state):
                 self.save("end")
+        self.count_saved(self.checkpointer.drain())  # a write in flight (checkpoint.async)
         self.reporter.finish("stopped by SIGTERM" if stopped else "finished", state,
                              self.recovery, self.steps_per_epoch)
         # Nobody leaves before rank 0 has written everything: a launcher kills the rest
         # of the job as soon as one rank exits.
         self.backend.allreduce_sum({"done": 0.0})
+
+    def phase(self, name: str) -> None:
+        """Tell the hang watchdog where this rank is (train/watchdog.py PHASES)."""
+        if self.watchdog is not None:
+            self.watchdog.at(self.state.step, name)
 
     # -- data and steps -----------------------------------------------------------------------
     def build_pipelines(self) -> None:
@@ -373,7 +407,9 @@ class Trainer:
         self.loader = self.val_loader = None
 
     def close(self) -> None:
-        """Profiler, logs, loaders and pipelines closed (also after an error)."""
+        """Watchdog, profiler, logs, loaders and pipelines closed (also after an error)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.reporter.close()
         self.close_loaders()
 

@@ -15,7 +15,8 @@
 
 Rules: rank 0 writes every file; every method is called on every rank in the same order, and
 those marked collective talk to all ranks (the sample log's allgather every log_every steps,
-the mixture shares' allreduce on log steps). Trackers (MLflow, W&B) belong here as hooks.
+the mixture shares' allreduce on log steps). Rank 0's trackers (output.loggers: TensorBoard,
+MLflow, W&B; train/trackers.py) are opened at the first open() and closed by close().
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from collections import deque
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,10 +34,22 @@ from ringfeed.fsutil import atomic_write_text
 from ringfeed.train.backend import Backend, StepResult
 from ringfeed.train.config import RunConfig
 from ringfeed.train.data import LM, DataSpec
-from ringfeed.train.metrics import RunLogger, SampleLog, Throughput, output_dir_error
+from ringfeed.train.metrics import (
+    RankTimes,
+    RunLogger,
+    SampleLog,
+    Throughput,
+    output_dir_error,
+    per_rank,
+    straggler,
+)
 from ringfeed.train.profile import StepProfiler
 from ringfeed.train.runstate import Recovery, TrainState
 from ringfeed.train.throughput import Accounting, FlopCount, resolve_peak
+from ringfeed.train.trackers import ScalarSink, close_sinks, open_sinks
+
+if TYPE_CHECKING:
+    from ringfeed.train.checkpointing import Saved
 
 STORAGE_COUNTS = ("storage_retries", "storage_throttles", "storage_wait_s")
 
@@ -61,7 +74,11 @@ class Reporter:
     first_step_s: float | None  # how long that first step took: the warm-up
     t_last: float  # when the previous step ended
     accounting: Accounting | None  # FLOPs per sample, peak (rank 0, once)
+    rank_times: RankTimes  # this rank's step, data-wait and own-work times
+    stragglers: dict[int, int]  # rank -> log windows that named it the straggler
+    last_straggler: int | None  # the previous log window's
     profiler: StepProfiler | None  # train.profile's window; None when off
+    checkpoint_costs: list[tuple[float, float]]  # (blocked s, write s) of each checkpoint
 
     def __init__(self, cfg: RunConfig, backend: Backend):
         self.cfg, self.backend = cfg, backend
@@ -75,6 +92,11 @@ class Reporter:
         self.first_step, self.first_step_s = 0, None
         self.t_last = time.perf_counter()
         self.accounting = self.profiler = None
+        self.sinks: list[ScalarSink] | None = None  # rank 0's trackers, open for the whole run
+        self.checkpoint_costs = []
+        self.rank_times = RankTimes()
+        self.stragglers = {}
+        self.last_straggler = None
 
     def say(self, message: str) -> None:
         """Print on rank 0."""
@@ -108,8 +130,13 @@ class Reporter:
                 raise output_dir_error(out, e) from None
         if dist.is_root and self.accounting is None:
             self.accounting = count_throughput(self.backend, spec, pipe, cfg.train.peak_tflops)
+        if dist.is_root and self.sinks is None:
+            # a resumed run continues the tracker runs in output.dir/trackers.json
+            self.sinks = open_sinks(cfg.output.loggers, out,
+                                    resume=step > 0 or cfg.checkpoint.resume != "none",
+                                    config=cfg.model_dump(mode="json"))
         self.logger = RunLogger(out, dist.is_root, total_steps, global_batch,
-                                cfg.train.log_every, cfg.output.tensorboard,
+                                cfg.train.log_every, sinks=self.sinks or (),
                                 start_step=step, accounting=self.accounting)
         self._open_profiler()
         self.pending_ids = []
@@ -130,12 +157,14 @@ class Reporter:
         return self.profiler.span(name, step=step)
 
     def on_step(self, state: TrainState, result: StepResult, micro: list[Any], lr: float,
-                waited: float) -> None:
-        """After optimizer step `state.step` (collective on log steps: mixture shares, and the
+                waited: float, collective_s: float = 0.0) -> None:
+        """After optimizer step `state.step`, which spent `collective_s` in its collective
+        (RankTimes) (collective on log steps: the per-rank figures, mixture shares, and the
         sample log's allgather)."""
         step, now = state.step, time.perf_counter()
         if step > self.first_step + 1:  # the first step traces/compiles: not timed
             self.totals.add(self.global_batch, now - self.t_last, waited)
+            self.rank_times.add(now - self.t_last, waited, collective_s)
         else:  # its cost is reported instead: the warm-up (tf.function tracing, compiling)
             self.first_step_s = now - self.t_last
         self.recent_losses.append(result.loss)
@@ -143,10 +172,11 @@ class Reporter:
         log_step = step % self.cfg.train.log_every == 0
         shares = (self.mixture_shares() if self.mixture_samples is not None and (
             log_step or step == self.total_steps) else {})  # (collective: steps every rank logs)
+        ranks = self.rank_figures(step) if log_step or step == self.total_steps else {}
         # grad norm / loss scale are read (a device sync) only when a log line is written
         self.logger.train_step(step, state.epoch, result.loss, lr, now - self.t_last, waited,
                                lambda: {**step_extras(result), **shares,
-                                        **self._storage_waits()})
+                                        **self._storage_waits(), **ranks})
         if self.sample_log is not None:
             self.pending_ids.append((step, state.epoch, ids))
             if log_step:
@@ -157,6 +187,60 @@ class Reporter:
         stats = self.pipe.stats()
         return ({k: float(stats[k]) for k in STORAGE_COUNTS} if stats.get("storage_retries")
                 else {})
+
+    def rank_figures(self, step: int) -> dict[str, Any]:
+        """Collective (one small allreduce): every rank's means per step over the window since
+        the last log step - step time, data wait, own work (busy) - and its storage wait, for
+        metrics.jsonl; the straggler, if one is behind by train.straggler_margin, is named in
+        the log."""
+        dist = self.backend.dist
+        names = ("step_s", "data_wait_s", "busy_s", "storage_wait_s")
+        mine = self.rank_times.take_window(float(self.pipe.stats().get("storage_wait_s", 0.0)))
+        figures = per_rank(dict(zip(names, mine, strict=True)), dist.rank, dist.size,
+                           self.backend.allreduce_sum)
+        record: dict[str, Any] = {f"rank_{name}": values for name, values in figures.items()}
+        step_s = float(np.median(figures["step_s"]))
+        found = straggler(figures["busy_s"], step_s, self.cfg.train.straggler_margin)
+        rank = None if found is None else found[0]
+        if found is not None:
+            lag = found[1]
+            self.stragglers[rank] = windows = self.stragglers.get(rank, 0) + 1
+            record["straggler"] = rank
+        # said when the straggler changes, then every 50th window it stays (metrics.jsonl has
+        # every window's)
+        if found is not None and (rank != self.last_straggler or windows % 50 == 0):
+            self.info(f"straggler: rank {rank} is behind at step {step}: its own work is "
+                      f"{lag:.3f} s per step over the other ranks' median ({100 * lag / step_s:.0f}%"
+                      f" of the {step_s:.3f} s step; data wait {figures['data_wait_s'][rank]:.3f}"
+                      f" s/step, storage wait {figures['storage_wait_s'][rank]:.1f} s; "
+                      f"{windows} log window(s) so far)")
+        elif found is None and self.last_straggler is not None:
+            self.info(f"straggler: none at step {step} (rank {self.last_straggler} caught up)")
+        self.last_straggler = rank
+        return record
+
+    def rank_summary(self) -> dict[str, Any]:
+        """Collective (one small allreduce): summary.json's "ranks": p50/p90/max of each
+        rank's step time, data wait and own work per step, its storage wait, and the straggler
+        over the whole run (by the ranks' median own work), with the log windows that named
+        each rank."""
+        dist = self.backend.dist
+        keys = [f"{name}/{p}" for name in RankTimes.FIELDS for p in ("p50", "p90", "max")]
+        storage = float(self.pipe.stats().get("storage_wait_s", 0.0))
+        figures = per_rank({**dict(zip(keys, self.rank_times.percentiles(), strict=True)),
+                            "storage_wait_s": storage}, dist.rank, dist.size,
+                           self.backend.allreduce_sum)
+        ranks: dict[str, Any] = {name: {p: figures[f"{name}/{p}"] for p in ("p50", "p90", "max")}
+                                 for name in RankTimes.FIELDS}
+        ranks["storage_wait_s"] = figures["storage_wait_s"]
+        step_s = float(np.median(figures["step_s/p50"]))
+        found = straggler(figures["busy_s/p50"], step_s, self.cfg.train.straggler_margin)
+        ranks["straggler"] = None if found is None else {
+            "rank": found[0], "lag_s": found[1],
+            "share_of_step": found[1] / step_s if step_s else 0.0}
+        ranks["named_in_log"] = {str(r): n for r, n in sorted(self.stragglers.items())}
+        ranks["margin"] = self.cfg.train.straggler_margin
+        return ranks
 
     def on_step_end(self, step: int) -> None:
         """Step `step` and what followed it (validation, checkpoint, commit) are done."""
@@ -172,6 +256,25 @@ class Reporter:
         """Validation metrics at `state.step` (the summary's "val" is the last)."""
         self.last_val = metrics
         self.logger.validation(state.step, state.epoch, metrics)
+
+    def on_checkpoint_saved(self, saved: Saved) -> None:
+        """A checkpoint write the ranks agreed on (train/checkpointing.py): what it cost, as
+        an event in metrics.jsonl and in summary.json's totals."""
+        self.checkpoint_costs.append((saved.blocked_s, saved.write_s))
+        if self.logger is not None:
+            self.logger.event(saved.step, {
+                "event": "checkpoint", "path": saved.location, "reason": saved.reason,
+                "blocked_s": round(saved.blocked_s, 4), "write_s": round(saved.write_s, 4),
+                **({"error": saved.error} if saved.error else {})})
+
+    def checkpoint_summary(self) -> dict[str, Any]:
+        """summary.json's checkpoint costs: seconds training was blocked and seconds the
+        writes took, total and largest, over this run's checkpoints."""
+        blocked = [b for b, _ in self.checkpoint_costs]
+        written = [w for _, w in self.checkpoint_costs]
+        return {"checkpoints_written": len(self.checkpoint_costs),
+                "checkpoint_blocked_s": {"total": sum(blocked), "max": max(blocked, default=0.0)},
+                "checkpoint_write_s": {"total": sum(written), "max": max(written, default=0.0)}}
 
     def on_checkpoint(self) -> None:
         """Collective: before a checkpoint or a commit, samples.jsonl catches up."""
@@ -197,6 +300,7 @@ class Reporter:
         waits = backend.allreduce_sum({
             "wait": totals.data_wait_s, "step": totals.step_s,
             **{k: float(stats.get(k, 0)) for k in STORAGE_COUNTS}})
+        ranks = self.rank_summary()
         summary = {
             "status": status, "framework": self.cfg.framework, "world_size": backend.dist.size,
             "step": state.step, "epoch": state.epoch,
@@ -209,10 +313,12 @@ class Reporter:
             "data_wait_share": waits["wait"] / waits["step"] if waits["step"] else 0.0,
             "checkpoint": str(state.last_checkpoint) if state.last_checkpoint else None,
             "recovery": asdict(recovery), "recovery_text": recovery.describe(),
+            **self.checkpoint_summary(),  # what checkpoints cost: blocked and write seconds
             "pipeline": stats,  # rank 0's
             # storage faults every rank's reads waited out (pipeline/README.md)
             "storage": {k.removeprefix("storage_"): waits[k] for k in STORAGE_COUNTS},
             "communication": backend.comm_stats(),  # allreduce bytes per sample, ...
+            "ranks": ranks,  # per rank: step time, data wait, own work percentiles; straggler
             "throughput": (self.accounting.summary(totals.samples_per_s)
                            if self.accounting is not None else None),
         }
@@ -225,10 +331,13 @@ class Reporter:
         self.logger.summary(summary)
 
     def close(self) -> None:
-        """The profiler's window and the logs, closed (idempotent)."""
+        """The profiler's window, the logs and the trackers, closed (idempotent)."""
         if self.profiler is not None:
             self.profiler.close()
         self._close_logs()
+        sinks, self.sinks = self.sinks, None
+        if sinks:
+            close_sinks(sinks)
 
     # -- parts --------------------------------------------------------------------------------
     def _count_samples(self, micro: list[Any]) -> list:

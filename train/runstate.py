@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from ringfeed.errors import EXIT_PREEMPTED
@@ -18,21 +17,18 @@ class TrainState:
 
     step: int = 0  # optimizer steps completed
     epoch: int = 0  # the train pipeline's epoch
-    last_checkpoint: Path | None = None
+    last_checkpoint: str | None = None  # its path or URL
     saved_step: int = -1
     last_val_step: int = -1
 
     def as_plain(self) -> dict[str, Any]:
         """Plain values (the checkpoint path as text): what an elastic commit holds."""
-        plain = asdict(self)
-        plain["last_checkpoint"] = str(self.last_checkpoint) if self.last_checkpoint else None
-        return plain
+        return asdict(self)
 
     @classmethod
     def from_plain(cls, plain: dict[str, Any]) -> TrainState:
         """The inverse of as_plain()."""
-        checkpoint = plain.get("last_checkpoint")
-        return cls(**{**plain, "last_checkpoint": Path(checkpoint) if checkpoint else None})
+        return cls(**plain)
 
 
 @dataclass

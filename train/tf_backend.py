@@ -98,6 +98,13 @@ def make_optimizer(optim, grad_clip: float | None) -> keras.optimizers.Optimizer
     return cls(beta_1=beta_1, beta_2=beta_2, epsilon=1e-8, **common)
 
 
+def _write_tf_checkpoint(checkpoint: tf.train.Checkpoint, directory: Path) -> None:
+    try:
+        checkpoint.write(str(Path(directory) / CHECKPOINT_PREFIX))
+    except tf.errors.OpError as e:  # a full disk, a read-only directory: the I/O error
+        raise OSError(e.message.strip().splitlines()[0]) from e
+
+
 class TFCheckpoints:
     """The checkpoint payload of TFBackend (CheckpointBackend, train/backend.py): model and
     optimizer variables in one tf.train.Checkpoint (Keras keeps the dropout RNG state in the
@@ -117,13 +124,26 @@ class TFCheckpoints:
         # saved with the model; nothing per rank to gather.
         return None
 
-    def write_payload(self, directory: Path, rng_states: Any) -> None:
+    def payload(self, rng_states: Any, copy: bool) -> Callable[[Path], None]:
         if self.sync_every > 1:
             self._steps_var.assign(self._local_steps)
-        try:
-            self.checkpoint.write(str(Path(directory) / CHECKPOINT_PREFIX))
-        except tf.errors.OpError as e:  # a full disk, a read-only directory: the I/O error
-            raise OSError(e.message.strip().splitlines()[0]) from e
+        if not copy:
+            return lambda directory: _write_tf_checkpoint(self.checkpoint, directory)
+        # Host copies (numpy) of every variable's value now; the writer rebuilds the same
+        # object graph (lists of variables under the same names) from them, so the checkpoint
+        # reads back exactly like one written from the live variables.
+        values = {name: [np.array(v.numpy(), copy=True) for v in variables]
+                  for name, variables in self._payload.items()}
+        steps = int(self._steps_var.numpy()) if self.sync_every > 1 else None
+
+        def write(directory: Path) -> None:
+            graph: dict[str, Any] = {name: [tf.Variable(a, trainable=False) for a in arrays]
+                                     for name, arrays in values.items()}
+            if steps is not None:
+                graph["local_sgd_steps"] = tf.Variable(steps, dtype=tf.int64, trainable=False)
+            _write_tf_checkpoint(tf.train.Checkpoint(**graph), directory)
+
+        return write
 
     def read_payload(self, directory: Path) -> None:
         prefix = str(Path(directory) / CHECKPOINT_PREFIX)

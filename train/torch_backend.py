@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,42 @@ def average_tensors(tensors: list[torch.Tensor], name: str) -> int:
     return total
 
 
+class HostCopy:
+    """Copies of a state dict's tensors in host memory, for a checkpoint written while
+    training goes on. The buffers are kept and refilled by the next copy (no allocation, no
+    page faults after the first): the checkpointer writes one copy at a time and takes the
+    next only once the previous is written. On a GPU they are pinned, so the device-to-host
+    copies run at full speed. Tensors that share storage (tied weights) share their copy."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def take(self, obj: Any) -> Any:
+        """`obj` (nested dicts, lists, tuples) with every tensor copied to host memory."""
+        buffers, self._buffers = self._buffers, {}
+        return self._copy(obj, (), buffers, {})
+
+    def _copy(self, obj: Any, path: tuple, old: dict[tuple, torch.Tensor],
+              shared: dict[tuple, torch.Tensor]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            storage = (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride())
+            if obj.numel() and storage in shared:
+                return shared[storage]
+            key = (path, obj.dtype, tuple(obj.shape))
+            buffer = old.get(key)
+            if buffer is None:
+                buffer = torch.empty(obj.shape, dtype=obj.dtype, device="cpu",
+                                     pin_memory=obj.device.type == "cuda")
+            buffer.copy_(obj.detach())
+            self._buffers[key] = shared[storage] = buffer
+            return buffer
+        if isinstance(obj, dict):
+            return {k: self._copy(v, (*path, k), old, shared) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._copy(v, (*path, i), old, shared) for i, v in enumerate(obj))
+        return copy.deepcopy(obj)
+
+
 class TorchCheckpoints:
     """The checkpoint payload of TorchBackend (CheckpointBackend, train/backend.py): model,
     optimizer, GradScaler and every rank's RNG state in one `state.pt`, loadable with
@@ -140,6 +177,7 @@ class TorchCheckpoints:
     _unsynced: int
     _moments_everywhere: bool
     _loaded_rng: list[dict[str, torch.Tensor]] | None
+    _host_copy: HostCopy
     broadcast_object: Callable[[Any], Any]
     _has_moments: Callable[[], bool]
 
@@ -150,13 +188,19 @@ class TorchCheckpoints:
         gathered = hvd.allgather_object(state, name="ringfeed.rng")
         return gathered if self.dist.is_root else None
 
-    def write_payload(self, directory: Path, rng_states: Any) -> None:
+    def payload(self, rng_states: Any, copy: bool) -> Callable[[Path], None]:
         payload = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                    "scaler": self.scaler.state_dict(), "rng": rng_states}
         if self.sync_every > 1:  # where the sync period stands, for an exact resume
             payload["local_sgd_steps"] = self._local_steps
-        with open_for_write(Path(directory) / STATE_FILE) as f:
-            torch.save(payload, f)
+        if copy:
+            payload = self._host_copy.take(payload)
+
+        def write(directory: Path) -> None:
+            with open_for_write(Path(directory) / STATE_FILE) as f:
+                torch.save(payload, f)
+
+        return write
 
     def read_payload(self, directory: Path) -> None:
         # weights_only: tensors and plain containers only, no arbitrary pickle.
@@ -215,6 +259,7 @@ class TorchBackend(TorchCheckpoints, HorovodBackend):
             self.device = torch.device("cuda", gpu)
         self.amp_dtype = AMP_DTYPES.get(cfg.train.precision)
         self._loaded_rng: list[dict[str, torch.Tensor]] | None = None
+        self._host_copy = HostCopy()
 
     # -- setup --------------------------------------------------------------------------------
     def build(self, spec: DataSpec, accumulate: int | None = None) -> None:
@@ -313,11 +358,15 @@ class TorchBackend(TorchCheckpoints, HorovodBackend):
             # (Local SGD: plain accumulation in .grad, no allreduce.)
             with self.span("ringfeed.backward"):
                 self.scaler.scale(loss / k).backward()
+        synced = time.perf_counter()
         with self.span("ringfeed.allreduce"):
             if not local:
                 self.optimizer.synchronize()
             # The one host synchronisation of a step: every rank decides on the same numbers.
             stats = hvd.synchronize(stats).tolist()
+        # blocked here: the allreduce's own time and the wait for the slowest rank (the loop's
+        # per-rank figures: this rank's own work is the step time less this)
+        self.collective_s = time.perf_counter() - synced
         if not math.isfinite(stats[0]):
             # Nothing is applied: the loop stops the run on every rank (exit 3).
             self.optimizer.zero_grad()
