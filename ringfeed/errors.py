@@ -20,6 +20,7 @@ EXIT_CONFIG = 2
 EXIT_DIVERGED = 3
 EXIT_WRITE = 4
 EXIT_STORAGE_UNAVAILABLE = 75  # sysexits.h EX_TEMPFAIL: "try again later"
+EXIT_HANG = 76  # the hang watchdog (train/watchdog.py) ended a job no rank moved in
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what a shell reports for a job ended by SIGTERM
 
@@ -55,6 +56,9 @@ EXIT_STATUSES: tuple[ExitStatus, ...] = (
                "written (disk full, read-only, not a directory)", False),
     ExitStatus(EXIT_STORAGE_UNAVAILABLE, "ringfeed: storage unavailable:", "object storage "
                "failed for the whole data.retry_budget_s", True),
+    ExitStatus(EXIT_HANG, "ringfeed: hang:", "no rank made progress for train.hang_timeout_s "
+               "(the line names the rank(s) that stopped and where; every live rank's Python "
+               "stacks are in <output.dir>/hang/)", True),
     ExitStatus(EXIT_INTERRUPTED, "ringfeed: interrupted", "SIGINT (Ctrl-C)", False),
     ExitStatus(EXIT_PREEMPTED, "", "stopped by SIGTERM (after saving a checkpoint once "
                "training started)", True),

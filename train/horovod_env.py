@@ -81,11 +81,37 @@ def launch_problem(section: Any, environ: MutableMapping[str, str]) -> str | Non
     return None
 
 
+def watchdog_env(hang_timeout_s: float | None, environ: MutableMapping[str, str]
+                 ) -> dict[str, str]:
+    """What the hang watchdog (train/watchdog.py, `hang_timeout_s`; None: off) needs from
+    Horovod: the hang is the watchdog's to end, with its line and the stacks, so nothing of
+    Horovod's may end the job first. Gloo's receive timeout (30 s by default: a stopped rank
+    ends the others with HorovodInternalError tracebacks) is raised to hang_timeout_s + 60 s
+    where it is lower, and the stall shutdown is off (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS 0,
+    Horovod's default; only a launcher's or user's value can set it). The stall check's warning
+    (HOROVOD_STALL_CHECK_TIME_SECONDS, 60 s), which names the ranks a collective waits for,
+    stays as it is. MPI and NCCL have no timeout of their own to raise."""
+    if hang_timeout_s is None:
+        return {}
+    from ringfeed.train.watchdog import gloo_timeout_s
+
+    gloo = gloo_timeout_s(hang_timeout_s)
+    try:
+        before = int(environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "0"))
+    except ValueError:
+        before = 0
+    return {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(max(gloo, before)),
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}
+
+
 def apply_horovod_env(section: Any, environ: MutableMapping[str, str] | None = None,
-                      say: Callable[[str], None] = print) -> dict[str, str]:
-    """Set the section's variables (before hvd.init()); returns them. The timeline's and
+                      say: Callable[[str], None] = print,
+                      hang_timeout_s: float | None = None) -> dict[str, str]:
+    """Set the section's variables (before hvd.init()), and those the hang watchdog needs
+    (`watchdog_env`; `hang_timeout_s` None: it is off); returns the section's. The timeline's and
     autotune log's directories are created, a failure naming the field."""
     environ = os.environ if environ is None else environ
+    environ.update(watchdog_env(hang_timeout_s, environ))
     env = horovod_env(section)
     for key in ("timeline", "autotune_log"):
         value = getattr(section, key)

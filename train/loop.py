@@ -12,6 +12,9 @@
                checkpoint every N steps or on request, and the elastic commit
     wrap_up()  the last validation and checkpoint, summary.json, a barrier
 
+The hang watchdog (train/watchdog.py) hears where each rank is: phase() at every move (data,
+step, report, validate, checkpoint, end); it runs from start() to close(), not in elastic runs.
+
 Components, each owning its state: the backend (model, optimizer, Horovod), the Checkpointer
 (train/checkpointing.py: resume, save, keep), the Reporter (train/reporting.py: logs, sample
 log, mixture shares, throughput, profiler, summary; the loop calls its hooks). k

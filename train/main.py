@@ -78,10 +78,11 @@ def run(args: argparse.Namespace) -> int:
                         "--max-np M --host-discovery-script SCRIPT ... ringfeed train CONFIG "
                         "--elastic (train/RECOVERY.md)")
     from ringfeed.train.horovod_env import apply_horovod_env
+    from ringfeed.train.watchdog import hang_timeout_s
 
     # Before anything loads Horovod's library: it reads the autotuner's sample settings when it
     # loads, the rest in hvd.init() (the backends apply the section again right before it).
-    apply_horovod_env(cfg.horovod)
+    apply_horovod_env(cfg.horovod, hang_timeout_s=hang_timeout_s(cfg))
     from ringfeed.train.loop import train
 
     return train(cfg)

@@ -5,13 +5,16 @@
                      the FLOP/peak accounting (rank 0, once) and the profiler (once)
     start_timing()   training starts: the first step of a stretch is the warm-up, not timed
     on_step()        after every optimizer step: the step's time, loss, lr, data wait, the
-                     sample ids and mixture counts; a log line every train.log_every steps
+                     sample ids and mixture counts; a log line every train.log_every steps,
+                     with every rank's figures (rank_figures: one small allreduce) and the
+                     straggler named
     on_step_end()    after the step's validation and checkpoint: the profiler's window moves
                      on and the clock restarts (validation and checkpoints are not step time)
     on_validate()    validation metrics
     on_checkpoint()  before a checkpoint or an elastic commit: samples.jsonl is flushed, so
                      it covers every step the checkpoint or commit holds
-    finish()         summary.json (collective: the data-wait share is averaged over ranks)
+    finish()         summary.json (collective: the data-wait share is averaged over ranks;
+                     each rank's percentiles gathered in one allreduce, rank_summary)
 
 Rules: rank 0 writes every file; every method is called on every rank in the same order, and
 those marked collective talk to all ranks (the sample log's allgather every log_every steps,

@@ -1,0 +1,475 @@
+"""The hang watchdog: a job in which no rank makes progress for `train.hang_timeout_s` ends with
+every live rank's Python stacks on disk, one line naming the rank(s) that stopped and where, and
+exit 76 (restartable: `ringfeed run` relaunches it with `--resume auto`).
+
+Progress cannot be learned through Horovod when a rank is stuck (every collective waits for
+it), so the watchdog talks over a side channel of its own: rank 0 hosts a small UDP hub, whose
+addresses reach the other ranks with one broadcast at start; every rank's watchdog thread sends
+it a heartbeat every `interval` seconds - (rank, steps done, phase, seconds since its position
+last changed) - and reads the verdict in the reply. UDP needs no shared filesystem and works
+across hosts (and under Gloo, MPI or NCCL alike); a lost datagram is only a missed beat.
+
+The rule (`judge`), on rank 0's hub:
+  - a rank's position is (steps done, phase), phases in loop order (PHASES); it progresses
+    when its position changes;
+  - the job is stalled when no rank's position changed for `limit` seconds, where `limit` is
+    hang_timeout_s plus the allowance of where the rank(s) furthest behind are: start-up, the
+    first step, validation, checkpoints and the end get `train.hang_grace_s` more (tracing,
+    compiling, a long checkpoint write on rank 0 while the others wait), the data phase
+    `data.retry_budget_s` more (a storage outage ends itself: the pipeline's exit 75);
+  - a rank whose heartbeats stopped (a stopped process, a frozen host; a live process beats
+    whatever its main thread does) gets no allowance: its silence is not work;
+  - named: the silent ranks if any, else the ranks furthest behind (all of them when every
+    rank is at the same place: a collective that never completes).
+When the hub fires, each live rank gets the verdict with its next reply, writes its stacks
+(faulthandler, every thread) to `<output.dir>/hang/rank-<r>.stacks` on its own host and
+acknowledges; rank 0 waits for the live ranks' acknowledgements (a few intervals at most),
+writes its own stacks and `hang/hang.json` (every rank's last position), prints the one line,
+and leaves with os._exit(76) (a thread cannot raise into a stuck collective); the other ranks
+leave with 76 once the hub is gone, and the launcher kills the stopped ones. If rank 0 is the
+one that stopped, each live rank decides alone: the hub silent and its own position unchanged
+for hang_timeout_s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ringfeed.errors import EXIT_HANG
+
+HANG_LINE = "ringfeed: hang:"  # the one line; not the not-restartable `ringfeed: error:`
+
+# Where a rank is, with the optimizer steps it has done, in loop order (train/loop.py sets them):
+# after step s it reports, validates, checkpoints, then waits for the data of step s + 1 and
+# takes it.
+PHASES = ("start", "report", "validate", "checkpoint", "data", "step", "end")
+BEFORE_STEP = frozenset({"start", "data", "step"})  # phases of the step after those done
+GRACE_PHASES = frozenset({"start", "validate", "checkpoint", "end"})
+PHASE_WORDS = {"start": "starting (restore, planning)", "data": "waiting for data",
+               "step": "in the step (forward, backward, allreduce)",
+               "report": "reporting (log gather)", "validate": "validating",
+               "checkpoint": "checkpointing", "end": "finishing (last validation, checkpoint)"}
+# A rank silent for this many heartbeat intervals is reported as stopped.
+SILENT_BEATS = 3
+GLOO_MARGIN_S = 60  # Gloo's receive timeout = hang_timeout_s + this: the watchdog speaks first
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How long the job may go without progress (seconds)."""
+
+    timeout: float  # train.hang_timeout_s
+    grace: float = 0.0  # train.hang_grace_s: start-up, first step, validation, checkpoints, end
+    data: float = 0.0  # data.retry_budget_s: a storage outage ends itself (exit 75)
+
+    def allowed(self, phase: str, step: int, first_step: int, silent: bool) -> float:
+        """The stall allowed while a (the) rank furthest behind is at (step, phase)."""
+        if silent:
+            return self.timeout
+        if phase in GRACE_PHASES or (step == first_step and phase in ("data", "step")):
+            return self.timeout + self.grace
+        if phase == "data":
+            return self.timeout + self.data
+        return self.timeout
+
+
+@dataclass
+class Seen:
+    """The hub's record of one rank, in the hub's monotonic clock."""
+
+    heard_at: float  # the last heartbeat's arrival
+    step: int = 0
+    phase: str = "start"
+    moved_at: float = 0.0  # when its position last changed
+    dumped: bool = False  # it wrote its stacks after a verdict
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.step, PHASES.index(self.phase)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A hang: the ranks named, the stall, and the one line."""
+
+    named: tuple[int, ...]
+    silent: tuple[int, ...]
+    stalled_s: float
+    line: str
+
+
+def judge(now: float, seen: dict[int, Seen], limits: Limits, first_step: int,
+          beat_s: float, out_dir: str) -> Verdict | None:
+    """The hub's rule (module docstring): a Verdict when the job is hung, else None."""
+    stalled = now - max(s.moved_at for s in seen.values())
+    silent = tuple(r for r, s in sorted(seen.items()) if now - s.heard_at > SILENT_BEATS * beat_s)
+    if silent:
+        named = silent
+    else:
+        lowest = min(s.position for s in seen.values())
+        named = tuple(r for r, s in sorted(seen.items()) if s.position == lowest)
+    allowed = min(limits.allowed(seen[r].phase, seen[r].step, first_step, r in silent)
+                  for r in named)
+    if stalled <= allowed:
+        return None
+    return Verdict(named, silent, stalled, hang_line(now, seen, named, silent, stalled,
+                                                      limits.timeout, out_dir))
+
+
+def hang_line(now: float, seen: dict[int, Seen], named: tuple[int, ...],
+              silent: tuple[int, ...], stalled: float, timeout: float, out_dir: str) -> str:
+    """`ringfeed: hang: <who, where>; ...; exit 76 (restartable)` on one line."""
+    def where(r: int) -> str:
+        return place(seen[r].step, seen[r].phase)
+
+    if silent:
+        who = "; ".join(f"rank {r} stopped responding (no heartbeat for "
+                        f"{now - seen[r].heard_at:.0f} s; last heard {where(r)})" for r in silent)
+    elif len(named) == len(seen) > 1:
+        who = f"every rank is stuck {where(named[0])}"
+    else:
+        who = "; ".join(f"rank {r} is stuck {where(r)}" for r in named)
+    live = [r for r in sorted(seen) if r not in silent]
+    if silent and live:  # where the others wait tells where the silent ones are, too
+        places: dict[str, list[int]] = {}
+        for r in live:
+            places.setdefault(where(r), []).append(r)
+        who += "; the others wait: " + "; ".join(f"rank{'s' * (len(rs) > 1)} {ranges(rs)} {p}"
+                                                 for p, rs in places.items())
+    return (f"{HANG_LINE} {who}; no rank progressed for {stalled:.0f} s (train.hang_timeout_s "
+            f"{timeout:g}); Python stacks of rank(s) {ranges(live) if live else 'none'} in "
+            f"{Path(out_dir) / 'hang'}/ (on each rank's host); exit {EXIT_HANG} (restartable: "
+            "ringfeed run relaunches with --resume auto)")
+
+
+def limits_for(cfg: Any) -> Limits | None:
+    """The watchdog's limits for a RunConfig; None when it is off (train.hang_timeout_s null,
+    or an elastic run: Horovod Elastic handles a lost worker, and its Gloo timeout is how it
+    notices one)."""
+    t = cfg.train
+    if t.hang_timeout_s is None or cfg.elastic.enabled:
+        return None
+    return Limits(t.hang_timeout_s, t.hang_grace_s, float(cfg.data.retry_budget_s))
+
+
+def hang_timeout_s(cfg: Any) -> float | None:
+    """train.hang_timeout_s where the watchdog runs for this RunConfig, else None."""
+    limits = limits_for(cfg)
+    return limits.timeout if limits is not None else None
+
+
+def ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    parts: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(parts)
+
+
+def place(step: int, phase: str) -> str:
+    """Where a rank is, in words: "at step 8, waiting for data", "after step 7, checkpointing"."""
+    return (f"{'at step ' + str(step + 1) if phase in BEFORE_STEP else 'after step ' + str(step)}"
+            f", {PHASE_WORDS[phase]}")
+
+
+def interval_for(timeout: float) -> float:
+    """The heartbeat period: a tenth of the timeout, between 0.2 and 5 s."""
+    return min(5.0, max(0.2, timeout / 10))
+
+
+def gloo_timeout_s(timeout: float) -> int:
+    """HOROVOD_GLOO_TIMEOUT_SECONDS for a watchdog of `timeout`: long enough that the watchdog
+    (hang_timeout_s, then a few heartbeats to collect the stacks) ends a stopped rank's job
+    first, with its line, instead of Gloo's receive timeout with tracebacks."""
+    return int(math.ceil(timeout + GLOO_MARGIN_S))
+
+
+def candidate_hosts() -> list[str]:
+    """The addresses other ranks may reach this host at: Horovod's name for it, its names,
+    and its interfaces' IPv4 addresses (the loopback last: same-host ranks)."""
+    hosts: list[str] = []
+    for name in (os.environ.get("HOROVOD_HOSTNAME"), socket.getfqdn(), socket.gethostname()):
+        if name and name not in ("localhost",) and name not in hosts:
+            hosts.append(name)
+    with contextlib.suppress(ImportError):
+        import psutil
+
+        for addrs in psutil.net_if_addrs().values():
+            for a in addrs:
+                if a.family == socket.AF_INET and not a.address.startswith("127.") \
+                        and a.address not in hosts:
+                    hosts.append(a.address)
+    return [*hosts, "127.0.0.1"]
+
+
+@dataclass
+class Position:
+    """A rank's place, written by the loop, read by its watchdog thread (tuple assignments:
+    no lock needed)."""
+
+    step: int = 0
+    phase: str = "start"
+    moved_at: float = field(default_factory=time.monotonic)
+
+
+class Watchdog:
+    """One rank's watchdog (and, on rank 0, the hub). The loop calls `at(step, phase)` as it
+    moves; `start(broadcast)` is collective (the hub's addresses), `stop()` ends it quietly.
+    Constructing it does no I/O."""
+
+    def __init__(self, rank: int, size: int, limits: Limits, out_dir: str | Path,
+                 say: Callable[[str], None] | None = None):
+        self.rank, self.size, self.limits = rank, size, limits
+        self.out_dir = str(out_dir)
+        self.beat_s = interval_for(limits.timeout)
+        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.pos = Position()
+        self.first_step = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._sock: socket.socket | None = None  # this rank's socket to the hub
+        self._hub_sock: socket.socket | None = None  # rank 0: the hub's
+        self._hub: tuple[str, int] | None = None
+        self.seen: dict[int, Seen] = {}
+        self.verdict: Verdict | None = None
+        self.fired = False  # this rank acted on a verdict: its stacks are written
+        # (tests replace these two: they leave the test process as it is)
+        self.exit: Callable[[int], None] = os._exit
+        self.silence: Callable[[], None] = silence_output
+
+    # -- the loop's side ------------------------------------------------------------------
+    def at(self, step: int, phase: str) -> None:
+        """This rank is now at `phase` after `step` optimizer steps."""
+        pos = self.pos
+        if pos.step != step or pos.phase != phase:
+            pos.moved_at = time.monotonic()
+            pos.step, pos.phase = step, phase
+
+    def start(self, broadcast: Callable[[Any], Any], first_step: int = 0) -> None:
+        """Collective: rank 0 opens the hub and broadcasts its addresses; every rank starts
+        its heartbeat thread. `first_step`: the steps done when training (re)starts."""
+        self.first_step = first_step
+        self.at(first_step, "start")
+        addresses = None
+        if self.rank == 0:
+            self._hub_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self._hub_sock.bind(("0.0.0.0", 0))
+            self._hub_sock.settimeout(self.beat_s)
+            port = self._hub_sock.getsockname()[1]
+            addresses = (socket.gethostname(), [(h, port) for h in candidate_hosts()])
+            now = time.monotonic()
+            self.seen = {r: Seen(heard_at=now, step=first_step, moved_at=now)
+                         for r in range(self.size)}
+            self._spawn(self._serve, "ringfeed-watchdog-hub")
+        host, addresses = broadcast(addresses)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._sock.settimeout(self.beat_s)
+        self._hub = self._reach(host, addresses)
+        self._spawn(self._beat, "ringfeed-watchdog")
+
+    def stop(self) -> None:
+        """End the threads and close the sockets (idempotent). On a rank that has acted on a
+        verdict (the main thread's collective failed as the other ranks left), exit 76."""
+        if self.fired:
+            self.exit(EXIT_HANG)
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=2 * self.beat_s + 1)
+        self._threads = []
+        for s in (self._sock, self._hub_sock):
+            if s is not None:
+                s.close()
+        self._sock = self._hub_sock = None
+
+    # -- heartbeats -----------------------------------------------------------------------
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _reach(self, host: str, addresses: list[tuple[str, int]]) -> tuple[str, int]:
+        """The first of the hub's addresses that answers (its loopback on the same host)."""
+        if host == socket.gethostname():
+            return addresses[-1]
+        assert self._sock is not None
+        for address in addresses:
+            with contextlib.suppress(OSError):
+                self._sock.sendto(b'{"hello": 1}', address)
+                self._sock.recvfrom(4096)
+                return address
+        return addresses[0]  # none answered yet: keep trying the first
+
+    def _message(self, dumped: bool) -> bytes:
+        pos = self.pos
+        return json.dumps({"r": self.rank, "s": pos.step, "p": pos.phase,
+                           "age": time.monotonic() - pos.moved_at, "d": dumped}).encode()
+
+    def _beat(self) -> None:
+        """Every beat_s: tell the hub where this rank is; act on its verdict. Without replies
+        from the hub for hang_timeout_s while this rank is stuck too, decide alone."""
+        assert self._sock is not None and self._hub is not None
+        replied_at = time.monotonic()
+        dumped = False
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            reply = None
+            with contextlib.suppress(OSError, ValueError):
+                self._sock.sendto(self._message(dumped), self._hub)
+                while reply is None and time.monotonic() - sent < self.beat_s:
+                    data, _ = self._sock.recvfrom(65536)
+                    reply = json.loads(data)
+                    if "v" not in reply:
+                        reply = None
+            now = time.monotonic()
+            if reply is not None:
+                replied_at = now
+                if reply["v"] is not None and not dumped:
+                    if self.rank != 0:  # (the hub writes rank 0's as it leaves)
+                        self.dump_stacks(reply["v"])
+                        self.fired = True
+                        self.silence()
+                    dumped = True
+            elif dumped and now - replied_at > 2 * self.beat_s:
+                self.exit(EXIT_HANG)  # the hub (rank 0) has left: so does this rank
+                return
+            elif not dumped and self.rank != 0 and now - replied_at > self.limits.timeout \
+                    and now - self.pos.moved_at > self.limits.timeout:
+                self._alone(now - replied_at)
+                return
+            self._stop.wait(max(0.0, self.beat_s - (time.monotonic() - sent)))
+
+    def _alone(self, silent_s: float) -> None:
+        """Rank 0's hub went silent and this rank is stuck too: rank 0 stopped."""
+        pos = self.pos
+        line = (f"{HANG_LINE} rank 0 stopped responding (no heartbeat reply for {silent_s:.0f} s;"
+                f" seen by rank {self.rank}, itself stuck {place(pos.step, pos.phase)}); Python stacks in {Path(self.out_dir) / 'hang'}/ "
+                f"(on each rank's host); exit {EXIT_HANG} (restartable: ringfeed run relaunches "
+                "with --resume auto)")
+        self.dump_stacks(line)
+        self.fired = True
+        self.say(line)
+        self.silence()
+        # the other live ranks see the same silence within a beat: leaving before they have
+        # acted would fail their collectives first
+        self._stop.wait(SILENT_BEATS * self.beat_s)
+        self.exit(EXIT_HANG)
+
+    # -- the hub (rank 0) -----------------------------------------------------------------
+    def _serve(self) -> None:
+        """Record heartbeats, answer each with the verdict (None while the job moves), and
+        judge every beat; after a verdict, end the job."""
+        sock = self._hub_sock
+        assert sock is not None
+        fired_at = None
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                try:
+                    data, peer = sock.recvfrom(65536)
+                except TimeoutError:
+                    data, peer = b"", None
+                if peer is not None:
+                    beat = json.loads(data)
+                    if "r" in beat:
+                        self._record(beat)
+                    sock.sendto(json.dumps({"v": self.verdict.line if self.verdict else None})
+                                .encode(), peer)
+            now = time.monotonic()
+            if self.verdict is None:
+                self.verdict = judge(now, self.seen, self.limits, self.first_step, self.beat_s,
+                                     self.out_dir)
+                if self.verdict is not None:
+                    fired_at = now
+            elif fired_at is not None and self._acknowledged(now - fired_at):
+                self._finish_hub()
+                return
+
+    def _record(self, beat: dict[str, Any]) -> None:
+        now = time.monotonic()
+        seen = self.seen.setdefault(int(beat["r"]), Seen(heard_at=now))
+        seen.heard_at = now
+        seen.moved_at = now - float(beat["age"])
+        seen.step, seen.phase, seen.dumped = int(beat["s"]), str(beat["p"]), bool(beat["d"])
+
+    def _acknowledged(self, since: float) -> bool:
+        """Every live rank wrote its stacks, or they had SILENT_BEATS + 2 beats to."""
+        assert self.verdict is not None
+        live = [r for r in self.seen if r not in self.verdict.silent and r != 0]
+        return all(self.seen[r].dumped for r in live) or since > (SILENT_BEATS + 2) * self.beat_s
+
+    def _finish_hub(self) -> None:
+        assert self.verdict is not None
+        now = time.monotonic()
+        record = {"line": self.verdict.line, "named": list(self.verdict.named),
+                  "silent": list(self.verdict.silent), "stalled_s": round(self.verdict.stalled_s, 3),
+                  "timeout_s": self.limits.timeout,
+                  "ranks": {str(r): {"step": s.step, "phase": s.phase,
+                                     "since_progress_s": round(now - s.moved_at, 3),
+                                     "since_heartbeat_s": round(now - s.heard_at, 3),
+                                     "stacks_written": s.dumped or r == 0}
+                            for r, s in sorted(self.seen.items())}}
+        self.dump_stacks(self.verdict.line)
+        self.fired = True
+        with contextlib.suppress(OSError):
+            from ringfeed.fsutil import atomic_write_text
+
+            atomic_write_text(Path(self.out_dir) / "hang" / "hang.json",
+                              json.dumps(record, indent=2) + "\n")
+        self.say(self.verdict.line)
+        self.silence()
+        self.exit(EXIT_HANG)
+
+    # -- leaving --------------------------------------------------------------------------
+    def dump_stacks(self, why: str) -> Path | None:
+        """Every thread's Python stack of this process into hang/rank-<r>.stacks (written
+        beside, then renamed); None when the directory cannot be written."""
+        directory = Path(self.out_dir) / "hang"
+        path = directory / f"rank-{self.rank}.stacks"
+        tmp = directory / f".rank-{self.rank}.stacks.tmp-{os.getpid()}"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "w") as f:
+                pos = self.pos
+                f.write(f"rank {self.rank} of {self.size}, host {socket.gethostname()}, pid "
+                        f"{os.getpid()}, {place(pos.step, pos.phase)}, no progress for "
+                        f"{time.monotonic() - pos.moved_at:.1f} s\n{why}\n\n")
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            return path
+        except OSError:
+            return None
+
+
+
+def silence_output() -> None:
+    """After a verdict a rank has said all it will (its stacks are on disk, rank 0 prints the
+    line): what is written so far is flushed, and stdout and stderr go to /dev/null from here
+    on. The main thread is stuck in a collective that fails as the other ranks leave, and
+    that failure's traceback (HorovodInternalError, Gloo's errors) would bury the line."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
