@@ -9,6 +9,7 @@ global batch t = the ranks' batches t joined in rank order (what allreduce avera
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -172,3 +173,23 @@ def test_ids_added_to_the_skip_list_after_a_checkpoint_resume_exactly(shards):
     for pipe in resumed:
         pipe.load_state_dict(first[0].state_dict())
     assert head + global_batches(resumed) == global_batches([make(source, 0, 1, skip=skip)])
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["data.order=global"], "data.order: global needs data.global_batch_size"),
+    (["data.order=global", "data.global_batch_size=24", "data.canonical_streams=5"],
+     "data.global_batch_size=24 / train.accumulate (1) = 24 is not divisible by "
+     "data.canonical_streams=5"),
+    (["data.order=global", "data.global_batch_size=24", "train.accumulate=4"],
+     "= 6 is not divisible by data.canonical_streams=12"),
+])
+def test_a_run_config_breaking_the_global_order_rules_is_one_line(shards, tmp_path, overrides,
+                                                                   expected):
+    from ringfeed.errors import UserError
+    from ringfeed.train.config import load_config
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model: {{name: mlp}}\ndata: {{train: {shards / 'a'}}}\n"
+                   f"output: {{dir: {tmp_path / 'out'}}}\n")
+    with pytest.raises(UserError, match=re.escape(expected)):
+        load_config(cfg, overrides)
