@@ -291,8 +291,12 @@ class Watchdog:
         if self.fired:
             self.exit(EXIT_HANG)
         self._stop.set()
+        for s in (self._sock, self._hub_sock):  # wake the threads out of their recvfrom
+            if s is not None:
+                with contextlib.suppress(OSError):
+                    s.sendto(b"{}", ("127.0.0.1", s.getsockname()[1]))
         for t in self._threads:
-            t.join(timeout=2 * self.beat_s + 1)
+            t.join(timeout=1.0)
         self._threads = []
         for s in (self._sock, self._hub_sock):
             if s is not None:
@@ -333,7 +337,8 @@ class Watchdog:
             reply = None
             with contextlib.suppress(OSError, ValueError):
                 self._sock.sendto(self._message(dumped), self._hub)
-                while reply is None and time.monotonic() - sent < self.beat_s:
+                while reply is None and time.monotonic() - sent < self.beat_s \
+                        and not self._stop.is_set():
                     data, _ = self._sock.recvfrom(65536)
                     reply = json.loads(data)
                     if "v" not in reply:
@@ -380,15 +385,16 @@ class Watchdog:
         assert sock is not None
         fired_at = None
         while not self._stop.is_set():
-            with contextlib.suppress(OSError, ValueError, KeyError):
+            # (a datagram that is not a heartbeat of this job is ignored)
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
                 try:
                     data, peer = sock.recvfrom(65536)
                 except TimeoutError:
                     data, peer = b"", None
-                if peer is not None:
-                    beat = json.loads(data)
-                    if "r" in beat:
-                        self._record(beat)
+                beat = json.loads(data) if peer is not None else {}
+                if "r" in beat:
+                    self._record(beat)
+                if "r" in beat or "hello" in beat:
                     sock.sendto(json.dumps({"v": self.verdict.line if self.verdict else None})
                                 .encode(), peer)
             now = time.monotonic()
@@ -403,7 +409,9 @@ class Watchdog:
 
     def _record(self, beat: dict[str, Any]) -> None:
         now = time.monotonic()
-        seen = self.seen.setdefault(int(beat["r"]), Seen(heard_at=now))
+        if beat["p"] not in PHASES or int(beat["r"]) not in self.seen:
+            raise ValueError(f"not a heartbeat of this job: {beat}")
+        seen = self.seen[int(beat["r"])]
         seen.heard_at = now
         seen.moved_at = now - float(beat["age"])
         seen.step, seen.phase, seen.dumped = int(beat["s"]), str(beat["p"]), bool(beat["d"])
