@@ -203,6 +203,10 @@ class Reporter:
                            self.backend.allreduce_sum)
         record: dict[str, Any] = {f"rank_{name}": values for name, values in figures.items()}
         step_s = float(np.median(figures["step_s"]))
+        # scalars for TensorBoard and the trackers (the lists above are metrics.jsonl's)
+        record["rank_busy_max_s"] = max(figures["busy_s"])
+        record["rank_busy_median_s"] = float(np.median(figures["busy_s"]))
+        record["rank_data_wait_max_s"] = max(figures["data_wait_s"])
         found = straggler(figures["busy_s"], step_s, self.cfg.train.straggler_margin)
         rank = None if found is None else found[0]
         if found is not None:
