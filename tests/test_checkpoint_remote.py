@@ -139,6 +139,38 @@ def test_a_bucket_that_does_not_exist_is_exit_4_naming_the_url(s3, tmp_path):
         write_checkpoint(store, 1, {}, payload("x"), keep=1)
 
 
+@pytest.mark.integration
+def test_a_storage_outage_is_waited_out_and_past_the_budget_is_exit_75(s3, tmp_path):
+    from s3_proxy import FaultProxy, host_port
+
+    from ringfeed.remote import StorageUnavailable
+
+    with FaultProxy(host_port(s3["endpoint_url"])) as proxy:
+        # short timeouts and no retries of botocore's own: the policy's waits are what is tested
+        options = {**s3, "endpoint_url": proxy.url, "config_kwargs": {
+            "connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}}}
+        store = open_store("s3://ckpt/outage", options, tmp_path / "staging",
+                           RetryPolicy(budget_s=30, first_backoff_s=0.1, max_backoff_s=0.5))
+        proxy.outage("reset", 2.0)
+        write_checkpoint(store, 1, {}, payload("x"), keep=1)  # waited out
+        assert proxy.counters()["faults"]["reset"] >= 1
+        hit = find_resume_point("auto", store, print)
+        assert hit.meta["step"] == 1
+        store.release(hit.path)
+        proxy.set_mode("reset")
+        short = open_store("s3://ckpt/outage", options, tmp_path / "staging",
+                           RetryPolicy(budget_s=1.0, first_backoff_s=0.1, max_backoff_s=0.2))
+        with pytest.raises(StorageUnavailable, match=r"s3://ckpt/outage/ckpt-000000002/\S+: "
+                                                     r"[a-z ]+ failed for \d") as e:
+            write_checkpoint(short, 2, {}, payload("y"), keep=1)
+        assert e.value.exit_code == 75
+        proxy.set_mode("pass")
+    hit = find_resume_point("auto", open_store("s3://ckpt/outage", s3, tmp_path / "staging",
+                                               QUICK), print)
+    assert hit.meta["step"] == 1  # the step 1 checkpoint is still the newest complete one
+    hit.store.release(hit.path)
+
+
 # -- the checkpointer's background writes -----------------------------------------------------
 def checkpointer(tmp_path: Path, **checkpoint: Any) -> tuple[Checkpointer, list[str], list]:
     cfg = RunConfig.model_validate({"framework": "torch", "data": {"train": "unused"},
