@@ -193,3 +193,30 @@ def test_a_run_config_breaking_the_global_order_rules_is_one_line(shards, tmp_pa
                    f"output: {{dir: {tmp_path / 'out'}}}\n")
     with pytest.raises(UserError, match=re.escape(expected)):
         load_config(cfg, overrides)
+
+
+# -- ringfeed replay's pieces (its run is in test_global_order_train.py) -------------------------
+def test_replay_compares_window_means_where_the_run_logged_every_few_steps():
+    from ringfeed.train.replay import compare
+
+    original = {4: 1.5, 6: 2.5}  # a run with log_every 2: means over steps 3-4 and 5-6
+    replay = {3: 1.0, 4: 2.0, 5: 2.0, 6: 3.0}
+    rows = compare(original, replay, 3, 6, log_every=2).splitlines()
+    assert rows[1].split() == ["3", "1.000000"]  # nothing logged by the run at step 3
+    assert rows[2].split() == ["4", "1.500000", "1.500000", "0"]
+    assert rows[-1] == "max |difference| 0"
+
+
+def test_replay_errors_are_one_line(shards, tmp_path, capsys):
+    from ringfeed.train.cli import main
+
+    assert main(["replay", str(tmp_path), "--steps", "5:3"]) == 2
+    assert "--steps '5:3': expected A:B" in capsys.readouterr().err
+    assert main(["replay", str(tmp_path), "--steps", "3:5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no config.yaml here" in err, err
+    (tmp_path / "config.yaml").write_text(f"model: {{name: mlp}}\ndata: {{train: {shards / 'a'}}}\n"
+                                          f"output: {{dir: {tmp_path}}}\n")
+    assert main(["replay", str(tmp_path), "--steps", "3:5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no checkpoint at or before step 2" in err, err
