@@ -150,11 +150,16 @@ def _events(path: Path) -> list:
 
 
 def test_logger_writes_jsonl_and_tensorboard_and_a_resume_rewrites_history(tmp_path):
-    logger = RunLogger(tmp_path, True, total_steps=6, global_batch=8, log_every=2)
+    from ringfeed.train.trackers import TensorBoardSink
+
+    tensorboard = TensorBoardSink(tmp_path / "tensorboard").start()
+    logger = RunLogger(tmp_path, True, total_steps=6, global_batch=8, log_every=2,
+                       sinks=[tensorboard])
     for step in range(1, 7):
         logger.train_step(step, 0, loss=1.0 / step, lr=0.1, step_s=0.1, data_wait_s=0.025)
     logger.validation(6, 0, {"accuracy": 0.5})
     logger.close()
+    tensorboard.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == [2, 4, 6, 6]
     assert records[0]["loss"] == pytest.approx(0.75) and records[0]["data_wait"] == 0.25
@@ -174,8 +179,7 @@ def test_logger_asks_for_per_step_extras_only_on_log_steps(tmp_path):
     def extras(step: int):
         return lambda: asked.append(step) or {"grad_norm": 0.5}
 
-    logger = RunLogger(tmp_path, True, total_steps=5, global_batch=8, log_every=2,
-                       tensorboard=False)
+    logger = RunLogger(tmp_path, True, total_steps=5, global_batch=8, log_every=2)
     for step in range(1, 6):
         logger.train_step(step, 0, loss=1.0, lr=0.1, step_s=0.1, data_wait_s=0.0,
                           extra=extras(step))

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
 import socket
 import sys
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -25,6 +24,7 @@ import numpy as np
 from ringfeed.errors import EXIT_WRITE, UserError
 from ringfeed.fsutil import atomic_write_text
 from ringfeed.train.throughput import Accounting, summary_lines
+from ringfeed.train.trackers import ScalarSink, finite_scalars
 
 # Data-wait share of step time above which we call the input pipeline the bottleneck.
 BOTTLENECK_SHARE = 0.20
@@ -224,7 +224,9 @@ class RunLogger:
     total_steps: int
     global_batch: int
     log_every: int
-    tensorboard: bool = True
+    # where every record's scalars, and the summary, also go (trackers.py: TensorBoard,
+    # MLflow, W&B); opened and closed by the caller, so they outlive a logger reopened at a step
+    sinks: Sequence[ScalarSink] = ()
     start_step: int = 0
     stream: IO[str] = field(default_factory=lambda: sys.stdout)
     accounting: Accounting | None = None  # FLOPs per sample and peak: tflops, mfu, tokens/s
@@ -233,7 +235,6 @@ class RunLogger:
         self.window = Throughput()
         self._window_loss = 0.0
         self._bar = None
-        self._events: EventWriter | None = None
         self._jsonl: AppendFile | None = None
         if not self.enabled:
             return
@@ -242,8 +243,6 @@ class RunLogger:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             _truncate_after(self.metrics_path, self.start_step)
             self._jsonl = AppendFile(self.metrics_path)
-            if self.tensorboard:
-                self._events = EventWriter(self.out_dir / "tensorboard")
         except OSError as e:
             raise output_dir_error(self.out_dir, e) from None
         if sys.stderr.isatty():  # a live bar on a terminal; plain log lines otherwise
@@ -310,12 +309,10 @@ class RunLogger:
         assert self._jsonl is not None
         record = {**record, "time": round(time.time(), 3)}
         self._jsonl.append((json.dumps(record) + "\n").encode())
-        if self._events is not None:
-            self._events.scalars(record["step"], {
-                k: v for k, v in record.items()
-                if k not in ("step", "epoch", "time") and isinstance(v, (int, float))
-                and math.isfinite(v)
-            })
+        if self.sinks:
+            values = finite_scalars(record)
+            for sink in self.sinks:
+                sink.scalars(record["step"], values)
 
     def summary(self, summary: dict[str, Any]) -> None:
         """Print the end-of-run summary and write it to `summary.json`."""
@@ -355,8 +352,9 @@ class RunLogger:
         if summary.get("throughput"):
             lines += summary_lines(summary["throughput"])
         lines.append(f"  metrics            {self.metrics_path}")
-        if self._events is not None:
-            lines.append(f"  tensorboard        {self.out_dir / 'tensorboard'}")
+        for sink in self.sinks:
+            sink.summary(summary["step"], summary)
+            lines.append(f"  {sink.name:<19}{sink.describe()}")
         if summary.get("checkpoint"):
             lines.append(f"  last checkpoint    {summary['checkpoint']}")
         if summary.get("recovery_text"):
@@ -368,8 +366,6 @@ class RunLogger:
             self._bar.close()
         if self._jsonl is not None:
             self._jsonl.close()
-        if self._events is not None:
-            self._events.close()
 
 
 class SampleLog:
