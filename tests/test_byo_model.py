@@ -135,3 +135,52 @@ def test_keras_mobilenet_with_its_softmax_trains_as_built(tmp_path, image_shards
     assert "model.name mymodels:mobilenet: the model ends in a softmax" in output
     assert summary["status"] == "finished" and summary["step"] == 3
     assert 0.0 <= summary["val"]["accuracy"] <= 1.0 and np.isfinite(summary["val"]["loss"])
+
+
+# -- a Hugging Face datasets Parquet export: its ClassLabel names ------------------------------
+def write_hf_export(path: Path, labels: list[int], names: list[str]) -> Path:
+    """A Parquet file as `datasets` exports one: an Image column ({bytes, path}), a ClassLabel
+    column, and the features in the schema's b"huggingface" metadata."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    def png(value: int) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(np.full((8, 8), abs(value) * 40, np.uint8), "L").save(buf, format="PNG")
+        return buf.getvalue()
+
+    features = {"image": {"_type": "Image"},
+                "label": {"names": names, "_type": "ClassLabel"}}
+    table = pa.table({"image": [{"bytes": png(c), "path": None} for c in labels],
+                      "label": pa.array(labels, pa.int64())})
+    table = table.replace_schema_metadata(
+        {b"huggingface": json.dumps({"info": {"features": features}}).encode()})
+    pq.write_table(table, path)
+    return path
+
+
+@pytest.mark.integration
+def test_class_label_names_of_a_hugging_face_export_reach_the_manifest(tmp_path, capsys):
+    from ringfeed.formats.manifest import Manifest
+    from ringfeed.train.cli import main
+
+    names = ["cat", "dog", "bird"]
+    src = write_hf_export(tmp_path / "train-00000-of-00001.parquet", [0, 1, 2, 1] * 5, names)
+    out = tmp_path / "shards"
+    assert main(["shard", str(src), str(out), "--format", "parquet", "--field", "image=png",
+                 "--field", "label=cls", "--no-progress"]) == 0
+    assert Manifest.load(out).class_names == names
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "cat: 5" in shown and "dog: 10" in shown and "bird: 5" in shown, shown
+
+    bad = write_hf_export(tmp_path / "bad.parquet", [0, 1, -1], names)  # -1: "no label"
+    assert main(["shard", str(bad), str(tmp_path / "bad"), "--format", "parquet",
+                 "--field", "image=png", "--field", "label=cls", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "column 'label': class id -1 is not one of its 3 " \
+                                      "ClassLabel names" in err, err

@@ -11,7 +11,9 @@ strings; list columns become arrays (`--field emb=emb.npy`, dtype of the list's 
 binary columns and Hugging Face's image struct `{bytes, path}` are images (`--field
 image=jpg`: the bytes as they are, or the file `path` names, relative to the Parquet file);
 dates and times go into `json` as ISO text. A folder's files may be named by split the way
-Hugging Face publishes them (`train-00000-of-00002.parquet`, `test-...`).
+Hugging Face publishes them (`train-00000-of-00002.parquet`, `test-...`), and the class names of
+a Hugging Face `datasets` export's ClassLabel column (its schema's `huggingface` metadata) become
+the manifest's class_names when that column is the `cls` field.
 
 `--format text` reads a Parquet file's `--text-field` column as documents (`parquet_documents`).
 """
@@ -114,11 +116,17 @@ class Parquet(TableSource):
 
     def __init__(self, opts: ShardOptions):
         self._arrow_types: dict[str, Any] = {}  # column -> pyarrow type (the last file's)
+        self._label_names: dict[str, list[str]] = {}  # ClassLabel column -> its names
         super().__init__(opts)
 
     def type_file(self, path: Path) -> None:
         with closing(open_parquet(path)) as pf:
             schema = pf.schema_arrow
+            for name, names in class_labels(schema.metadata, path).items():
+                known = self._label_names.setdefault(name, names)
+                if known != names:
+                    raise UserError(f"{path}: column {name!r}: its ClassLabel names {names} "
+                                    f"differ from the other files' {known}")
             for f in schema:
                 col = self.column(f.name)
                 col.kind_hint = _merge(col.kind_hint, arrow_kind(f.type))
@@ -165,6 +173,9 @@ class Parquet(TableSource):
                 yield row, values
                 row += 1
 
+    def label_names(self, name: str) -> list[str] | None:
+        return self._label_names.get(name)
+
     def list_dtype(self, name: str) -> Any:
         import pyarrow as pa
 
@@ -176,6 +187,28 @@ class Parquet(TableSource):
             return dtype.value_type.to_pandas_dtype()
         except NotImplementedError:
             return None
+
+
+def class_labels(metadata: dict[bytes, bytes] | None, path: Path) -> dict[str, list[str]]:
+    """{column: class names} of the ClassLabel columns a Hugging Face `datasets` Parquet
+    export declares: its schema metadata's b"huggingface" key holds JSON
+    {"info": {"features": {column: {"_type": "ClassLabel", "names": [...]}}}} (older exports:
+    {"features": ...} at the top). Other metadata, or none, gives {}."""
+    import json
+
+    raw = (metadata or {}).get(b"huggingface")
+    if raw is None:
+        return {}
+    try:
+        info = json.loads(raw)
+    except ValueError as e:
+        raise UserError(f"{path}: its 'huggingface' schema metadata is not JSON ({e})") from None
+    features = (info.get("info") or {}).get("features") or info.get("features") or {}
+    if not isinstance(features, dict):
+        return {}
+    return {name: [str(n) for n in feature["names"]] for name, feature in features.items()
+            if isinstance(feature, dict) and feature.get("_type") == "ClassLabel"
+            and isinstance(feature.get("names"), list)}
 
 
 def parquet_documents(path: Path, column: str) -> Iterator[str]:

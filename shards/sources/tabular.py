@@ -232,6 +232,11 @@ class TableSource(Source):
         """The numpy dtype of a list column's elements (None: let numpy choose)."""
         return None
 
+    def label_names(self, name: str) -> list[str] | None:
+        """The class names the table itself gives an integer column (a Hugging Face Parquet
+        export's ClassLabel), or None."""
+        return None
+
     def column(self, name: str) -> Column:
         col = self._columns.get(name)
         if col is None:
@@ -354,6 +359,14 @@ class TableSource(Source):
                 counts.update(part.labels.tolist())
         if cls.columns[0] in self.plan.categorical:
             self.class_names = [str(v) for v in self.plan.vocab[cls.columns[0]]]
+        else:
+            self.class_names = self.label_names(cls.columns[0])
+            outside = sorted(c for c in counts if not 0 <= c < len(self.class_names or ()))
+            if self.class_names and outside:
+                raise UserError(f"{self.path}: column {cls.columns[0]!r}: class id {outside[0]} "
+                                f"is not one of its {len(self.class_names)} ClassLabel names "
+                                "(-1 is a Hugging Face export's 'no label': shard only the "
+                                "labelled splits)")
         self.classes = class_record(counts, len(self.class_names) if self.class_names else None)
 
     def column_stats(self, train: list[tuple[str, np.ndarray]]) -> dict[str, Any]:
