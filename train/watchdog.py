@@ -24,11 +24,14 @@ The rule (`judge`), on rank 0's hub:
 When the hub fires, each live rank gets the verdict with its next reply, writes its stacks
 (faulthandler, every thread) to `<output.dir>/hang/rank-<r>.stacks` on its own host and
 acknowledges; rank 0 waits for the live ranks' acknowledgements (a few intervals at most),
-writes its own stacks and `hang/hang.json` (every rank's last position), prints the one line,
-and leaves with os._exit(76) (a thread cannot raise into a stuck collective); the other ranks
-leave with 76 once the hub is gone, and the launcher kills the stopped ones. If rank 0 is the
-one that stopped, each live rank decides alone: the hub silent and its own position unchanged
-for hang_timeout_s.
+writes its own stacks and `hang/hang.json` (every rank's last position) and prints the one
+line; then the others are told to go (the reply to their next heartbeat) and every live rank
+leaves with os._exit(76) (a thread cannot raise into a stuck collective); the launcher kills
+the stopped ones. No rank leaves before rank 0 has said everything: a launcher ends the whole
+job as soon as one rank exits. After its stacks, a rank's stdout and stderr go to /dev/null
+(the collectives failing as ranks leave would print tracebacks). If rank 0 is the one that
+stopped, each live rank decides alone: the hub silent and its own position unchanged for
+hang_timeout_s.
 """
 
 from __future__ import annotations
@@ -240,7 +243,7 @@ class Watchdog:
         self.rank, self.size, self.limits = rank, size, limits
         self.out_dir = str(out_dir)
         self.beat_s = interval_for(limits.timeout)
-        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.say = say or say_on_stderr
         self.pos = Position()
         self.first_step = 0
         self._stop = threading.Event()
@@ -330,10 +333,15 @@ class Watchdog:
         """Every beat_s: tell the hub where this rank is; act on its verdict. Without replies
         from the hub for hang_timeout_s while this rank is stuck too, decide alone."""
         assert self._sock is not None and self._hub is not None
-        replied_at = time.monotonic()
+        replied_at = last = time.monotonic()
         dumped = False
         while not self._stop.is_set():
             sent = time.monotonic()
+            if sent - last > SILENT_BEATS * self.beat_s:
+                # this process was frozen itself (SIGSTOP, then SIGCONT as a launcher ends
+                # the job): the hub's silence in that time says nothing about rank 0
+                replied_at = sent
+            last = sent
             reply = None
             with contextlib.suppress(OSError, ValueError):
                 self._sock.sendto(self._message(dumped), self._hub)
@@ -346,18 +354,22 @@ class Watchdog:
             now = time.monotonic()
             if reply is not None:
                 replied_at = now
-                if reply["v"] is not None and not dumped:
-                    if self.rank != 0:  # (the hub writes rank 0's as it leaves)
-                        self.dump_stacks(reply["v"])
-                        self.fired = True
-                        self.silence()
+                if self.rank == 0:  # the hub writes rank 0's stacks and takes it out
+                    dumped = reply["v"] is not None
+                elif reply.get("go"):  # rank 0 has written and said everything
+                    self.exit(EXIT_HANG)
+                    return
+                elif reply["v"] is not None and not dumped:
+                    self.dump_stacks(reply["v"])
+                    self.fired = True
+                    self.silence()
                     dumped = True
-            elif dumped and now - replied_at > 2 * self.beat_s:
-                self.exit(EXIT_HANG)  # the hub (rank 0) has left: so does this rank
-                return
-            elif not dumped and self.rank != 0 and now - replied_at > self.limits.timeout \
-                    and now - self.pos.moved_at > self.limits.timeout:
-                self._alone(now - replied_at)
+            elif self.rank != 0 and now - replied_at > self.limits.timeout \
+                    and (dumped or now - self.pos.moved_at > self.limits.timeout):
+                if dumped:  # the hub left without a word: so does this rank
+                    self.exit(EXIT_HANG)
+                else:
+                    self._alone(now - replied_at)
                 return
             self._stop.wait(max(0.0, self.beat_s - (time.monotonic() - sent)))
 
@@ -365,8 +377,8 @@ class Watchdog:
         """Rank 0's hub went silent and this rank is stuck too: rank 0 stopped."""
         pos = self.pos
         line = (f"{HANG_LINE} rank 0 stopped responding (no heartbeat reply for {silent_s:.0f} s;"
-                f" seen by rank {self.rank}, itself stuck {place(pos.step, pos.phase)}); Python stacks in {Path(self.out_dir) / 'hang'}/ "
-                f"(on each rank's host); exit {EXIT_HANG} (restartable: ringfeed run relaunches "
+                f" seen by rank {self.rank}, itself stuck {place(pos.step, pos.phase)}); Python "
+                f"stacks in {Path(self.out_dir) / 'hang'}/ (on each rank's host); exit {EXIT_HANG} (restartable: ringfeed run relaunches "
                 "with --resume auto)")
         self.dump_stacks(line)
         self.fired = True
@@ -383,7 +395,8 @@ class Watchdog:
         judge every beat; after a verdict, end the job."""
         sock = self._hub_sock
         assert sock is not None
-        fired_at = None
+        fired_at = leave_at = None
+        told: set[int] = set()  # ranks told to go, after rank 0 reported
         while not self._stop.is_set():
             # (a datagram that is not a heartbeat of this job is ignored)
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
@@ -395,16 +408,24 @@ class Watchdog:
                 if "r" in beat:
                     self._record(beat)
                 if "r" in beat or "hello" in beat:
-                    sock.sendto(json.dumps({"v": self.verdict.line if self.verdict else None})
-                                .encode(), peer)
+                    go = leave_at is not None
+                    sock.sendto(json.dumps({"v": self.verdict.line if self.verdict else None,
+                                            "go": go}).encode(), peer)
+                    if go and "r" in beat:
+                        told.add(int(beat["r"]))
             now = time.monotonic()
             if self.verdict is None:
                 self.verdict = judge(now, self.seen, self.limits, self.first_step, self.beat_s,
                                      self.out_dir)
                 if self.verdict is not None:
                     fired_at = now
-            elif fired_at is not None and self._acknowledged(now - fired_at):
-                self._finish_hub()
+            elif leave_at is None and fired_at is not None \
+                    and self._acknowledged(now - fired_at):
+                self._report()
+                # the others leave when told (their next heartbeat), then rank 0
+                leave_at = time.monotonic() + (SILENT_BEATS + 2) * self.beat_s
+            elif leave_at is not None and (now > leave_at or told >= self._live()):
+                self.exit(EXIT_HANG)
                 return
 
     def _record(self, beat: dict[str, Any]) -> None:
@@ -416,13 +437,18 @@ class Watchdog:
         seen.moved_at = now - float(beat["age"])
         seen.step, seen.phase, seen.dumped = int(beat["s"]), str(beat["p"]), bool(beat["d"])
 
+    def _live(self) -> set[int]:
+        """The ranks other than 0 the verdict did not find silent."""
+        assert self.verdict is not None
+        return {r for r in self.seen if r not in self.verdict.silent and r != 0}
+
     def _acknowledged(self, since: float) -> bool:
         """Every live rank wrote its stacks, or they had SILENT_BEATS + 2 beats to."""
-        assert self.verdict is not None
-        live = [r for r in self.seen if r not in self.verdict.silent and r != 0]
-        return all(self.seen[r].dumped for r in live) or since > (SILENT_BEATS + 2) * self.beat_s
+        return all(self.seen[r].dumped for r in self._live()) \
+            or since > (SILENT_BEATS + 2) * self.beat_s
 
-    def _finish_hub(self) -> None:
+    def _report(self) -> None:
+        """Rank 0's part: its stacks, hang.json, the line; then its output is silenced."""
         assert self.verdict is not None
         now = time.monotonic()
         record = {"line": self.verdict.line, "named": list(self.verdict.named),
@@ -442,7 +468,6 @@ class Watchdog:
                               json.dumps(record, indent=2) + "\n")
         self.say(self.verdict.line)
         self.silence()
-        self.exit(EXIT_HANG)
 
     # -- leaving --------------------------------------------------------------------------
     def dump_stacks(self, why: str) -> Path | None:
@@ -467,6 +492,12 @@ class Watchdog:
         except OSError:
             return None
 
+
+
+def say_on_stderr(line: str) -> None:
+    """`line` on stderr in one write (mpirun's output forwarding tags each write it gets)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def silence_output() -> None:
