@@ -7,6 +7,7 @@ and protos (torch's SummaryWriter and tf.summary would drag the other framework 
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -167,14 +168,22 @@ class RankTimes:
         return out
 
 
+@functools.lru_cache(maxsize=8)
+def _slots(keys: tuple[str, ...], size: int) -> tuple[str, ...]:
+    return tuple(f"{r}/{key}" for r in range(size) for key in keys)
+
+
 def per_rank(values: dict[str, float], rank: int, size: int, allreduce_sum: Callable[
         [dict[str, float]], dict[str, float]]) -> dict[str, list[float]]:
     """Collective: every rank's `values` (the same keys everywhere), as {key: [rank 0's, ...]},
     in one small allreduce (each rank fills its own slots, the others are zeros)."""
-    slots = {f"{r}/{key}": (value if r == rank else 0.0)
-             for r in range(size) for key, value in values.items()}
-    summed = allreduce_sum(slots)
-    return {key: [summed[f"{r}/{key}"] for r in range(size)] for key in values}
+    keys = tuple(values)
+    slots = _slots(keys, size)
+    flat = [0.0] * len(slots)
+    flat[rank * len(keys):(rank + 1) * len(keys)] = values.values()
+    summed = allreduce_sum(dict(zip(slots, flat, strict=True)))
+    gathered = [summed[slot] for slot in slots]
+    return {key: gathered[i::len(keys)] for i, key in enumerate(keys)}
 
 
 def straggler(busy: list[float], step_s: float, margin: float) -> tuple[int, float] | None:
