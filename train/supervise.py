@@ -10,7 +10,8 @@ exit-code table (`relaunches`), decided from the job's exit code and the lines i
 (launchers like horovodrun do not pass a rank's exit code on, so a rank's line counts as much):
 errors a restart cannot fix stop it at once (bad config or data, a NaN loss, a checkpoint or
 output that cannot be written, the user's code failing before the first step); a crash, a lost
-rank, and storage that stayed unreachable for the retry budget are relaunched.
+rank, storage that stayed unreachable for the retry budget (exit 75) and a hang the watchdog
+ended (`ringfeed: hang:`, exit 76) are relaunched.
 SIGTERM/SIGINT to the supervisor are forwarded to the job and end supervision (a scheduler asked
 the job to stop). The job dies with the supervisor: it gets SIGTERM if the supervisor is killed
 (even by SIGKILL), so no launcher or rank is left running without it.
