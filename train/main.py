@@ -29,7 +29,8 @@ def register(subparsers) -> None:
                     "One YAML config drives either framework (framework: torch|tensorflow).",
         epilog="Exit codes: 0 done, 2 bad config or data, 3 loss became NaN/inf, 4 a "
                "checkpoint could not be written, 75 storage unavailable for the whole "
-               "data.retry_budget_s (restart it), 143 stopped by SIGTERM after saving a "
+               "data.retry_budget_s (restart it), 76 a hang: no rank progressed for "
+               "train.hang_timeout_s (restart it), 143 stopped by SIGTERM after saving a "
                "checkpoint. Recovery (restarts, elastic): train/RECOVERY.md.",
     )
     p.add_argument("config", nargs="?", help="YAML config (see --print-config for all keys)")
