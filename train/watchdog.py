@@ -194,8 +194,9 @@ def place(step: int, phase: str) -> str:
 
 
 def interval_for(timeout: float) -> float:
-    """The heartbeat period: a tenth of the timeout, between 0.2 and 5 s."""
-    return min(5.0, max(0.2, timeout / 10))
+    """The heartbeat period: a tenth of the timeout, between 0.2 and 2 s (a silent rank's last
+    known place is at most one period old)."""
+    return min(2.0, max(0.2, timeout / 10))
 
 
 def gloo_timeout_s(timeout: float) -> int:
