@@ -87,6 +87,17 @@ def test_a_silent_rank_gets_no_allowance_even_in_a_checkpoint():
     assert verdict is not None and verdict.silent == (0,)
 
 
+def test_a_rank_never_heard_from_is_not_judged():
+    never = Seen(heard_at=0, step=0, phase="start", moved_at=0, heard=False)
+    # rank 1 cannot reach the hub; rank 0 writes a long checkpoint: its grace holds
+    table = {0: seen(50, 5, "checkpoint", 0), 1: never}
+    assert judge(50, table, LIMITS, 0, beat_s=1, out_dir="o") is None
+    verdict = judge(111, {0: seen(111, 5, "checkpoint", 0), 1: never}, LIMITS, 0, beat_s=1,
+                    out_dir="o")
+    assert verdict is not None and verdict.named == (0,)
+    assert verdict.line.endswith("(rank(s) 1 never reached the hub: not judged)")
+
+
 def test_watchdog_env_raises_gloos_timeout_past_the_watchdog_and_never_lowers_it():
     assert watchdog_env(None, {}) == {}
     assert watchdog_env(300, {}) == {"HOROVOD_GLOO_TIMEOUT_SECONDS": "360",

@@ -97,6 +97,7 @@ class Seen:
     phase: str = "start"
     moved_at: float = 0.0  # when its position last changed
     dumped: bool = False  # it wrote its stacks after a verdict
+    heard: bool = True  # False until its first heartbeat: where it is is not known
 
     @property
     def position(self) -> tuple[int, int]:
@@ -115,20 +116,29 @@ class Verdict:
 
 def judge(now: float, seen: dict[int, Seen], limits: Limits, first_step: int,
           beat_s: float, out_dir: str) -> Verdict | None:
-    """The hub's rule (module docstring): a Verdict when the job is hung, else None."""
-    stalled = now - max(s.moved_at for s in seen.values())
-    silent = tuple(r for r, s in sorted(seen.items()) if now - s.heard_at > SILENT_BEATS * beat_s)
+    """The hub's rule (module docstring): a Verdict when the job is hung, else None. A rank
+    never heard from (its heartbeats cannot reach the hub) is left out: nothing is known of
+    it."""
+    heard = {r: s for r, s in seen.items() if s.heard}
+    if not heard:
+        return None
+    stalled = now - max(s.moved_at for s in heard.values())
+    silent = tuple(r for r, s in sorted(heard.items())
+                   if now - s.heard_at > SILENT_BEATS * beat_s)
     if silent:
         named = silent
     else:
-        lowest = min(s.position for s in seen.values())
-        named = tuple(r for r, s in sorted(seen.items()) if s.position == lowest)
+        lowest = min(s.position for s in heard.values())
+        named = tuple(r for r, s in sorted(heard.items()) if s.position == lowest)
     allowed = min(limits.allowed(seen[r].phase, seen[r].step, first_step, r in silent)
                   for r in named)
     if stalled <= allowed:
         return None
-    return Verdict(named, silent, stalled, hang_line(now, seen, named, silent, stalled,
-                                                      limits.timeout, out_dir))
+    line = hang_line(now, heard, named, silent, stalled, limits.timeout, out_dir)
+    unheard = sorted(set(seen) - set(heard))
+    if unheard:
+        line += f" (rank(s) {ranges(unheard)} never reached the hub: not judged)"
+    return Verdict(named, silent, stalled, line)
 
 
 def hang_line(now: float, seen: dict[int, Seen], named: tuple[int, ...],
@@ -207,12 +217,13 @@ def gloo_timeout_s(timeout: float) -> int:
 
 
 def candidate_hosts() -> list[str]:
-    """The addresses other ranks may reach this host at: Horovod's name for it, its names,
-    and its interfaces' IPv4 addresses (the loopback last: same-host ranks)."""
+    """The addresses other ranks may reach this host at: the name the launcher gave it
+    (HOROVOD_HOSTNAME, horovodrun's -H), its interfaces' IPv4 addresses, and the loopback last
+    (no name is looked up here: a slow resolver would hold up rank 0's start)."""
     hosts: list[str] = []
-    for name in (os.environ.get("HOROVOD_HOSTNAME"), socket.getfqdn(), socket.gethostname()):
-        if name and name not in ("localhost",) and name not in hosts:
-            hosts.append(name)
+    name = os.environ.get("HOROVOD_HOSTNAME")
+    if name and name != "localhost" and not name.startswith("127."):
+        hosts.append(name)
     with contextlib.suppress(ImportError):
         import psutil
 
@@ -278,16 +289,15 @@ class Watchdog:
             self._hub_sock.bind(("0.0.0.0", 0))
             self._hub_sock.settimeout(self.beat_s)
             port = self._hub_sock.getsockname()[1]
-            addresses = (socket.gethostname(), [(h, port) for h in candidate_hosts()])
+            addresses = [(h, port) for h in candidate_hosts()]
             now = time.monotonic()
-            self.seen = {r: Seen(heard_at=now, step=first_step, moved_at=now)
+            self.seen = {r: Seen(heard_at=now, step=first_step, moved_at=now, heard=False)
                          for r in range(self.size)}
             self._spawn(self._serve, "ringfeed-watchdog-hub")
-        host, addresses = broadcast(addresses)
+        addresses = [tuple(a) for a in broadcast(addresses)]
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._sock.settimeout(self.beat_s)
-        self._hub = self._reach(host, addresses)
-        self._spawn(self._beat, "ringfeed-watchdog")
+        self._sock.settimeout(min(0.5, self.beat_s))
+        self._spawn(lambda: self._beat(addresses), "ringfeed-watchdog")
 
     def stop(self) -> None:
         """End the threads and close the sockets (idempotent). On a rank that has acted on a
@@ -313,27 +323,40 @@ class Watchdog:
         thread.start()
         self._threads.append(thread)
 
-    def _reach(self, host: str, addresses: list[tuple[str, int]]) -> tuple[str, int]:
-        """The first of the hub's addresses that answers (its loopback on the same host)."""
-        if host == socket.gethostname():
-            return addresses[-1]
+    def _reach(self, addresses: list[tuple[str, int]]) -> tuple[str, int] | None:
+        """The hub, found by saying hello at each of its addresses in turn (names resolved
+        here, in this thread) until one answers: the address the answer came from. Said once
+        on stderr when a whole round got no answer; None when stopped first."""
         assert self._sock is not None
-        for address in addresses:
-            with contextlib.suppress(OSError):
-                self._sock.sendto(b'{"hello": 1}', address)
-                self._sock.recvfrom(4096)
-                return address
-        return addresses[0]  # none answered yet: keep trying the first
+        warned = False
+        while not self._stop.is_set():
+            for address in addresses:
+                with contextlib.suppress(OSError, ValueError):
+                    self._sock.sendto(b'{"hello": 1}', address)
+                    data, peer = self._sock.recvfrom(4096)
+                    if "v" in json.loads(data):
+                        self._sock.settimeout(self.beat_s)
+                        return peer
+            if not warned:
+                warned = True
+                say_on_stderr(f"ringfeed: watchdog: rank {self.rank} cannot reach rank 0's "
+                              f"heartbeat hub over UDP at {addresses}; it goes on trying (its "
+                              "hangs are seen as silence)")
+            self._stop.wait(self.beat_s)
+        return None
 
     def _message(self, dumped: bool) -> bytes:
         pos = self.pos
         return json.dumps({"r": self.rank, "s": pos.step, "p": pos.phase,
                            "age": time.monotonic() - pos.moved_at, "d": dumped}).encode()
 
-    def _beat(self) -> None:
+    def _beat(self, addresses: list[tuple[str, int]]) -> None:
         """Every beat_s: tell the hub where this rank is; act on its verdict. Without replies
         from the hub for hang_timeout_s while this rank is stuck too, decide alone."""
-        assert self._sock is not None and self._hub is not None
+        self._hub = self._reach(addresses)
+        if self._hub is None:
+            return
+        assert self._sock is not None
         replied_at = last = time.monotonic()
         dumped = False
         while not self._stop.is_set():
@@ -434,14 +457,15 @@ class Watchdog:
         if beat["p"] not in PHASES or int(beat["r"]) not in self.seen:
             raise ValueError(f"not a heartbeat of this job: {beat}")
         seen = self.seen[int(beat["r"])]
-        seen.heard_at = now
+        seen.heard_at, seen.heard = now, True
         seen.moved_at = now - float(beat["age"])
         seen.step, seen.phase, seen.dumped = int(beat["s"]), str(beat["p"]), bool(beat["d"])
 
     def _live(self) -> set[int]:
-        """The ranks other than 0 the verdict did not find silent."""
+        """The ranks other than 0 heard from and not found silent."""
         assert self.verdict is not None
-        return {r for r in self.seen if r not in self.verdict.silent and r != 0}
+        return {r for r, s in self.seen.items()
+                if s.heard and r not in self.verdict.silent and r != 0}
 
     def _acknowledged(self, since: float) -> bool:
         """Every live rank wrote its stacks, or they had SILENT_BEATS + 2 beats to."""
