@@ -216,3 +216,34 @@ def test_mlflow_and_wandb_get_every_scalar_and_a_resume_continues_the_same_runs(
         assert keys <= set(wandb["history"][step]), (step, keys - set(wandb["history"][step]))
     assert json.loads(wandb["config"]["optim.lr"]) == "0.05"
     assert "summary/val/accuracy" in wandb["summary"]
+
+
+def test_a_tracker_failing_mid_run_is_one_warning_and_training_goes_on(capsys):
+    from ringfeed.train.trackers import Guarded
+
+    class Flaky:  # a sink whose server went away after the second record
+        name = "mlflow"
+
+        def __init__(self):
+            self.steps: list[int] = []
+
+        def scalars(self, step, values):
+            if len(self.steps) == 2:
+                raise ConnectionError("Connection refused\nretries exhausted")
+            self.steps.append(step)
+
+        def describe(self):
+            return "http://127.0.0.1:1 run abc"
+
+    inner = Flaky()
+    sink = Guarded(inner)
+    for step in (10, 20, 30, 40):
+        sink.scalars(step, {"loss": 1.0})
+    sink.summary(40, {"status": "finished"})
+    sink.close()
+    out = capsys.readouterr().out
+    assert inner.steps == [10, 20] and sink.failed
+    assert out == ("ringfeed: warning: output.loggers: mlflow failed (ConnectionError: "
+                   "Connection refused); nothing more goes to it in this run (metrics.jsonl has "
+                   "everything)\n"), out
+    assert sink.describe().endswith("(failed, see above)")

@@ -15,6 +15,10 @@ ids are kept in `output.dir/trackers.json` (written atomically when a tracker ru
 so a run killed and resumed is one MLflow run and one W&B run with continuous steps. Points
 that the interrupted run logged after its last checkpoint stay in the tracker (their history
 cannot be rewritten, unlike metrics.jsonl); the resumed run logs those steps again.
+
+A tracker that cannot start its run is one line, exit 2 (before training). One that fails
+later (its server gone) is one warning line and dropped for the rest of the run (Guarded):
+training and metrics.jsonl go on.
 """
 
 from __future__ import annotations
@@ -308,6 +312,42 @@ class WandbSink:
             run.finish(exit_code=self._exit_code)
 
 
+class Guarded:
+    """A tracker sink whose failures after its start do not stop training: the first one is
+    one warning line on rank 0 (the tracker and why), and the sink is dropped for the rest of
+    the run (metrics.jsonl and the other sinks keep everything)."""
+
+    def __init__(self, sink: ScalarSink):
+        self.sink, self.name = sink, sink.name
+        self.failed = False
+
+    def _call(self, what: str, *args: Any) -> None:
+        if self.failed:
+            return
+        try:
+            getattr(self.sink, what)(*args)
+        except Exception as e:  # noqa: BLE001 - a tracker outage must not stop training
+            self.failed = True
+            print(f"ringfeed: warning: output.loggers: {self.name} failed ({_first_line(e)}); "
+                  "nothing more goes to it in this run (metrics.jsonl has everything)",
+                  flush=True)
+
+    def params(self, params: dict[str, str]) -> None:
+        self._call("params", params)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self._call("scalars", step, values)
+
+    def summary(self, step: int, summary: dict[str, Any]) -> None:
+        self._call("summary", step, summary)
+
+    def describe(self) -> str:
+        return f"{self.sink.describe()}{' (failed, see above)' if self.failed else ''}"
+
+    def close(self) -> None:
+        self._call("close")
+
+
 def open_sinks(loggers: list[str], out_dir: Path, resume: bool, config: dict[str, Any]
                ) -> list[ScalarSink]:
     """Rank 0: the sinks of `loggers` started (tracker runs created, or continued when
@@ -320,9 +360,9 @@ def open_sinks(loggers: list[str], out_dir: Path, resume: bool, config: dict[str
             if logger == "tensorboard":
                 sinks.append(TensorBoardSink(out_dir / "tensorboard").start())
             elif logger == "mlflow":
-                sinks.append(MlflowSink(name).start(ids, resume))
+                sinks.append(Guarded(MlflowSink(name).start(ids, resume)))
             else:
-                sinks.append(WandbSink(out_dir, name).start(ids, resume))
+                sinks.append(Guarded(WandbSink(out_dir, name).start(ids, resume)))
         params = flat_config(config)
         for sink in sinks:
             sink.params(params)
