@@ -4,8 +4,9 @@ The kind of a field comes from the manifest's `fields` (extension -> kind) when 
 extension, else from the member name's last extension:
   image (png, jpg, jpeg, ...) -> uint8 array, **HWC** (channels last, C=1 for grayscale, 3 for
         colour); with `image_size=(h, w)` resized (bilinear); with `normalize=(mean, std)`
-        float32 HWC computed as (x / 255 - mean) / std. The same layout for torch and TF:
-        torch users permute to CHW in the model or a transform.
+        float32 HWC computed as (x / 255 - mean) / std. The same layout for torch and TF;
+        `ringfeed train` hands torch models a (N, C, H, W) view of the NHWC batch
+        (model.input_layout).
   npy   -> np.load (no pickles); token fields (extension starting with "tokens") -> int64
   int   (cls, ...) -> int (batched as int64)
   json  -> object (batched as a list)
