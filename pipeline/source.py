@@ -101,7 +101,10 @@ def manifest_refs(location: str, split: str, storage_options: dict[str, Any],
     else:
         manifest_url, base = _join(location, "manifest.json"), location.rstrip("/") or "/"
     if is_local_url(manifest_url):
-        index = load_index(local_path(manifest_url), cache_dir)
+        try:
+            index = load_index(local_path(manifest_url), cache_dir)
+        except ManifestError as e:
+            raise PipelineError(str(e)) from None
     else:
         try:
             data = retrying(lambda: read_url(manifest_url, storage_options), manifest_url,

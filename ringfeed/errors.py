@@ -122,9 +122,16 @@ def exit_status(exc: BaseException, stream: IO[str] | None = None) -> int:
             raise exc
         traceback.print_exception(exc, file=stream)
         line, code = f"{USER_CODE_LINE}{culprit}: {type(exc).__name__}: {exc}", EXIT_CRASH
-    # one line, whatever the message held (a library's multi-line text, folded)
-    print(" ".join(line.split()) if "\n" in line else line, file=stream, flush=True)
+    print(one_line(line), file=stream, flush=True)
     return code
+
+
+def one_line(text: str) -> str:
+    """`text` on one line, whatever it held: a library's multi-line message folded, and control
+    characters (a file name with a carriage return) shown escaped rather than acted on."""
+    if "\n" in text:
+        text = " ".join(text.split())
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def model_mismatch(checkpoint: object, differences: list[str]) -> UserError:

@@ -227,8 +227,13 @@ def run_verify(args: argparse.Namespace) -> int:
     verdict = (f"{len(result.bad)} BAD" if result.bad
                else "all OK (sha256, size, sample counts and index sidecars)")
     print(f"ringfeed verify: {len(result.checks)} shards, {samples:,} samples, "
-          f"{human_bytes(nbytes)}: {verdict}")
-    return 1 if result.bad else 0
+          f"{human_bytes(nbytes)}: {verdict}", flush=True)
+    if result.bad:  # bad data, like every other: exit 2 (ringfeed/errors.py's table)
+        first = result.bad[0]
+        raise UserError(f"verify: {len(result.bad)} of {len(result.checks)} shard(s) in "
+                        f"{args.out} are BAD (listed above; first {first.split}/{first.name}): "
+                        "re-download or re-create them")
+    return 0
 
 
 def run_inspect(args: argparse.Namespace) -> int:

@@ -343,7 +343,7 @@ def test_verify_and_inspect_of_a_malformed_archive(damaged, capsys):
     shards, victim, how = damaged
     code, out, err = cli(capsys, "verify", shards)
     bad = [line for line in out.splitlines() if line.startswith("BAD")]
-    assert code == 1 and "Traceback" not in out + err
+    assert code == 2 and "Traceback" not in out + err
     assert len(bad) == 1 and bad[0].startswith(f"BAD train/{victim.name}: ")
     assert MALFORMED[how] in bad[0] and "re-download or re-create it" in bad[0], bad[0]
     assert "1 BAD" in out

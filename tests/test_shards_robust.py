@@ -243,7 +243,7 @@ def test_verify_names_every_bad_shard(capsys, tmp_path, images):
     (out / "manifest.json").write_text(json.dumps(m))
 
     code, stdout, _ = cli(capsys, "verify", out)
-    assert code == 1
+    assert code == 2
     bad = [line for line in stdout.splitlines() if line.startswith("BAD")]
     assert len(bad) == 6
     assert bad[0].startswith("BAD train/train-000001.tar: index sidecar train-000001.tar.idx "

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
-from ringfeed.errors import exit_status
+from ringfeed.errors import exit_status, one_line
 
 COMMAND_MODULES = [
     "ringfeed.train.info",        # ringfeed info
@@ -24,8 +25,17 @@ COMMAND_MODULES = [
 ]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose error line is one line, like every other (an argument holding a
+    carriage return or newline is shown escaped); its subcommands' parsers are Parsers too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ringfeed",
         description="WebDataset shards -> local cache -> Horovod ring-allreduce (PyTorch, TensorFlow).",
     )

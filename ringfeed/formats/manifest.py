@@ -113,6 +113,9 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], origin: str = "manifest.json") -> Manifest:
+        if not isinstance(data, dict):
+            raise ManifestError(f"{origin}: not a ringfeed manifest (a JSON "
+                                f"{type(data).__name__}, not an object)")
         if data.get("format") != FORMAT:
             raise ManifestError(f"{origin}: not a ringfeed manifest (format={data.get('format')!r})")
         if data.get("version") != VERSION:
@@ -127,8 +130,8 @@ class Manifest:
             }
             rest = {k: v for k, v in data.items() if k != "splits"}
             return cls(splits=splits, **rest)
-        except (KeyError, TypeError) as e:
-            raise ManifestError(f"{origin}: malformed manifest ({e})") from e
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ManifestError(f"{origin}: malformed manifest ({e})") from None
 
     @classmethod
     def load(cls, path_or_dir: str | Path) -> Manifest:
@@ -140,8 +143,10 @@ class Manifest:
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise ManifestError(f"{path}: no manifest.json (run `ringfeed shard` first)") from None
-        except json.JSONDecodeError as e:
-            raise ManifestError(f"{path}: not valid JSON ({e})") from e
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{path}: not valid JSON ({e})") from None
+        except OSError as e:  # a directory or an unreadable file in its place
+            raise ManifestError(f"{path}: cannot read the manifest ({e.strerror or e})") from None
         return cls.from_dict(data, origin=str(path))
 
     def split(self, name: str) -> Split:

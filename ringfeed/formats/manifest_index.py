@@ -272,5 +272,5 @@ def _build(data: bytes, origin: str, target: Path) -> None:
 def _parse(data: bytes, origin: str) -> Manifest:
     try:
         return Manifest.from_dict(json.loads(data), origin=origin)
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{origin}: not valid JSON ({e})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{origin}: not valid JSON ({e})") from None
