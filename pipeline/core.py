@@ -55,7 +55,7 @@ from ringfeed.pipeline.state import PipelineState
 from ringfeed.pipeline.stats import PipelineStats
 from ringfeed.pipeline.stream import Booked, StreamContext
 from ringfeed.remote import RetryPolicy
-from ringfeed.userhooks import load_callable
+from ringfeed.userhooks import load_callable, user_code_of
 
 # decoded_cache="auto" turns the cache on when the split's decoded samples fit cache_limit,
 # or, with no limit, this share of the free space where the cache lives (also the decoded
@@ -549,7 +549,10 @@ def first_raw(refs: Sequence[ShardRef], cache: ShardCache,
 
 def first_decoded(refs: Sequence[ShardRef], cache: ShardCache, indexes: IndexStore | None,
                   decoder: Decoder) -> dict[str, Any]:
-    """The first sample of `refs` that reads and decodes (in manifest order)."""
+    """The first sample of `refs` that reads and decodes (in manifest order). When none does,
+    the first decode error says why; one raised by the user's own code (data.decode,
+    data.transform) is raised as it is, so the CLI shows its traceback and names the hook."""
+    first_error: Exception | None = None
     for ref in refs:
         try:
             samples = open_samples(cache.open(ref), indexes)
@@ -562,11 +565,15 @@ def first_decoded(refs: Sequence[ShardRef], cache: ShardCache, indexes: IndexSto
                     break
                 try:
                     return decoder(raw)
-                except Exception:
+                except Exception as e:
+                    first_error = first_error or e
                     continue
         finally:
             samples.close()
-    raise PipelineDataError("no decodable sample in any shard")
+    if first_error is not None and user_code_of(first_error) is not None:
+        raise first_error
+    why = f" (the first: {type(first_error).__name__}: {first_error})" if first_error else ""
+    raise PipelineDataError(f"no decodable sample in any shard{why}")
 
 
 def check_mixture_fields(sources: ResolvedSources, decoder: Decoder, cache: ShardCache,

@@ -45,7 +45,7 @@ class ExitStatus:
 EXIT_STATUSES: tuple[ExitStatus, ...] = (
     ExitStatus(0, "", "finished", False),
     ExitStatus(EXIT_CRASH, f"{USER_CODE_LINE} (", "your code (model.name, train.loss, "
-               "train.metrics) raised before this process's first step: a relaunch would run "
+               "train.metrics, data.decode, data.transform) raised before this process's first step: a relaunch would run "
                "it again on the same state; its traceback comes first", False),
     ExitStatus(EXIT_CRASH, f"{USER_CODE_LINE} at step", "your code raised during training; its "
                "traceback comes first", True),

@@ -27,13 +27,14 @@ def load_callable(path: str, field: str) -> Callable[..., Any]:
     if not callable(fn):
         raise UserError(f"{field}: {module_name!r} has no callable {attr!r}")
     where = _source_of(module)
-    if where is not None:
-        _loaded.setdefault(where, f"{field}={path}")
+    if where is not None and (field, path) not in _loaded.setdefault(where, []):
+        _loaded[where].append((field, path))
     return fn
 
 
-# The user code this process loaded: its module's file (a package's folder) -> "field=path".
-_loaded: dict[str, str] = {}
+# The user code this process loaded: its module's file (a package's folder) -> the (field,
+# "module:function") pairs that named it.
+_loaded: dict[str, list[tuple[str, str]]] = {}
 # The optimizer steps this process completed (the loop counts them): an error from user code
 # before the first one is deterministic - a relaunch runs the same code on the same state.
 _steps = {"done": 0, "last": 0}
@@ -48,6 +49,16 @@ def _source_of(module: Any) -> str | None:
     if os.path.basename(file) == "__init__.py":
         return os.path.dirname(file) + os.sep
     return file
+
+
+def _entry(named: list[tuple[str, str]], frames: list[Any]) -> tuple[str, str]:
+    """Of the fields that named one module, the one whose function the traceback passed
+    through (outermost first: the function ringfeed called), else the first."""
+    for frame in frames:
+        for field, path in named:
+            if frame.f_code.co_name == path.partition(":")[2]:
+                return field, path
+    return named[0]
 
 
 def note_step(step: int) -> None:
@@ -69,13 +80,15 @@ def user_code_of(exc: BaseException) -> str | None:
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
+        frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+        for frame in reversed(frames):  # the innermost frame of the user's code names it
             name = os.path.realpath(frame.f_code.co_filename)
-            for where, field in _loaded.items():
+            for where, named in _loaded.items():
                 if name == where or (where.endswith(os.sep) and name.startswith(where)):
+                    field, path = _entry(named, frames)
                     if not _steps["done"]:
-                        return f" ({field})"
-                    return f" at step {_steps['last'] + 1} ({field})"
+                        return f" ({field}={path})"
+                    return f" at step {_steps['last'] + 1} ({field}={path})"
         exc = exc.__cause__ or exc.__context__
     return None
 

@@ -460,6 +460,22 @@ def test_a_user_model_factory_that_raises_is_not_relaunched(world, tmp_path):
     assert "not restarting" in res.output and "restart 1/2" not in res.output
 
 
+@pytest.mark.integration
+def test_a_data_transform_that_raises_is_named_not_called_bad_data(world, tmp_path,
+                                                                   monkeypatch):
+    """Every sample failing in the user's transform is their code's error (exit 1, its
+    traceback), not 'no decodable sample in any shard' (exit 2)."""
+    (tmp_path / "fuzz_hooks.py").write_text("def transform(sample):\n"
+                                            "    raise RuntimeError('my transform')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = cli("train", world["cfg"], "--set", "data.transform=fuzz_hooks:transform",
+                       "--set", f"output.dir={tmp_path / 'out'}")
+    assert code == 1 and 'fuzz_hooks.py", line 2, in transform' in err, err
+    assert err.strip().splitlines()[-1] == ("ringfeed: error in your code "
+                                            "(transform=fuzz_hooks:transform): RuntimeError: "
+                                            "my transform")
+
+
 def alive(pid: int) -> bool:
     import psutil
 
@@ -537,11 +553,16 @@ def test_errors_from_the_users_code_are_told_apart_by_their_frames(tmp_path, mon
     from ringfeed import userhooks
     from ringfeed.userhooks import load_callable, note_step, user_code_of
 
-    (tmp_path / "fuzz_user_mod.py").write_text("def fn():\n    raise KeyError('mine')\n")
+    (tmp_path / "fuzz_user_mod.py").write_text("def fn():\n    raise KeyError('mine')\n\n"
+                                               "def other():\n    raise KeyError('too')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     userhooks.reset()
     fn = load_callable("fuzz_user_mod:fn", "train.loss")
+    other = load_callable("fuzz_user_mod:other", "train.metrics")  # the same module
     try:
+        with pytest.raises(KeyError) as raised:
+            other()
+        assert user_code_of(raised.value) == " (train.metrics=fuzz_user_mod:other)"
         with pytest.raises(KeyError) as raised:
             fn()
         assert user_code_of(raised.value) == " (train.loss=fuzz_user_mod:fn)"

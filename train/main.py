@@ -27,8 +27,10 @@ def register(subparsers) -> None:
         help="train a model on shards with Horovod (PyTorch or TensorFlow)",
         description="Train on 1 process, or on N under `horovodrun -np N` / `mpirun`. "
                     "One YAML config drives either framework (framework: torch|tensorflow).",
-        epilog="Exit codes: 0 done, 2 bad config or data, 3 loss became NaN/inf, 4 a "
-               "checkpoint could not be written, 75 storage unavailable for the whole "
+        epilog="Exit codes: 0 done, 1 a crash or your code raised (its traceback, then "
+               "`ringfeed: error in your code (...)`), 2 bad config or data, 3 loss became "
+               "NaN/inf, 4 a checkpoint or a file under output.dir could not be written, 75 "
+               "storage unavailable for the whole "
                "data.retry_budget_s (restart it), 76 a hang: no rank progressed for "
                "train.hang_timeout_s (restart it), 143 stopped by SIGTERM after saving a "
                "checkpoint. Recovery (restarts, elastic): train/RECOVERY.md.",
