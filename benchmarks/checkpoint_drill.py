@@ -64,7 +64,7 @@ def main() -> None:
                           args.work / "ref.log", timeout=300)
     assert ref.code == 0, ref.output[-3000:]
     reference = torch_final(args.work / "ref", STEPS)
-    ckpt = args.work / "ref" / "checkpoints" / f"ckpt-{4:09d}"
+    ckpt = args.work / "ref" / "checkpoints" / f"ckpt-{STEPS:09d}"
     state, meta = (ckpt / "state.pt").stat().st_size, (ckpt / "meta.json").stat().st_size
     out_bytes = 2 * state + meta + 300  # staged (state.pt, meta.json), then state.pt uploaded
     rng = random.Random(args.seed)

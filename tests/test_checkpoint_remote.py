@@ -151,7 +151,7 @@ def test_a_storage_outage_is_waited_out_and_past_the_budget_is_exit_75(s3, tmp_p
             "connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}}}
         store = open_store("s3://ckpt/outage", options, tmp_path / "staging",
                            RetryPolicy(budget_s=30, first_backoff_s=0.1, max_backoff_s=0.5))
-        proxy.outage("reset", 2.0)
+        proxy.outage("reset", 1.0)
         write_checkpoint(store, 1, {}, payload("x"), keep=1)  # waited out
         assert proxy.counters()["faults"]["reset"] >= 1
         hit = find_resume_point("auto", store, print)
@@ -159,7 +159,7 @@ def test_a_storage_outage_is_waited_out_and_past_the_budget_is_exit_75(s3, tmp_p
         store.release(hit.path)
         proxy.set_mode("reset")
         short = open_store("s3://ckpt/outage", options, tmp_path / "staging",
-                           RetryPolicy(budget_s=1.0, first_backoff_s=0.1, max_backoff_s=0.2))
+                           RetryPolicy(budget_s=0.5, first_backoff_s=0.1, max_backoff_s=0.2))
         with pytest.raises(StorageUnavailable, match=r"s3://ckpt/outage/ckpt-000000002/\S+: "
                                                      r"[a-z ]+ failed for \d") as e:
             write_checkpoint(short, 2, {}, payload("y"), keep=1)

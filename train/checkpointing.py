@@ -32,9 +32,11 @@ write took, logged ("saved checkpoint ...") and handed to `record` (metrics.json
 from __future__ import annotations
 
 import copy as copy_module
+import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -83,7 +85,12 @@ class Saved:
 
 class BackgroundWriter:
     """Rank 0's writer thread: one write at a time. The thread is not a daemon, so a process
-    that ends with a write in flight (an exception elsewhere) finishes it first."""
+    that ends with a write in flight (an exception elsewhere) finishes it first. It runs at a
+    lower CPU priority (nice +10, this thread only): where training computes on the same cores
+    (CPU training, a busy data pipeline) the kernel gives them to training first and the write
+    takes the cycles left over."""
+
+    NICE = 10
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
@@ -93,6 +100,8 @@ class BackgroundWriter:
         assert self._thread is None, "one checkpoint write at a time"
 
         def run() -> None:
+            with suppress(OSError, AttributeError):  # (Linux: per thread; elsewhere: as is)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
             self._outcome = write()
 
         self._thread = threading.Thread(target=run, name="ringfeed-checkpoint-writer")

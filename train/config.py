@@ -366,7 +366,8 @@ class RunConfig(_Section):
                                             accumulate=self.train.accumulate)
 
     def to_yaml(self) -> str:
-        dumped = self.model_dump(mode="json", exclude={"data": set(RUN_OWNED_DATA_KEYS)})
+        dumped = self.model_dump(mode="json", exclude={"data": set(RUN_OWNED_DATA_KEYS)},
+                                 by_alias=True)  # (checkpoint.async)
         return yaml.safe_dump(dumped, sort_keys=False)
 
 
