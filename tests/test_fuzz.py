@@ -305,14 +305,17 @@ def pipeline_listing(data: Path, cache: Path) -> list[tuple[str, int]] | None:
 @given(how=st.sampled_from(["truncate", "flip", "garbage", "delete", "json"]),
        where=st.floats(0, 1), bit=st.integers(0, 7),
        value=st.one_of(st.none(), st.integers(), st.text(max_size=5), st.lists(st.integers())))
-def test_a_damaged_checkpoint_meta_is_passed_over(checkpoints, tmp_path, how, where, bit, value):
+def test_a_damaged_checkpoint_meta_is_passed_over(world, checkpoints, tmp_path, how, where, bit,
+                                                  value):
     """--resume auto's search with the newest meta.json damaged: the older checkpoint, or the
-    newest when its meta still reads (every file's sha256 still checks); never an error."""
+    newest when its meta still reads (every file's sha256 still checks), never an error; a
+    resume from a meta that reads but says something else is one line (exit 2)."""
     from ringfeed.train.checkpoint import find_resume_point
 
-    directory = tmp_path / "ckpts"
-    if directory.exists():
-        shutil.rmtree(directory)
+    run = tmp_path / "run"
+    if run.exists():
+        shutil.rmtree(run)
+    directory = run / "checkpoints"
     shutil.copytree(checkpoints, directory)
     newest, older = sorted(p for p in directory.iterdir() if p.name.startswith("ckpt-"))[::-1]
     meta = newest / "meta.json"
@@ -330,6 +333,11 @@ def test_a_damaged_checkpoint_meta_is_passed_over(checkpoints, tmp_path, how, wh
     if Path(found.path).name != newest.name:
         assert Path(found.path).name == older.name
         assert any(newest.name in line for line in said), said
+        return
+    code, _, err = cli("train", world["cfg"], "--set", f"output.dir={run}", "--resume",
+                       newest, "--set", "output.tensorboard=false")
+    check_failure(code, err, newest.name)
+    assert code in (0, 2)
 
 
 @pytest.fixture(scope="module")
@@ -386,6 +394,23 @@ def test_a_disk_that_fills_mid_run_is_one_line_exit_4_and_keeps_what_was_written
     verify(saved[-1])
 
 
+@pytest.mark.system
+def test_a_read_only_output_dir_is_exit_4_even_under_checkpoint_on_error_warn(world,
+                                                                             tiny_tmpfs):
+    """on_error: warn covers checkpoints, not the run's own files (it was a traceback, exit 1,
+    which ringfeed run relaunched)."""
+    out = tiny_tmpfs / "run"
+    out.mkdir()
+    res = subprocess.run(["mount", "-o", "remount,ro", str(tiny_tmpfs)], capture_output=True,
+                         text=True)
+    if res.returncode:
+        pytest.skip(f"cannot remount read-only: {res.stderr.strip()}")
+    code, _, err = cli("train", world["cfg"], "--set", f"output.dir={out}",
+                       "--set", "checkpoint.on_error=warn")
+    line = check_failure(code, err, str(out))
+    assert code == 4 and "Read-only file system" in line, err
+
+
 @pytest.mark.integration
 def test_a_shard_with_more_samples_than_its_manifest_lists_stops_the_run(world, tmp_path):
     data = tmp_path / "data"
@@ -411,6 +436,20 @@ def test_resuming_with_a_changed_model_is_one_line(world, tmp_path, checkpoints)
     assert code == 2 and err.strip().count("\n") == 0, err
     assert "not in the checkpoint: net.7.weight" in line and "(16, 8) in the checkpoint, " \
         "(32, 8) in the model" in line and "--resume none" in line, line
+
+
+@pytest.mark.integration
+def test_an_unreachable_http_source_says_connection_refused():
+    import socket
+
+    from ringfeed.remote import describe, read_url
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(Exception) as raised:  # (retried, then named, by the callers)
+        read_url(f"http://127.0.0.1:{port}/shards/manifest.json", {})
+    assert describe(raised.value).startswith("connection refused ("), describe(raised.value)
 
 
 def test_a_latin1_csv_names_the_line_the_byte_is_on(tmp_path):

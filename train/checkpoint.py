@@ -194,7 +194,18 @@ def parse_meta(data: bytes, where: str) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT \
             or not isinstance(meta.get("files"), dict):
         raise CheckpointError(f"{where}: {META} is not a ringfeed checkpoint")
+    # what a resume reads from it, where present, of its type: a damaged value (a flipped
+    # digit into a letter, a truncated object) passes the checkpoint over like a damaged file
+    for key, kind in META_TYPES.items():
+        value = meta.get(key)
+        if key in meta and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise CheckpointError(f"{where}: {META} is damaged ({key}: {value!r})")
     return meta
+
+
+META_TYPES: dict[str, type | tuple[type, ...]] = {
+    "step": int, "epoch": int, "world_size": int, "framework": str, "reason": str,
+    "pipeline": dict, "config": dict}
 
 
 def check_files(where: str, directory: Path, meta: dict[str, Any]) -> None:

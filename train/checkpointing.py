@@ -164,10 +164,18 @@ class Checkpointer:
                 f" (no checkpoint to resume in {self.directory})"
                 if self.section.resume != "none" else " (checkpoint.resume: none)") + restart)
             return None
-        meta, step = found["meta"], int(found["meta"]["step"])
-        state = TrainState(step=step, epoch=int(meta["epoch"]),
-                           last_checkpoint=found["path"], saved_step=step)
-        pipe.load_state_dict(meta["pipeline"])
+        meta = found["meta"]
+        try:
+            step = int(meta["step"])
+            state = TrainState(step=step, epoch=int(meta["epoch"]),
+                               last_checkpoint=found["path"], saved_step=step)
+            pipe.load_state_dict(meta["pipeline"])
+        except UserError as e:  # the pipeline refused its state: name the checkpoint
+            raise UserError(f"checkpoint {found['path']}: {e}", exit_code=e.exit_code) from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # the same on every rank
+            raise UserError(f"checkpoint {found['path']}: meta.json is damaged ({type(e).__name__}"
+                            f": {e}); resume from another checkpoint (--resume PATH) or move "
+                            "this one away") from None
         self.say(f"resumed from {found['path']} at step {state.step} (epoch {state.epoch}, "
                  f"saved by {meta.get('world_size')} rank(s)){restart}")
         return state

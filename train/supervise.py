@@ -71,7 +71,7 @@ class Supervisor:
         try:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          text=True, bufsize=1, env=env, start_new_session=True,
-                                         preexec_fn=functools.partial(_die_with_parent,
+                                         preexec_fn=functools.partial(die_with_parent,
                                                                       os.getpid()))
         except OSError as e:  # no such launcher, not executable: no relaunch can help
             from ringfeed.errors import UserError
@@ -117,11 +117,11 @@ class Supervisor:
             delay = min(delay * 2, self.backoff_max)
 
 
-def _die_with_parent(parent: int) -> None:
-    """In the job's process, before it execs: SIGTERM when the supervisor dies (Linux's
-    PR_SET_PDEATHSIG), which a launcher passes on to its ranks and a trainer answers by saving
-    and stopping. start_new_session keeps the job out of a terminal's signals, so without this
-    a SIGKILLed supervisor would leave the job running unsupervised."""
+def die_with_parent(parent: int) -> None:
+    """In a job's process, before it execs (Popen's preexec_fn): SIGTERM when process `parent`
+    (ringfeed run, ringfeed tune) dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG), which a
+    launcher passes on to its ranks and a trainer answers by saving and stopping. Jobs run in
+    their own session (out of a terminal's signals), so without it they would run on, alone."""
     import ctypes
 
     pr_set_pdeathsig = 1

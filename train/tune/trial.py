@@ -10,6 +10,7 @@ over when the file is replaced or shrinks.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ringfeed.train.checkpoint import PREFIX, CheckpointError, list_checkpoints, verify
+from ringfeed.train.supervise import die_with_parent
 
 POLL_S = 0.25
 TERM_GRACE_S = 10.0  # SIGTERM first (srun cancels its step, ringfeed saves), then SIGKILL
@@ -156,7 +158,8 @@ def run_job(cmd: list[str], log_path: Path, metrics_path: Path, env: dict[str, s
         try:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env={**os.environ, **env})
+                                    env={**os.environ, **env},
+                                    preexec_fn=functools.partial(die_with_parent, os.getpid()))
         except OSError as e:
             return Outcome(127, time.monotonic() - t0, error=f"cannot launch {cmd[0]}: {e}")
     on_start(proc)
