@@ -9,16 +9,19 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -205,3 +208,20 @@ def corrupt_one_sample(shards: Path, shard_name: str, sample_index: int) -> str:
                 info.bytes, info.sha256 = path.stat().st_size, sha256_file(path)
     manifest.save(shards)
     return bad_key
+
+
+def mounted_tmpfs(directory: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of `size` (mount's size=, e.g. "48k") mounted at `directory`/tmpfs for the
+    time of a fixture (root only: the test is skipped otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = directory / "tmpfs"
+    mount.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                         capture_output=True, text=True)
+    if res.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

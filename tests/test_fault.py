@@ -21,6 +21,7 @@ from fault_util import (
     assert_same_torch_state,
     corrupt_one_sample,
     logged_step,
+    mounted_tmpfs,
     read_jsonl,
     ringfeed_forked,
     samples_by_epoch,
@@ -258,18 +259,7 @@ def big_model_config(tmp_path: Path, shards: Path, name: str, ckpt_dir: Path,
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A real 256 KiB tmpfs: room for one checkpoint, not two."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                         capture_output=True, text=True)
-    if res.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    yield from mounted_tmpfs(tmp_path, "256k")
 
 
 def test_disk_full_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tmp_path, shards,

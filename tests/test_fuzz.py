@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fault_util import mounted_tmpfs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -354,18 +355,7 @@ def checkpoints(world, tmp_path_factory) -> Path:
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """A real 48 KiB tmpfs (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(mount)],
-                         capture_output=True, text=True)
-    if res.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    yield from mounted_tmpfs(tmp_path, "48k")
 
 
 @pytest.mark.system
