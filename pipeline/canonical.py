@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ringfeed.pipeline.config import PipelineConfig
+from ringfeed.pipeline.config import PipelineConfig, canonical_rule_error
 from ringfeed.pipeline.errors import PipelineError
 from ringfeed.pipeline.plan import SegmentConfig, SegmentPlan, WorkerPlan, shuffle_order
 from ringfeed.pipeline.stream import Booked, StreamContext, WorkerStream
@@ -46,13 +46,9 @@ def canonical_config(c: PipelineConfig, world_size: int) -> SegmentConfig:
     if c.balance != "drop":
         raise PipelineError("order: global drops the epoch's tail; balance='pad' is for the "
                             "rank order (evaluation)")
-    if C % world_size:
-        raise PipelineError(f"canonical_streams={C} is not divisible by world_size "
-                            f"{world_size}: set canonical_streams to a multiple of every world "
-                            "size the run will use (it must stay the same for the whole run)")
-    if G % C:
-        raise PipelineError(f"global_batch_size={G} is not divisible by canonical_streams={C}: "
-                            "each stream gives G / C samples to every global batch")
+    problem = canonical_rule_error(G, C, world_size)
+    if problem:
+        raise PipelineError(problem)
     return SegmentConfig(C, 0, G // C, c.shuffle_buffer if c.shuffle else 0, "drop")
 
 

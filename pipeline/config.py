@@ -126,6 +126,22 @@ class PipelineConfig(BaseModel):
         return None if v is None else parse_size(v)
 
 
+def canonical_rule_error(global_batch: int, streams: int, world_size: int, field: str = "",
+                         batch_label: str | None = None) -> str | None:
+    """What breaks order: global's rules for `global_batch` samples per (micro-)batch over all
+    ranks, `streams` canonical streams and `world_size` ranks, or None. `field` prefixes the
+    option names (train's "data."); `batch_label` says where `global_batch` comes from."""
+    if streams % world_size:
+        return (f"{field}canonical_streams={streams} is not divisible by the world size "
+                f"{world_size}: set {field}canonical_streams to a multiple of every world size "
+                "the run will use (it must stay the same for the whole run)")
+    if global_batch % streams:
+        label = batch_label or f"{field}global_batch_size={global_batch}"
+        return (f"{label} is not divisible by {field}canonical_streams={streams}: each stream "
+                "gives the same share of every global batch")
+    return None
+
+
 class WeightedSource(BaseModel):
     """One source of a weighted mixture (pipeline/mixture.py): `{path: shards/web, weight: 0.7}`."""
 

@@ -108,8 +108,8 @@ def test_resume_at_another_world_size_continues_the_global_batches(shards, mixtu
 
 def test_global_order_rules_are_one_line_errors(shards):
     source = shards / "a"
-    with pytest.raises(PipelineError, match=r"canonical_streams=6 is not divisible by "
-                                            r"world_size 4: set canonical_streams to a multiple"):
+    with pytest.raises(PipelineError, match=r"canonical_streams=6 is not divisible by the "
+                                            r"world size 4: set canonical_streams to a multiple"):
         make(source, 0, 4)
     with pytest.raises(PipelineError, match=r"global_batch_size=20 is not divisible by "
                                             r"canonical_streams=6"):

@@ -36,7 +36,12 @@ from pydantic import (
 from ringfeed.errors import UserError
 from ringfeed.formats.manifest import ManifestError
 from ringfeed.formats.manifest_index import ManifestIndex, load_index
-from ringfeed.pipeline.config import PipelineConfig, WeightedSource, pipeline_config
+from ringfeed.pipeline.config import (
+    PipelineConfig,
+    WeightedSource,
+    canonical_rule_error,
+    pipeline_config,
+)
 from ringfeed.train.checkpoint import refuse_earlier_run
 from ringfeed.train.checkpoint_store import is_remote
 from ringfeed.train.horovod_env import launch_problem
@@ -493,19 +498,6 @@ def _hint(loc: tuple) -> str:
     return f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {valid})"
 
 
-def _check_canonical(d: DataSection, ranks: int, accumulate: int, path: str | Path) -> None:
-    """data.order: global's rules (pipeline/canonical.py), before anything is imported."""
-    streams, micro = d.canonical_streams, (d.global_batch_size or 0) // accumulate
-    if streams % ranks:
-        raise UserError(f"{path}: data.canonical_streams={streams} is not divisible by the "
-                        f"world size {ranks}: set it to a multiple of every world size the run "
-                        "will use (it must stay the same for the whole run)")
-    if micro % streams:
-        raise UserError(f"{path}: data.global_batch_size={d.global_batch_size} / "
-                        f"train.accumulate ({accumulate}) = {micro} is not divisible by "
-                        f"data.canonical_streams={streams}")
-
-
 def _check_consistency(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
     """Raises a UserError for keys that do not go together; returns the data keys they settle
     ({"batch_size": ...} from global_batch_size), without changing `cfg`."""
@@ -527,7 +519,13 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
             )
         settled["batch_size"] = d.global_batch_size // per_step
         if d.order == "global":
-            _check_canonical(d, ranks, t.accumulate, path)
+            micro = d.global_batch_size // t.accumulate
+            problem = canonical_rule_error(
+                micro, d.canonical_streams, ranks, field="data.",
+                batch_label=f"data.global_batch_size={d.global_batch_size} / train.accumulate "
+                            f"({t.accumulate}) = {micro}")
+            if problem:
+                raise UserError(f"{path}: {problem}")
     elif d.order == "global":
         raise UserError(f"{path}: data.order: global needs data.global_batch_size (the samples "
                         "of one optimizer step over all ranks)")
