@@ -74,8 +74,9 @@ def main() -> None:
             asynchronous = i % 2 == 1
             step = rng.choice([4, 6])
             budget = 10**9 if rng.random() < 0.2 else rng.randrange(0, out_bytes)
+            # (state.pt goes up in one PUT: a budget inside its upload kills once it is up)
             phase = ("staging state.pt" if budget < state else "staging meta.json"
-                     if budget < state + meta else "uploading state.pt" if budget < 10**9
+                     if budget < state + meta else "state.pt uploaded" if budget < 10**9
                      else "before meta.json's upload")
             url = f"s3://drill/rep{i}"
             cfg = config(args.work, shards, f"rep{i}", {"dir": url, "storage_options": options,

@@ -131,3 +131,14 @@ def test_a_failed_write_raises_or_is_reported_and_not_retried_at_the_end(tmp_pat
     assert saved.location is None and "cannot write checkpoint" in saved.error
     assert "checkpoint at step 8 NOT saved" in lines[-1]
     assert not ckpt.due_at_end(state)
+
+
+def test_a_local_dir_keeps_renaming_and_loses_what_killed_writes_and_deletes_left(tmp_path):
+    from ringfeed.train.checkpoint import remove_stale_temporaries, write_checkpoint
+
+    write_checkpoint(tmp_path, 10, {}, lambda d: (d / "state.bin").write_text("10"), keep=3)
+    (tmp_path / ".ckpt-000000020.tmp-99").mkdir()  # a write killed before its rename
+    (tmp_path / "ckpt-000000030").mkdir()  # a delete cut short after its meta.json went
+    (tmp_path / "ckpt-000000030" / "state.bin").write_text("30")
+    assert remove_stale_temporaries(tmp_path) == ["ckpt-000000030"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000010"]
