@@ -23,8 +23,10 @@ if TYPE_CHECKING:  # (type hints only)
     from ringfeed.formats.manifest import Manifest, ShardInfo
 
 INDEX_NAME = "manifest.bin"
-MAGIC = b"RFMIDX\x00\x01"
-VERSION = 2  # 2: a crc32 per array (version 1 files are rebuilt from the JSON)
+MAGIC = b"RFMIDX\x00\x02"  # \x01: the header had no crc32 (such files are rebuilt)
+OLD_MAGICS = (b"RFMIDX\x00\x01",)
+VERSION = 3  # 2: a crc32 per array; 3: and one of the header (older files are rebuilt)
+HEAD = len(MAGIC) + 8 + 4  # magic, the header's size and its crc32
 ALIGN = 64
 HAS_SHA256, HAS_INDEX = 1, 2
 _ARRAYS = ("counts", "bytes", "sha256", "flags", "name_offsets", "names", "index_offsets",
@@ -92,8 +94,8 @@ def _serialise(f: IO[bytes], meta: dict[str, Any], splits: dict[str, SplitArrays
         layout[name] = entry
     header = json.dumps({"version": VERSION, "json_size": json_size, "json_sha256": json_sha256,
                          "manifest": meta, "splits": layout}, sort_keys=True).encode()
-    f.write(MAGIC + struct.pack("<Q", len(header)) + header)
-    f.write(bytes(_aligned(len(MAGIC) + 8 + len(header)) - len(MAGIC) - 8 - len(header)))
+    f.write(MAGIC + struct.pack("<QI", len(header), zlib.crc32(header)) + header)
+    f.write(bytes(_aligned(HEAD + len(header)) - HEAD - len(header)))
     for arrays in splits.values():
         for field in _ARRAYS:
             data = _little_endian(np.ascontiguousarray(getattr(arrays, field)))

@@ -7,7 +7,8 @@ and the ranks of a node share one copy in the page cache.
 
 Layout (little-endian):
 
-    magic b"RFMIDX\\x00\\x01" | uint64 H | H bytes of JSON header | arrays, each 64-byte aligned
+    magic b"RFMIDX\\x00\\x02" | uint64 H | uint32 crc32 of the header | H bytes of JSON header |
+    arrays, each 64-byte aligned
 
 The header holds the format version, the size and sha256 of the manifest.json it indexes, the
 manifest's fields other than `splits` (fields, class_names, text, ...), and per split the
@@ -48,8 +49,10 @@ from ringfeed.formats.manifest import Manifest, ManifestError, ShardInfo, Split
 from ringfeed.formats.manifest_format import (  # noqa: F401 - re-exported: the index's one namespace
     HAS_INDEX,
     HAS_SHA256,
+    HEAD,
     INDEX_NAME,
     MAGIC,
+    OLD_MAGICS,
     VERSION,
     SplitArrays,
     _aligned,
@@ -68,13 +71,18 @@ class ManifestIndex:
         self._buffer = (np.memmap(self.path, dtype=np.uint8, mode="r") if data is None
                         else np.frombuffer(data, dtype=np.uint8))
         where = self.path or "manifest index"
-        head = bytes(self._buffer[:len(MAGIC) + 8])
-        if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
+        head = bytes(self._buffer[:HEAD])
+        if head[:len(MAGIC)] in OLD_MAGICS:
+            raise ManifestError(f"{where}: manifest index of an older ringfeed")  # rebuilt
+        if len(head) < HEAD or head[:len(MAGIC)] != MAGIC:
             raise ManifestError(f"{where}: not a ringfeed manifest index")
-        (size,) = struct.unpack("<Q", head[len(MAGIC):])
-        start = len(MAGIC) + 8
+        size, crc = struct.unpack("<QI", head[len(MAGIC):])
+        header = bytes(self._buffer[HEAD:HEAD + size])
+        if len(header) != size or zlib.crc32(header) != crc:
+            raise ManifestError(f"{where}: damaged manifest index (header: crc32 mismatch)")
+        start = HEAD
         try:
-            self.header = json.loads(bytes(self._buffer[start:start + size]))
+            self.header = json.loads(header)
         except ValueError as e:
             raise ManifestError(f"{where}: corrupt manifest index ({e})") from None
         if self.header.get("version") != VERSION:
