@@ -92,7 +92,7 @@ def test_shard_to_s3_is_the_local_bytes_and_verify_inspect_read_it(capsys, tmp_p
     fs.pipe_file("bucket/one/train-000001.tar", local["train-000001.tar"][:-1024])
     fs.pipe_file("bucket/one/stray-000000.tar", b"\0" * 1024)
     code, out, _ = cli(capsys, "verify", "s3://bucket/one", *flags)
-    assert code == 1
+    assert code == 2
     assert "BAD train/train-000001.tar:" in out and "stray-000000.tar" in out
     code, _, err = cli(capsys, "shard", src, "s3://nobucket/one", *args, *flags)
     assert code == 2 and "s3://nobucket: no such bucket" in err, err
