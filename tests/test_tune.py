@@ -335,8 +335,10 @@ def test_pbt_exploit_copies_a_checkpoint_and_the_member_resumes_from_it(tmp_path
     assert summary["status"] == "finished" and summary["step"] == 20
     events = [json.loads(line) for line in
               (out / f"member-{weak:02d}" / "metrics.jsonl").read_text().splitlines()]
+    exploits = [e for e in events if e.get("event") == "pbt_exploit"]  # (beside checkpoints')
+    assert len(exploits) == 1
     assert {"step": 10, "event": "pbt_exploit", "from_member": strong}.items() <= \
-        next(e for e in events if e.get("event")).items()
+        exploits[0].items()
     plan = study.user_attrs["pbt_plan_1"]
     assert plan["copied"] is True and plan["members"][str(weak)]["parent_member"] == strong
     # lineage in the results and the best config's comment
