@@ -21,7 +21,7 @@ from helpers import BIN, test_env
 from train_util import finish, start, toy_config, write_config, write_toy_shards
 
 from ringfeed.train.horovod_env import apply_horovod_env, watchdog_env
-from ringfeed.train.metrics import RankTimes, per_rank, straggler
+from ringfeed.train.ranks import RankTimes, per_rank, straggler
 from ringfeed.train.watchdog import (
     EXIT_HANG,
     HANG_LINE,

@@ -104,7 +104,7 @@ def test_a_mixture_counts_its_samples_per_source(tmp_path):
     r.start_timing(0)
     state = TrainState(step=1)
     r.on_step(state, StepResult(1.0), [batch([0, 2, 4, 1], [True, True, True, True])], 0.1, 0.0)
-    assert r.mixture_shares() == {"share/a": 0.75, "share/b": 0.25}
+    assert r.mixture.shares() == {"share/a": 0.75, "share/b": 0.25}
     r.close()
 
 

@@ -7,20 +7,16 @@ and protos (torch's SummaryWriter and tf.summary would drag the other framework 
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import os
 import socket
 import sys
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
-
-import numpy as np
 
 from ringfeed.errors import EXIT_WRITE, UserError
 from ringfeed.fsutil import atomic_write_text
@@ -118,82 +114,6 @@ class Throughput:
     @property
     def data_wait_share(self) -> float:
         return self.data_wait_s / self.step_s if self.step_s > 0 else 0.0
-
-
-class RankTimes:
-    """One rank's per-step times, for the per-rank figures: `step_s` (wall time from the end of
-    the previous step to the end of this one, data wait included), `data_wait_s`, and `busy_s`,
-    this rank's own work: the step time less the time it spent in the step's collective (torch:
-    blocked in the gradient and agreement allreduces; TensorFlow: the whole compiled step, so
-    there its own work is what happens outside the step). In a synchronous job every rank's
-    step time is the same - the others wait, inside the collective, for the slowest - so the
-    busy time is what tells the straggler. Kept per step for the run's percentiles (8 bytes a
-    figure a step), and summed over the window since the last log step."""
-
-    FIELDS = ("step_s", "data_wait_s", "busy_s")
-
-    def __init__(self) -> None:
-        self.runs = {f: array("d") for f in self.FIELDS}
-        self.window = dict.fromkeys(self.FIELDS, 0.0)
-        self.window_steps = 0
-        self.storage_wait_s = 0.0  # this rank's pipeline storage_wait_s at the last log step
-        self.window_storage_s = 0.0
-
-    def add(self, step_s: float, data_wait_s: float, collective_s: float) -> None:
-        values = (step_s, data_wait_s, max(0.0, step_s - collective_s))
-        for name, value in zip(self.FIELDS, values, strict=True):
-            self.runs[name].append(value)
-            self.window[name] += value
-        self.window_steps += 1
-
-    def take_window(self, storage_wait_s: float) -> list[float]:
-        """The window's means per step, then its storage wait (seconds, from the pipeline's
-        running total `storage_wait_s`); the window starts again."""
-        n = max(1, self.window_steps)
-        means = [self.window[f] / n for f in self.FIELDS]
-        storage = max(0.0, storage_wait_s - self.storage_wait_s)
-        self.storage_wait_s = storage_wait_s
-        self.window = dict.fromkeys(self.FIELDS, 0.0)
-        self.window_steps = 0
-        return [*means, storage]
-
-    def percentiles(self) -> list[float]:
-        """p50, p90, max of each field (0 before any timed step), field after field."""
-        out: list[float] = []
-        for name in self.FIELDS:
-            values = np.frombuffer(self.runs[name], dtype=np.float64) if self.runs[name] \
-                else np.zeros(1)
-            out += [float(np.percentile(values, 50)), float(np.percentile(values, 90)),
-                    float(values.max())]
-        return out
-
-
-@functools.lru_cache(maxsize=8)
-def _slots(keys: tuple[str, ...], size: int) -> tuple[str, ...]:
-    return tuple(f"{r}/{key}" for r in range(size) for key in keys)
-
-
-def per_rank(values: dict[str, float], rank: int, size: int, allreduce_sum: Callable[
-        [dict[str, float]], dict[str, float]]) -> dict[str, list[float]]:
-    """Collective: every rank's `values` (the same keys everywhere), as {key: [rank 0's, ...]},
-    in one small allreduce (each rank fills its own slots, the others are zeros)."""
-    keys = tuple(values)
-    slots = _slots(keys, size)
-    flat = [0.0] * len(slots)
-    flat[rank * len(keys):(rank + 1) * len(keys)] = values.values()
-    summed = allreduce_sum(dict(zip(slots, flat, strict=True)))
-    gathered = [summed[slot] for slot in slots]
-    return {key: gathered[i::len(keys)] for i, key in enumerate(keys)}
-
-
-def straggler(busy: list[float], step_s: float, margin: float) -> tuple[int, float] | None:
-    """(rank, lag) of the rank whose own work per step (`busy`, per rank) exceeds the median of
-    the other ranks' by more than `margin` x the step time, the largest such lag; else None."""
-    if len(busy) < 2 or step_s <= 0:
-        return None
-    rank = int(np.argmax(busy))
-    lag = busy[rank] - float(np.median(busy[:rank] + busy[rank + 1:]))
-    return (rank, lag) if lag > margin * step_s else None
 
 
 def bottleneck_line(share: float) -> str:

@@ -6,7 +6,7 @@
     start_timing()   training starts: the first step of a stretch is the warm-up, not timed
     on_step()        after every optimizer step: the step's time, loss, lr, data wait, the
                      sample ids and mixture counts; a log line every train.log_every steps,
-                     with every rank's figures (rank_figures: one small allreduce) and the
+                     with every rank's figures (train/ranks.py: one small allreduce) and the
                      straggler named
     on_step_end()    after the step's validation and checkpoint: the profiler's window moves
                      on and the clock restarts (validation and checkpoints are not step time)
@@ -14,7 +14,7 @@
     on_checkpoint()  before a checkpoint or an elastic commit: samples.jsonl is flushed, so
                      it covers every step the checkpoint or commit holds
     finish()         summary.json (collective: the data-wait share is averaged over ranks;
-                     each rank's percentiles gathered in one allreduce, rank_summary)
+                     each rank's percentiles gathered in one allreduce, train/ranks.py)
 
 Rules: rank 0 writes every file; every method is called on every rank in the same order, and
 those marked collective talk to all ranks (the sample log's allgather every log_every steps,
@@ -37,16 +37,9 @@ from ringfeed.fsutil import atomic_write_text
 from ringfeed.train.backend import Backend, StepResult
 from ringfeed.train.config import RunConfig
 from ringfeed.train.data import LM, DataSpec
-from ringfeed.train.metrics import (
-    RankTimes,
-    RunLogger,
-    SampleLog,
-    Throughput,
-    output_dir_error,
-    per_rank,
-    straggler,
-)
+from ringfeed.train.metrics import RunLogger, SampleLog, Throughput, output_dir_error
 from ringfeed.train.profile import StepProfiler
+from ringfeed.train.ranks import RankFigures
 from ringfeed.train.runstate import Recovery, TrainState
 from ringfeed.train.throughput import Accounting, FlopCount, resolve_peak
 from ringfeed.train.trackers import ScalarSink, close_sinks, open_sinks
@@ -69,7 +62,7 @@ class Reporter:
     logger: RunLogger | None
     sample_log: SampleLog | None
     pending_ids: list[tuple[int, int, list]]  # sample ids of steps not yet gathered
-    mixture_samples: np.ndarray | None  # a mixture's samples trained on per source, this rank
+    mixture: MixtureShares | None  # a mixture's samples per source and their shares
     totals: Throughput
     recent_losses: deque[float]
     last_val: dict[str, float]
@@ -77,9 +70,7 @@ class Reporter:
     first_step_s: float | None  # how long that first step took: the warm-up
     t_last: float  # when the previous step ended
     accounting: Accounting | None  # FLOPs per sample, peak (rank 0, once)
-    rank_times: RankTimes  # this rank's step, data-wait and own-work times
-    stragglers: dict[int, int]  # rank -> log windows that named it the straggler
-    last_straggler: int | None  # the previous log window's
+    ranks: RankFigures  # every rank's step, data-wait and own-work times; the straggler
     profiler: StepProfiler | None  # train.profile's window; None when off
     checkpoint_costs: list[tuple[float, float]]  # (blocked s, write s) of each checkpoint
 
@@ -88,7 +79,7 @@ class Reporter:
         self.pipe, self.total_steps, self.global_batch = None, 0, 0
         self.logger = self.sample_log = None
         self.pending_ids = []
-        self.mixture_samples = None
+        self.mixture = None
         self.totals = Throughput()
         self.recent_losses = deque(maxlen=cfg.train.log_every)
         self.last_val = {}
@@ -97,9 +88,7 @@ class Reporter:
         self.accounting = self.profiler = None
         self.sinks: list[ScalarSink] | None = None  # rank 0's trackers, open for the whole run
         self.checkpoint_costs = []
-        self.rank_times = RankTimes()
-        self.stragglers = {}
-        self.last_straggler = None
+        self.ranks = RankFigures(cfg.train.straggler_margin, backend, self.info)
 
     def say(self, message: str) -> None:
         """Print on rank 0."""
@@ -123,8 +112,8 @@ class Reporter:
         cfg, dist, out = self.cfg, self.backend.dist, Path(self.cfg.output.dir)
         self._close_logs()
         self.pipe, self.total_steps, self.global_batch = pipe, total_steps, global_batch
-        if pipe.mixture is not None and self.mixture_samples is None:
-            self.mixture_samples = np.zeros(len(pipe.source_names), dtype=np.int64)
+        if pipe.mixture is not None and self.mixture is None:
+            self.mixture = MixtureShares(pipe.source_names, self.backend)
         if dist.is_root:
             try:
                 out.mkdir(parents=True, exist_ok=True)
@@ -162,20 +151,21 @@ class Reporter:
     def on_step(self, state: TrainState, result: StepResult, micro: list[Any], lr: float,
                 waited: float, collective_s: float = 0.0) -> None:
         """After optimizer step `state.step`, which spent `collective_s` in its collective
-        (RankTimes) (collective on log steps: the per-rank figures, mixture shares, and the
+        (train/ranks.py) (collective on log steps: the per-rank figures, mixture shares, and the
         sample log's allgather)."""
         step, now = state.step, time.perf_counter()
         if step > self.first_step + 1:  # the first step traces/compiles: not timed
             self.totals.add(self.global_batch, now - self.t_last, waited)
-            self.rank_times.add(now - self.t_last, waited, collective_s)
+            self.ranks.times.add(now - self.t_last, waited, collective_s)
         else:  # its cost is reported instead: the warm-up (tf.function tracing, compiling)
             self.first_step_s = now - self.t_last
         self.recent_losses.append(result.loss)
         ids = self._count_samples(micro)
         log_step = step % self.cfg.train.log_every == 0
-        shares = (self.mixture_shares() if self.mixture_samples is not None and (
+        shares = (self.mixture.shares() if self.mixture is not None and (
             log_step or step == self.total_steps) else {})  # (collective: steps every rank logs)
-        ranks = self.rank_figures(step) if log_step or step == self.total_steps else {}
+        ranks = (self.ranks.window(step, self._storage_wait_s())
+                 if log_step or step == self.total_steps else {})
         # grad norm / loss scale are read (a device sync) only when a log line is written
         self.logger.train_step(step, state.epoch, result.loss, lr, now - self.t_last, waited,
                                lambda: {**step_extras(result), **shares,
@@ -191,63 +181,9 @@ class Reporter:
         return ({k: float(stats[k]) for k in STORAGE_COUNTS} if stats.get("storage_retries")
                 else {})
 
-    def rank_figures(self, step: int) -> dict[str, Any]:
-        """Collective (one small allreduce): every rank's means per step over the window since
-        the last log step - step time, data wait, own work (busy) - and its storage wait, for
-        metrics.jsonl; the straggler, if one is behind by train.straggler_margin, is named in
-        the log."""
-        dist = self.backend.dist
-        names = ("step_s", "data_wait_s", "busy_s", "storage_wait_s")
-        mine = self.rank_times.take_window(float(self.pipe.stats().get("storage_wait_s", 0.0)))
-        figures = per_rank(dict(zip(names, mine, strict=True)), dist.rank, dist.size,
-                           self.backend.allreduce_sum)
-        record: dict[str, Any] = {f"rank_{name}": values for name, values in figures.items()}
-        step_s = float(np.median(figures["step_s"]))
-        # scalars for TensorBoard and the trackers (the lists above are metrics.jsonl's)
-        record["rank_busy_max_s"] = max(figures["busy_s"])
-        record["rank_busy_median_s"] = float(np.median(figures["busy_s"]))
-        record["rank_data_wait_max_s"] = max(figures["data_wait_s"])
-        found = straggler(figures["busy_s"], step_s, self.cfg.train.straggler_margin)
-        rank = None if found is None else found[0]
-        if found is not None:
-            lag = found[1]
-            self.stragglers[rank] = windows = self.stragglers.get(rank, 0) + 1
-            record["straggler"] = rank
-        # said when the straggler changes, then every 50th window it stays (metrics.jsonl has
-        # every window's)
-        if found is not None and (rank != self.last_straggler or windows % 50 == 0):
-            self.info(f"straggler: rank {rank} is behind at step {step}: its own work is "
-                      f"{lag:.3f} s per step over the other ranks' median ({100 * lag / step_s:.0f}%"
-                      f" of the {step_s:.3f} s step; data wait {figures['data_wait_s'][rank]:.3f}"
-                      f" s/step, storage wait {figures['storage_wait_s'][rank]:.1f} s; "
-                      f"{windows} log window(s) so far)")
-        elif found is None and self.last_straggler is not None:
-            self.info(f"straggler: none at step {step} (rank {self.last_straggler} caught up)")
-        self.last_straggler = rank
-        return record
-
-    def rank_summary(self) -> dict[str, Any]:
-        """Collective (one small allreduce): summary.json's "ranks": p50/p90/max of each
-        rank's step time, data wait and own work per step, its storage wait, and the straggler
-        over the whole run (by the ranks' median own work), with the log windows that named
-        each rank."""
-        dist = self.backend.dist
-        keys = [f"{name}/{p}" for name in RankTimes.FIELDS for p in ("p50", "p90", "max")]
-        storage = float(self.pipe.stats().get("storage_wait_s", 0.0))
-        figures = per_rank({**dict(zip(keys, self.rank_times.percentiles(), strict=True)),
-                            "storage_wait_s": storage}, dist.rank, dist.size,
-                           self.backend.allreduce_sum)
-        ranks: dict[str, Any] = {name: {p: figures[f"{name}/{p}"] for p in ("p50", "p90", "max")}
-                                 for name in RankTimes.FIELDS}
-        ranks["storage_wait_s"] = figures["storage_wait_s"]
-        step_s = float(np.median(figures["step_s/p50"]))
-        found = straggler(figures["busy_s/p50"], step_s, self.cfg.train.straggler_margin)
-        ranks["straggler"] = None if found is None else {
-            "rank": found[0], "lag_s": found[1],
-            "share_of_step": found[1] / step_s if step_s else 0.0}
-        ranks["named_in_log"] = {str(r): n for r, n in sorted(self.stragglers.items())}
-        ranks["margin"] = self.cfg.train.straggler_margin
-        return ranks
+    def _storage_wait_s(self) -> float:
+        """This rank's pipeline's seconds waiting out storage faults so far."""
+        return float(self.pipe.stats().get("storage_wait_s", 0.0))
 
     def on_step_end(self, step: int) -> None:
         """Step `step` and what followed it (validation, checkpoint, commit) are done."""
@@ -307,7 +243,7 @@ class Reporter:
         waits = backend.allreduce_sum({
             "wait": totals.data_wait_s, "step": totals.step_s,
             **{k: float(stats.get(k, 0)) for k in STORAGE_COUNTS}})
-        ranks = self.rank_summary()
+        ranks = self.ranks.summary(self._storage_wait_s())
         summary = {
             "status": status, "framework": self.cfg.framework, "world_size": backend.dist.size,
             "step": state.step, "epoch": state.epoch,
@@ -329,12 +265,8 @@ class Reporter:
             "throughput": (self.accounting.summary(totals.samples_per_s)
                            if self.accounting is not None else None),
         }
-        if self.mixture_samples is not None:
-            shares = self.mixture_shares()
-            mixture = self.pipe.mixture
-            weights = mixture.per_epoch / mixture.epoch_samples
-            summary["mixture"] = {name: {"weight": float(w), "share": shares[f"share/{name}"]}
-                                  for name, w in zip(self.pipe.source_names, weights, strict=True)}
+        if self.mixture is not None:
+            summary["mixture"] = self.mixture.summary(self.pipe.mixture)
         self.logger.summary(summary)
 
     def close(self) -> None:
@@ -350,24 +282,13 @@ class Reporter:
     def _count_samples(self, micro: list[Any]) -> list:
         """The step's sample ids for the sample log (a mixture's as [source, id]); a mixture's
         samples are counted per source."""
-        mixture = self.mixture_samples is not None
+        mixture = self.mixture is not None
         ids = valid_sample_ids(micro) if self.sample_log is not None or mixture else []
         if mixture:
-            sources, local = self.pipe.source_of(ids)
-            self.mixture_samples += np.bincount(sources, minlength=len(self.mixture_samples))
+            pairs = self.mixture.count(self.pipe, ids)
             if self.sample_log is not None:
-                ids = np.stack([sources, local], axis=1).tolist()
+                ids = pairs
         return ids
-
-    def mixture_shares(self) -> dict[str, float]:
-        """Collective: each mixture source's share of the samples trained on so far in this
-        run, all ranks together, as {"share/{source}": share}."""
-        assert self.mixture_samples is not None
-        names = self.pipe.source_names
-        total = self.backend.allreduce_sum(dict(zip(names, self.mixture_samples.tolist(),
-                                                    strict=True)))
-        count = sum(total.values())
-        return {f"share/{name}": (n / count if count else 0.0) for name, n in total.items()}
 
     def _open_profiler(self) -> None:
         """train.profile: this rank's window (None when off), its named ranges handed to the
@@ -385,6 +306,36 @@ class Reporter:
             if log is not None:
                 log.close()
         self.logger = self.sample_log = None
+
+
+class MixtureShares:
+    """A mixture's samples trained on per source in this run, this rank's (its own state), and
+    each source's share of them over all ranks."""
+
+    def __init__(self, names: list[str], backend: Backend):
+        self.names, self.backend = names, backend
+        self.samples = np.zeros(len(names), dtype=np.int64)
+
+    def count(self, pipe: Any, ids: list[int]) -> list[list[int]]:
+        """Count a step's global sample `ids` per source: the same ids as [source, id] pairs."""
+        sources, local = pipe.source_of(ids)
+        self.samples += np.bincount(sources, minlength=len(self.samples))
+        return np.stack([sources, local], axis=1).tolist()
+
+    def shares(self) -> dict[str, float]:
+        """Collective: each source's share of the samples trained on so far in this run, all
+        ranks together, as {"share/{source}": share}."""
+        total = self.backend.allreduce_sum(dict(zip(self.names, self.samples.tolist(),
+                                                    strict=True)))
+        count = sum(total.values())
+        return {f"share/{name}": (n / count if count else 0.0) for name, n in total.items()}
+
+    def summary(self, mixture: Any) -> dict[str, dict[str, float]]:
+        """Collective: summary.json's "mixture": each source's weight and share."""
+        shares = self.shares()
+        weights = mixture.per_epoch / mixture.epoch_samples
+        return {name: {"weight": float(w), "share": shares[f"share/{name}"]}
+                for name, w in zip(self.names, weights, strict=True)}
 
 
 def say_any(message: str) -> None:
