@@ -45,6 +45,7 @@ HTTP requests, also on keep-alive connections and for PUTs with bodies.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import selectors
@@ -54,6 +55,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 MODES = ("pass", "reset", "stall", "slowdown", "cut")
@@ -854,6 +856,23 @@ def moto_server_fixture(monkeypatch):
         yield endpoint
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def moto_for_module() -> Iterator[str]:
+    """moto's server for a module-scoped fixture: its endpoint URL, with the fake AWS
+    environment set for the module and restored after it."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        aws_test_env(mp.setenv)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+            mp.delenv(name, raising=False)
+        server, endpoint = start_moto(set_env=False)
+        try:
+            yield endpoint
+        finally:
+            server.stop()
 
 
 def fault_proxy_fixture(endpoint: str, **options):

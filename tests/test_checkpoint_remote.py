@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 from fault_util import assert_same_torch_state, read_jsonl, ringfeed_forked, torch_final
 from helpers import BIN, horovodrun, test_env
-from s3_proxy import AWS_ENV, start_moto
+from s3_proxy import AWS_ENV, moto_for_module
 from test_checkpointing import OneRank, Pipe
 from train_util import toy_config, write_config, write_toy_shards
 
@@ -46,19 +45,10 @@ def s3() -> Any:
     """moto's S3 server with a bucket `ckpt`; yields its fsspec options."""
     import s3fs
 
-    saved = {k: os.environ.get(k) for k in AWS_ENV}
-    server, endpoint = start_moto()
-    options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
-    s3fs.S3FileSystem(**options).mkdir("ckpt")
-    try:
+    with moto_for_module() as endpoint:
+        options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+        s3fs.S3FileSystem(**options).mkdir("ckpt")
         yield options
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def fs_of(options: dict) -> Any:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from fault_util import assert_same_torch_state, logged_step, torch_final, wait_for
 from helpers import BIN, horovodrun, run, test_env
-from s3_proxy import AWS_ENV, FaultProxy, host_port, start_moto
+from s3_proxy import AWS_ENV, FaultProxy, host_port, moto_for_module
 from train_util import finish, start, toy_config, write_config, write_toy_shards
 
 from ringfeed.pipeline import PipelineDataError, ShardPipeline
@@ -38,21 +38,12 @@ def bucket(tmp_path_factory):
     """moto's S3 server with the toy shards at s3://bucket/toy; yields (endpoint, local dir)."""
     import s3fs
 
-    saved = {k: os.environ.get(k) for k in AWS_ENV}
-    server, endpoint = start_moto()
-    shards = write_toy_shards(tmp_path_factory.mktemp("toy") / "shards")
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing")
-    fs.makedirs("bucket", exist_ok=True)  # (moto keeps one store per process)
-    fs.put(str(shards) + "/", "bucket/toy/", recursive=True)
-    try:
+    with moto_for_module() as endpoint:
+        shards = write_toy_shards(tmp_path_factory.mktemp("toy") / "shards")
+        fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing")
+        fs.makedirs("bucket", exist_ok=True)  # (moto keeps one store per process)
+        fs.put(str(shards) + "/", "bucket/toy/", recursive=True)
         yield endpoint, shards
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture
