@@ -542,7 +542,7 @@ def plain_loop(device: torch.device, args: argparse.Namespace, compiled: bool = 
     """workers/hvd_torch_loop.py without Horovod, on `device`: the built-in model, SGD
     momentum, one in-memory uint8 batch converted to float every step, loss read every step.
     `compiled`: the model through torch.compile (its compile is in the warm-up steps)."""
-    from peer import batch, model_args, spec
+    from peer import batch, model_args, model_input, spec
 
     from ringfeed.train.models import build_model
 
@@ -555,7 +555,7 @@ def plain_loop(device: torch.device, args: argparse.Namespace, compiled: bool = 
 
     def step(x_u8: torch.Tensor, y: torch.Tensor) -> float:
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x_u8.float().div_(255.0)), y)
+        loss = F.cross_entropy(model(model_input(x_u8.float().div_(255.0), args)), y)
         loss.backward()
         optimizer.step()
         return loss.item()  # the per-step host read of a loop that logs its loss
@@ -575,7 +575,7 @@ def small_model(device: torch.device, opts: argparse.Namespace, tmp: Path) -> di
     import importlib.util
 
     sys.path.insert(0, str(WORKERS))
-    from peer import model_args, parse_args, spec
+    from peer import model_args, model_input, parse_args, spec
 
     from ringfeed.train.models import build_model
 
@@ -587,9 +587,10 @@ def small_model(device: torch.device, opts: argparse.Namespace, tmp: Path) -> di
                               "batch": opts.small_batch, "steps": opts.small_steps,
                               "warmup": opts.small_warmup, "precision": "fp32"}
     cnn = build_model("torch", args.model, model_args(args), spec(args))
-    # the plain loop feeds the cnn float NHWC, as the trainer does
-    result["flops"] = flops_info(cnn, (args.batch, args.image, args.image, args.channels),
-                                 device, "fp32", opts.peak_tflops)
+    # counted on the batch as the plain loop and the trainer feed it (model_input's layout)
+    nhwc = torch.empty((args.batch, args.image, args.image, args.channels), device="meta")
+    result["flops"] = flops_info(cnn, tuple(model_input(nhwc, args).shape), device, "fp32",
+                                 opts.peak_tflops)
     loops = [("plain", False), *([("plain_compiled", True)] if opts.compile else [])]
     for name, compiled in loops:
         try:

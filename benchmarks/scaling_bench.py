@@ -50,7 +50,8 @@ def checkpoint_times(size_mb: int, work: Path, repeat: int) -> dict:
     bare torch.save/torch.load of the same tensors."""
     import torch
 
-    from ringfeed.train.checkpoint import verify, write_checkpoint
+    from ringfeed.train.checkpoint import as_store, load_verified, write_checkpoint
+    from ringfeed.train.checkpoint_store import checkpoint_name
 
     tensors = 8  # a model is many tensors; 8 of size/8 each
     state = {f"layer{i}.weight": torch.randn(size_mb * MB // 4 // tensors)
@@ -58,14 +59,16 @@ def checkpoint_times(size_mb: int, work: Path, repeat: int) -> dict:
     times = {"ringfeed_save": [], "ringfeed_load": [], "torch_save": [], "torch_load": []}
     for r in range(repeat):
         ckpt_dir, bare = work / f"ckpt-{size_mb}-{r}", work / f"bare-{size_mb}-{r}.pt"
+        store = as_store(ckpt_dir)  # opening a local store does no I/O
         t = time.perf_counter()
-        path = write_checkpoint(ckpt_dir, step=1, meta={},
-                                write_payload=lambda d: torch.save(state, d / "state.pt"),
-                                keep=1)
+        write_checkpoint(store, step=1, meta={},
+                         write_payload=lambda d: torch.save(state, d / "state.pt"), keep=1)
         times["ringfeed_save"].append(time.perf_counter() - t)
         t = time.perf_counter()
-        verify(path)
-        torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+        # as a resume loads it: meta.json read, every file's sha256 checked, then the payload
+        found = load_verified(store, checkpoint_name(1))
+        torch.load(found.path / "state.pt", map_location="cpu", weights_only=True)
+        store.release(found.path)
         times["ringfeed_load"].append(time.perf_counter() - t)
         t = time.perf_counter()
         torch.save(state, bare)

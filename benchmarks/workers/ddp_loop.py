@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from peer import batch, model_args, parse_args, report, spec, time_steps
+from peer import batch, model_args, model_input, parse_args, report, spec, time_steps
 from torch.nn.parallel import DistributedDataParallel
 
 from ringfeed.train.models import build_model
@@ -25,7 +25,7 @@ def main() -> None:
     loss_box = [0.0]
 
     def step() -> None:
-        x = x_u8.float().div_(255.0)
+        x = model_input(x_u8.float().div_(255.0), args)
         optimizer.zero_grad()  # set_to_none: torch 2 default
         loss = F.cross_entropy(model(x), y)
         loss.backward()  # bucketed gradient allreduce overlaps the backward pass

@@ -7,7 +7,7 @@ from __future__ import annotations
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
-from peer import batch, model_args, parse_args, report, spec, time_steps
+from peer import batch, model_args, model_input, parse_args, report, spec, time_steps
 
 from ringfeed.train.models import build_model
 
@@ -26,7 +26,8 @@ def main() -> None:
     loss_box = [0.0]
 
     def step() -> None:
-        x = x_u8.float().div_(255.0)  # the trainer converts each uint8 batch the same way
+        # the trainer converts each uint8 batch the same way, and lays it out as the model takes
+        x = model_input(x_u8.float().div_(255.0), args)
         optimizer.zero_grad()  # set_to_none: torch 2 default
         loss = F.cross_entropy(model(x), y)
         loss.backward()

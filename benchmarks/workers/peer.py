@@ -9,10 +9,12 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ringfeed.train.data import CLASSIFY, DataSpec
+from ringfeed.train.models import channels_first
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,6 +47,13 @@ def batch(args: argparse.Namespace, rank: int) -> tuple[np.ndarray, np.ndarray]:
     images = rng.integers(0, 256, (args.batch, args.image, args.image, args.channels),
                           dtype=np.uint8)
     return images, rng.integers(0, args.classes, args.batch).astype(np.int64)
+
+
+def model_input(x: Any, args: argparse.Namespace) -> Any:
+    """A float NHWC image batch (a torch tensor) as `ringfeed train` hands it to a torch
+    model: by model.input_layout's default rule (models.channels_first), (N, C, H, W) as a
+    permuted view of the NHWC memory, no copy."""
+    return x.permute(0, 3, 1, 2) if channels_first("torch", "auto", spec(args)) else x
 
 
 def time_steps(step: Callable[[], float], args: argparse.Namespace,
