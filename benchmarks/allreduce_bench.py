@@ -195,9 +195,14 @@ def main(argv: list[str] | None = None) -> dict:
         out_h, out_g = Path(tmp) / "hvd.json", Path(tmp) / "gloo.json"
         check(hvd_launch(args.ranks, WORKERS / "allreduce_hvd.py", [*worker_args, "--out",
                          str(out_h)], timeout), "horovodrun allreduce_hvd.py")
+        out_u = Path(tmp) / "hvd-unfused.json"  # fusion off: a fresh job (see the worker)
+        check(hvd_launch(args.ranks, WORKERS / "allreduce_hvd.py",
+                         [*worker_args, "--small-only", "--out", str(out_u)], timeout,
+                         HOROVOD_FUSION_THRESHOLD="0"), "horovodrun allreduce_hvd.py --small-only")
         check(torchrun(args.ranks, WORKERS / "allreduce_gloo.py", [*worker_args, "--out",
                        str(out_g)], timeout), "torchrun allreduce_gloo.py")
         hvd, gloo = read_json(out_h), read_json(out_g)
+        hvd["small"]["unfused_s"] = read_json(out_u)["small_s"]
         hvd["knobs"] = []
         for i, setting in enumerate(KNOBS[:2] if args.quick else KNOBS):
             env = {var: fmt(setting[key]) for key, (var, fmt) in KNOB_VARIABLES.items()

@@ -21,6 +21,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--small-rounds", type=int, default=20)
     ap.add_argument("--knob-run", action="store_true",
                     help="Horovod only: the fp32 sweep and the many-small round, nothing else")
+    ap.add_argument("--small-only", action="store_true",
+                    help="Horovod only: the many-small round, nothing else")
     ap.add_argument("--out", type=Path, required=True)
     return ap.parse_args(argv)
 
