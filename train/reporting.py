@@ -37,9 +37,10 @@ from ringfeed.fsutil import atomic_write_text
 from ringfeed.train.backend import Backend, StepResult
 from ringfeed.train.config import RunConfig
 from ringfeed.train.data import LM, DataSpec
-from ringfeed.train.metrics import RunLogger, SampleLog, Throughput, output_dir_error
+from ringfeed.train.metrics import RunLogger, SampleLog, Throughput
 from ringfeed.train.profile import StepProfiler
 from ringfeed.train.ranks import RankFigures
+from ringfeed.train.runfiles import output_dir_error
 from ringfeed.train.runstate import Recovery, TrainState
 from ringfeed.train.throughput import Accounting, FlopCount, resolve_peak
 from ringfeed.train.trackers import ScalarSink, close_sinks, open_sinks

@@ -130,7 +130,7 @@ class RunIds:
 
 # -- TensorBoard ----------------------------------------------------------------------------
 class TensorBoardSink:
-    """Scalars into `<output.dir>/tensorboard/` (metrics.EventWriter: tensorboard's own record
+    """Scalars into `<output.dir>/tensorboard/` (runfiles.EventWriter: tensorboard's own record
     writer, no framework); the params and the summary are in config.yaml and summary.json."""
 
     name = "tensorboard"
@@ -140,7 +140,7 @@ class TensorBoardSink:
         self._events: Any = None
 
     def start(self) -> TensorBoardSink:
-        from ringfeed.train.metrics import EventWriter
+        from ringfeed.train.runfiles import EventWriter
 
         self._events = EventWriter(self.logdir)
         return self
