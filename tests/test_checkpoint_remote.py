@@ -70,6 +70,7 @@ def payload(text: str):
 @pytest.mark.integration
 def test_a_remote_checkpoint_is_complete_by_its_meta_json_verified_kept_and_cleaned(
         s3, tmp_path):
+    """Promise: Checkpoints in object storage (train/RECOVERY.md)."""
     store = open_store("s3://ckpt/unit", s3, tmp_path / "staging", QUICK)
     for step in (10, 20, 30):
         location = write_checkpoint(store, step, {"epoch": 0}, payload(f"s{step}"), keep=2)
@@ -120,6 +121,7 @@ def test_a_remote_checkpoint_is_complete_by_its_meta_json_verified_kept_and_clea
 
 @pytest.mark.integration
 def test_a_bucket_that_does_not_exist_is_exit_4_naming_the_url(s3, tmp_path):
+    """Promise: Checkpoints in object storage (train/RECOVERY.md)."""
     store = open_store("s3://no-such-bucket/run", s3, tmp_path / "staging", QUICK)
     with pytest.raises(CheckpointWriteError, match=r"cannot write checkpoint "
                                                    r"s3://no-such-bucket/run: ") as e:
@@ -131,6 +133,7 @@ def test_a_bucket_that_does_not_exist_is_exit_4_naming_the_url(s3, tmp_path):
 
 @pytest.mark.integration
 def test_a_storage_outage_is_waited_out_and_past_the_budget_is_exit_75(s3, tmp_path):
+    """Promise: Checkpoints in object storage (train/RECOVERY.md)."""
     from s3_proxy import FaultProxy, host_port
 
     from ringfeed.remote import StorageUnavailable
@@ -173,6 +176,7 @@ def checkpointer(tmp_path: Path, **checkpoint: Any) -> tuple[Checkpointer, list[
 
 
 def test_an_async_write_is_collected_by_the_next_save_and_a_failure_agreed_there(tmp_path):
+    """Promise: Checkpoints written in the background (train/RECOVERY.md)."""
     ckpt, lines, recorded = checkpointer(tmp_path, **{"async": True, "on_error": "warn"})
     assert ckpt.save(TrainState(step=2), Pipe(), "every_steps") == []  # in the background
     (first,) = ckpt.save(TrainState(step=4), Pipe(), "every_steps")  # collects step 2
@@ -232,6 +236,7 @@ def reference(tmp_path_factory, shards) -> Path:
 @pytest.mark.system
 def test_async_checkpoints_equal_synchronous_ones_and_a_kill_mid_write_resumes_bit_identical(
         tmp_path, shards, reference):
+    """Promise: Checkpoints written in the background (train/RECOVERY.md)."""
     cfg = run_config(tmp_path, shards, "async", {"async": True})
     # SIGKILLed half-way through staging state.pt of step 4, in the background thread
     state_size = (reference / "checkpoints" / "ckpt-000000004" / "state.pt").stat().st_size
@@ -264,6 +269,7 @@ def test_async_checkpoints_equal_synchronous_ones_and_a_kill_mid_write_resumes_b
 @pytest.mark.system
 def test_kill_9_mid_upload_resumes_from_the_previous_remote_checkpoint(
         tmp_path, shards, reference, s3):
+    """Promise: Checkpoints in object storage (train/RECOVERY.md)."""
     written = reference / "checkpoints" / "ckpt-000000004"
     state_size = (written / "state.pt").stat().st_size
     staged = state_size + (written / "meta.json").stat().st_size + 200  # (its config differs)
@@ -289,6 +295,7 @@ def test_kill_9_mid_upload_resumes_from_the_previous_remote_checkpoint(
 
 @pytest.mark.system
 def test_sigterm_during_an_async_write_waits_for_it_then_exits_143(tmp_path, shards, s3):
+    """Promise: Checkpoints written in the background (train/RECOVERY.md)."""
     url = "s3://ckpt/sigterm"
     cfg = run_config(tmp_path, shards, "run", {"dir": url, "storage_options": s3,
                                                "async": True})
@@ -309,6 +316,7 @@ def test_sigterm_during_an_async_write_waits_for_it_then_exits_143(tmp_path, sha
 @pytest.mark.system
 def test_two_ranks_resume_auto_from_s3_past_a_damaged_checkpoint_bit_identical(
         tmp_path, shards, s3):
+    """Promise: Checkpoints in object storage (train/RECOVERY.md)."""
     url = "s3://ckpt/two-ranks"
     cfg = run_config(tmp_path, shards, "run", {"dir": url, "storage_options": s3, "keep": 2})
     env = test_env(**AWS_ENV)

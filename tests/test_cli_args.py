@@ -40,7 +40,9 @@ def test_a_config_path_that_is_a_directory_or_not_text_is_one_line(tmp_path):
 
 
 def test_output_dir_that_is_a_file_is_one_line_and_exit_4(tmp_path):
-    """(issue 41, item 1) exit 4, which `ringfeed run` does not relaunch, not a traceback."""
+    """(issue 41, item 1) exit 4, which `ringfeed run` does not relaunch, not a traceback.
+
+    Promise: Errors a restart cannot fix (train/RECOVERY.md)."""
     from train_util import toy_config, write_config, write_toy_shards
 
     shards = write_toy_shards(tmp_path / "shards", n_train=64, n_val=16)
@@ -58,7 +60,9 @@ def test_output_dir_that_is_a_file_is_one_line_and_exit_4(tmp_path):
 
 
 def test_shard_workers_die_with_a_sigkilled_parent(tmp_path):
-    """(issue 41, item 4) `ringfeed shard --workers 2` SIGKILLed: no worker writes on."""
+    """(issue 41, item 4) `ringfeed shard --workers 2` SIGKILLed: no worker writes on.
+
+    Promise: Signals (train/RECOVERY.md)."""
     import signal
     import subprocess
     import time

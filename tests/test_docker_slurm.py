@@ -7,6 +7,8 @@ cannot force, with `scancel` and `scontrol` as small stand-ins on PATH that reco
 arguments (and, like Slurm, deliver scancel's signal to the job step): a step that has ended
 before scancel returns, a step that never ends (the grace period), and a launcher's failing
 exit status passed on.
+
+Promise: Restarting a job: `ringfeed run` (train/RECOVERY.md).
 """
 from __future__ import annotations
 

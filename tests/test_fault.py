@@ -64,6 +64,7 @@ def small_config(tmp_path: Path, shards: Path, name: str, **overrides) -> Path:
 
 # -- 2. SIGKILL inside the checkpoint write, 20 times --------------------------------------
 def test_sigkill_inside_checkpoint_write_20_times_previous_checkpoint_loads(tmp_path, shards):
+    """Promise: Checkpoints that survive being killed (train/RECOVERY.md)."""
     ref_cfg = small_config(tmp_path, shards, "ref")
     ref = ringfeed_forked(["train", ref_cfg], tmp_path / "ref.log")
     assert ref.code == 0, ref.output[-3000:]
@@ -145,6 +146,7 @@ def resume_and_compare(cfg: Path, run_dir: Path, reference: Path, resumed_at: in
 
 def test_sigkill_at_a_random_step_then_resume_auto_is_bit_identical(tmp_path, shards,
                                                                    torch_reference):
+    """Promise: What is lost on a crash (train/RECOVERY.md)."""
     rng = random.Random(1)
     step, rank = rng.randint(4, STEPS - 5), rng.randint(0, 1)  # at the start of that step
     resumed_at = EVERY * ((step - 1) // EVERY)
@@ -163,6 +165,7 @@ def test_sigkill_at_a_random_step_then_resume_auto_is_bit_identical(tmp_path, sh
 
 def test_sigkill_under_ringfeed_run_restarts_from_the_checkpoint(tmp_path, shards,
                                                                  torch_reference):
+    """Promise: Restarting a job: `ringfeed run` (train/RECOVERY.md)."""
     rng = random.Random(4)
     step, rank = rng.randint(10, 30), rng.randint(0, 1)
     cfg = job_config(tmp_path, shards, "supervised")
@@ -185,6 +188,7 @@ def test_sigkill_under_ringfeed_run_restarts_from_the_checkpoint(tmp_path, shard
 
 
 def test_tensorflow_sigkill_then_resume_is_bit_identical(tmp_path, shards):
+    """Promise: What is lost on a crash (train/RECOVERY.md)."""
     reference = uninterrupted(tmp_path, shards, "tensorflow")
     step = random.Random(5).randint(4, STEPS - 5)
     cfg = job_config(tmp_path, shards, "cut", "tensorflow")
@@ -202,6 +206,7 @@ def test_tensorflow_sigkill_then_resume_is_bit_identical(tmp_path, shards):
 # -- 4. SIGTERM to the whole job: saved, then resumed ---------------------------------------
 def test_sigterm_to_every_process_of_the_job_saves_then_resumes(tmp_path, shards,
                                                                 torch_reference):
+    """Promise: Signals (train/RECOVERY.md)."""
     step = random.Random(6).randint(10, 40)
     cfg = job_config(tmp_path, shards, "stopped")
     run_dir = tmp_path / "stopped"
@@ -231,6 +236,8 @@ def test_sigterm_to_every_process_of_the_job_saves_then_resumes(tmp_path, shards
 
 # -- 5. A rank that raises ends the whole job -----------------------------------------------
 def test_corrupt_data_under_fail_policy_ends_the_job_and_is_not_restarted(tmp_path):
+    """Promises: Errors a restart cannot fix; Restarting a job: `ringfeed run`
+    (train/RECOVERY.md)."""
     shards = write_toy_shards(tmp_path / "bad_shards")
     bad_key = corrupt_one_sample(shards, "train-000004.tar", 17)
     cfg = job_config(tmp_path, shards, "corrupt", data={"on_error": "fail", "num_workers": 0})
@@ -264,6 +271,7 @@ def small_tmpfs(tmp_path):
 
 def test_disk_full_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tmp_path, shards,
                                                                           small_tmpfs):
+    """Promise: Errors a restart cannot fix (train/RECOVERY.md)."""
     cfg = big_model_config(tmp_path, shards, "full", small_tmpfs / "ckpts")
     res = ringfeed_forked(["train", cfg], tmp_path / "full.log")
     assert res.code == 4, res.output[-3000:]
@@ -279,6 +287,7 @@ def test_disk_full_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tmp_pa
 
 
 def test_disk_full_with_on_error_warn_trains_on_and_says_so(tmp_path, shards, small_tmpfs):
+    """Promise: Errors a restart cannot fix (train/RECOVERY.md)."""
     cfg = big_model_config(tmp_path, shards, "warn", small_tmpfs / "ckpts", on_error="warn")
     res = ringfeed_forked(["train", cfg], tmp_path / "warn.log")
     assert res.code == 0, res.output[-3000:]
@@ -289,6 +298,7 @@ def test_disk_full_with_on_error_warn_trains_on_and_says_so(tmp_path, shards, sm
 
 
 def test_unwritable_checkpoint_dir_fails_before_training(tmp_path, shards):
+    """Promise: Errors a restart cannot fix (train/RECOVERY.md)."""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     cfg = big_model_config(tmp_path, shards, "nodir", blocker / "ckpts")
@@ -301,6 +311,7 @@ def test_unwritable_checkpoint_dir_fails_before_training(tmp_path, shards):
 
 
 def test_read_only_checkpoint_dir_fails_before_training(tmp_path, shards, small_tmpfs):
+    """Promise: Errors a restart cannot fix (train/RECOVERY.md)."""
     (small_tmpfs / "ckpts").mkdir()
     res = subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], capture_output=True,
                          text=True)
@@ -332,6 +343,7 @@ print("workers alive after SIGTERM:", all(os.path.exists(f"/proc/{p}") for p in 
 
 
 def test_loader_workers_outlive_sigterm_and_do_not_block_exit(shards):
+    """Promise: Signals (train/RECOVERY.md)."""
     res = run([BIN / "python", "-c", EXIT_WITH_OPEN_LOADER, shards], timeout=90)
     assert not res.timed_out, "the process hung at exit"
     assert res.returncode == 0 and "workers alive after SIGTERM: True" in res.stdout, res.output

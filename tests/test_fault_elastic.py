@@ -117,6 +117,7 @@ def reset_events(run_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("framework, full", [("torch", 3), ("tensorflow", 2)])
 def test_elastic_worker_killed_then_host_back(tmp_path, shards, framework, full):
+    """Promise: Elastic training (Horovod Elastic) (train/RECOVERY.md)."""
     job, hosts, run_dir, audit = elastic_job(tmp_path, shards, framework, full)
     try:
         # shrink: the worker on 127.0.0.1 kills itself at KILL_STEP; its host goes away

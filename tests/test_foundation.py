@@ -59,6 +59,7 @@ def test_two_rank_gloo_allreduce_and_broadcast(tmp_path):
 
 
 def test_failing_rank_ends_job_instead_of_hanging(tmp_path):
+    """Promise: Errors a restart cannot fix (train/RECOVERY.md)."""
     res = horovodrun(2, ["python", str(SMOKE), str(tmp_path), "1"], timeout=150)
     assert not res.timed_out, "horovodrun hung after a rank failed"
     assert res.returncode != 0

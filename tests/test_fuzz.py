@@ -56,10 +56,12 @@ def recovery_table() -> list[tuple[int, str, str, bool]]:
 
 
 def test_the_exit_code_table_is_the_one_in_recovery_md():
+    """Promise: Exit codes (train/RECOVERY.md)."""
     assert recovery_table() == [(s.code, s.line, s.meaning, s.relaunch) for s in EXIT_STATUSES]
 
 
 def test_ringfeed_run_relaunches_exactly_the_rows_marked_so():
+    """Promise: Exit codes (train/RECOVERY.md)."""
     for s in EXIT_STATUSES:
         if s.line:  # the line decides, whatever a launcher made of the code
             assert relaunches(s.code, markers_in(f"[1,0]<stderr>:{s.line} x")) == s.relaunch, s
@@ -362,7 +364,9 @@ def tiny_tmpfs(tmp_path):
 def test_a_disk_that_fills_mid_run_is_one_line_exit_4_and_keeps_what_was_written(
         world, tmp_path, tiny_tmpfs):
     """output.dir on a 48 KiB file system fills at about step 100 (metrics, samples and
-    TensorBoard records every step); checkpoints are elsewhere."""
+    TensorBoard records every step); checkpoints are elsewhere.
+
+    Promise: Errors a restart cannot fix (train/RECOVERY.md)."""
     out = tiny_tmpfs / "run"
     out.mkdir()
     (out / "notes.txt").write_text("mine\n")
@@ -472,7 +476,9 @@ def broken(spec, **kwargs):
 @pytest.mark.system
 def test_a_user_model_factory_that_raises_is_not_relaunched(world, tmp_path):
     """Its traceback and the line naming it, exit 1; `ringfeed run --max-restarts 2` stops at
-    once (before the first step the same code would fail the same way)."""
+    once (before the first step the same code would fail the same way).
+
+    Promise: Exit codes (train/RECOVERY.md)."""
     from helpers import BIN, REPO, ringfeed, test_env
     from train_util import toy_config, write_config
 
@@ -493,7 +499,9 @@ def test_a_user_model_factory_that_raises_is_not_relaunched(world, tmp_path):
 def test_a_data_transform_that_raises_is_named_not_called_bad_data(world, tmp_path,
                                                                    monkeypatch):
     """Every sample failing in the user's transform is their code's error (exit 1, its
-    traceback), not 'no decodable sample in any shard' (exit 2)."""
+    traceback), not 'no decodable sample in any shard' (exit 2).
+
+    Promise: Exit codes (train/RECOVERY.md)."""
     (tmp_path / "fuzz_hooks.py").write_text("def transform(sample):\n"
                                             "    raise RuntimeError('my transform')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -518,7 +526,9 @@ def alive(pid: int) -> bool:
 def test_a_sigkilled_ringfeed_run_leaves_no_job_behind():
     """Its job gets SIGTERM (a launcher passes it on to its ranks, a trainer saves and stops).
     The job here prints nothing: a job that writes dies of the broken pipe anyway, a quiet one
-    (a long step between log lines) did not."""
+    (a long step between log lines) did not.
+
+    Promise: Signals (train/RECOVERY.md)."""
     import psutil
     from helpers import BIN, test_env
 
@@ -548,7 +558,9 @@ def test_a_sigkilled_ringfeed_run_leaves_no_job_behind():
 
 @pytest.mark.system
 def test_a_sigkilled_parallel_csv_shard_leaves_no_worker(tmp_path):
-    """`ringfeed shard table.csv --workers 2` (the table path's writer pool)."""
+    """`ringfeed shard table.csv --workers 2` (the table path's writer pool).
+
+    Promise: Signals (train/RECOVERY.md)."""
     import psutil
     from helpers import BIN, test_env
 
@@ -579,6 +591,7 @@ def test_a_sigkilled_parallel_csv_shard_leaves_no_worker(tmp_path):
 
 
 def test_errors_from_the_users_code_are_told_apart_by_their_frames(tmp_path, monkeypatch):
+    """Promise: Exit codes (train/RECOVERY.md)."""
     from ringfeed import userhooks
     from ringfeed.userhooks import load_callable, note_step, user_code_of
 

@@ -2,7 +2,9 @@
 three watchdogs talking over their real UDP channel in one process (integration), and a real
 3-rank job under `ringfeed run` with one rank stopped by SIGSTOP and another slowed on purpose
 (system): the live ranks' stacks on disk, one line naming the stopped rank, exit 76, the
-relaunch finishing the job, and the slow rank named in the log and in summary.json."""
+relaunch finishing the job, and the slow rank named in the log and in summary.json.
+
+Promise: Hangs: the watchdog (train/RECOVERY.md)."""
 
 from __future__ import annotations
 
@@ -250,6 +252,7 @@ HANG_TIMEOUT_S = 5
 
 @pytest.mark.system
 def test_a_stopped_rank_ends_the_job_with_its_name_and_ringfeed_run_finishes_it(tmp_path):
+    """Promise: Hangs: the watchdog (train/RECOVERY.md)."""
     shards = write_toy_shards(tmp_path / "shards", n_train=360, n_val=12, per_shard=60)
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "run.yaml", **toy_config(

@@ -418,6 +418,7 @@ def test_fail_policy_through_torch_workers_is_one_clear_error(tmp_path):
 
 @pytest.mark.integration
 def test_missing_shard_is_an_error_after_retries(tmp_path):
+    """Promise: Errors a restart cannot fix (train/RECOVERY.md)."""
     paths = write_shards(tmp_path, [6, 6])
     paths[1].unlink()
     pipe = make(tmp_path, shuffle=False, retries=2)

@@ -116,7 +116,9 @@ def test_restarts_at_other_world_sizes_continue_the_run_exactly(tmp_path, shards
     trains on other global batches after a resize (the rest of the epoch is dealt over the
     new ranks), so its weights are not the ones to compare with. The replay trains the
     audited global batches, step by step, from the first forward's weights, with the promised
-    lr (torch.optim.SGD / keras.optimizers.SGD, no ringfeed code)."""
+    lr (torch.optim.SGD / keras.optimizers.SGD, no ringfeed code).
+
+    Promises: What is lost on a crash; Signals (train/RECOVERY.md)."""
     b, total = 4, 480
     run_dir = tmp_path / "run"
     cfg = config(tmp_path, shards, "run", framework=framework,
@@ -227,6 +229,7 @@ def test_restarts_at_other_world_sizes_continue_the_run_exactly(tmp_path, shards
 # -- SIGUSR1: save and carry on ----------------------------------------------------------------
 @pytest.mark.timeout(600)
 def test_sigusr1_to_one_rank_saves_at_one_step_and_the_run_ends_as_undisturbed(tmp_path, shards):
+    """Promises: What is lost on a crash; Signals (train/RECOVERY.md)."""
     import torch
 
     common = {"data": {"batch_size": 2}, "train": {"epochs": 1, "log_every": 5},
@@ -275,6 +278,7 @@ def test_sigusr1_to_one_rank_saves_at_one_step_and_the_run_ends_as_undisturbed(t
 @pytest.mark.timeout(300)
 def test_ringfeed_run_passes_the_signal_to_its_job_and_exits_with_its_status(
         tmp_path, shards, sig, job_status):
+    """Promise: Signals (train/RECOVERY.md)."""
     cfg = config(tmp_path, shards, "run", data={"batch_size": 2},
                  train={"epochs": 3, "log_every": 5}, checkpoint={"every_steps": None})
     supervisor = start([RINGFEED, "run", "--backoff", "0", "--", RINGFEED, "train", cfg],
@@ -329,7 +333,9 @@ def test_validation_metrics_are_the_same_on_1_and_3_ranks_with_padding(tmp_path,
 def test_sigterm_before_the_first_step_stops_at_once_with_143(tmp_path, shards):
     """While `ringfeed train` is still starting (here: its shards' server accepts connections
     and never answers), SIGTERM ends it within seconds with the status a scheduler's requeue and
-    `ringfeed run` expect."""
+    `ringfeed run` expect.
+
+    Promise: Signals (train/RECOVERY.md)."""
     import socket
 
     silent = socket.socket()
@@ -355,6 +361,7 @@ def test_sigterm_before_the_first_step_stops_at_once_with_143(tmp_path, shards):
 
 @pytest.mark.timeout(300)
 def test_sigusr1_before_the_first_step_saves_at_the_first_step(tmp_path, shards):
+    """Promise: Signals (train/RECOVERY.md)."""
     cfg = config(tmp_path, shards, "early", data={"batch_size": 2},
                  train={"max_steps": 6, "epochs": None, "log_every": 1},
                  checkpoint={"every_steps": None})
@@ -372,6 +379,7 @@ def test_sigusr1_before_the_first_step_saves_at_the_first_step(tmp_path, shards)
 
 @pytest.mark.timeout(120)
 def test_ringfeed_run_reports_a_job_killed_by_a_signal_as_a_shell_would():
+    """Promise: Signals (train/RECOVERY.md)."""
     res = ringfeed("run", "--max-restarts", "0", "--", "sh", "-c", "kill -KILL $$", timeout=60)
     assert res.returncode == 137, res.output  # 128 + SIGKILL, not Popen's -9 (= 247)
     assert "job failed (exit 137); giving up after 0 restart(s)" in res.output
@@ -381,7 +389,9 @@ def test_ringfeed_run_reports_a_job_killed_by_a_signal_as_a_shell_would():
 def test_ringfeed_run_relaunches_with_resume_auto_and_doubles_its_backoff():
     """A job that keeps failing (exit 1: restartable): relaunched with its --resume replaced by
     --resume auto and RINGFEED_RESTART_COUNT set, after waits that double up to --backoff-max,
-    until --max-restarts; then the job's status."""
+    until --max-restarts; then the job's status.
+
+    Promise: Restarting a job: `ringfeed run` (train/RECOVERY.md)."""
     job = ["sh", "-c", 'echo "attempt $RINGFEED_RESTART_COUNT: $*"; exit 1', "ringfeed",
            "train", "cfg.yaml", "--resume", "/old/ckpt-000000010"]
     res = ringfeed("run", "--max-restarts", "3", "--backoff", "1", "--backoff-max", "2", "--",
@@ -399,7 +409,9 @@ def test_ringfeed_run_relaunches_with_resume_auto_and_doubles_its_backoff():
 @pytest.mark.timeout(120)
 def test_global_batch_size_is_refused_with_elastic(tmp_path, shards):
     """Elastic runs keep the per-rank batch (the global batch and the lr follow the world
-    size): a fixed global batch is a config error before anything starts."""
+    size): a fixed global batch is a config error before anything starts.
+
+    Promise: Elastic training (Horovod Elastic) (train/RECOVERY.md)."""
     cfg = config(tmp_path, shards, "elastic", data={"global_batch_size": 8})
     res = ringfeed("train", str(cfg), "--elastic", timeout=90)
     assert res.returncode == 2, res.output[-3000:]
@@ -411,7 +423,9 @@ def test_global_batch_size_is_refused_with_elastic(tmp_path, shards):
 def test_the_fp16_loss_scale_is_carried_by_a_checkpoint(tmp_path, shards):
     """A checkpoint holds the fp16 loss scaler: a run resumed from step 4 - after overflows
     have lowered the scale - ends with the scale, weights and momentum of the uninterrupted
-    run (one process, bit for bit). A resume with a fresh scaler would start again at 65536."""
+    run (one process, bit for bit). A resume with a fresh scaler would start again at 65536.
+
+    Promise: What is lost on a crash (train/RECOVERY.md)."""
     def cfg(name: str) -> Path:
         return config(tmp_path, shards, name, data={"batch_size": 4, "val_split": None},
                       train={"max_steps": 8, "epochs": None, "log_every": 1, "precision": "fp16",
@@ -455,7 +469,9 @@ os.kill(os.getpid(), signal.SIGKILL)  # no exit handler, no close(): the workers
 def test_loader_workers_stop_when_their_training_process_is_killed(shards):
     """DataLoader workers ignore SIGTERM/SIGUSR1 (they must outlive a save), so nothing but
     their parent's death stops them when the training process is SIGKILLed: they must go
-    (DataLoader's watchdog), not linger holding memory and shard files."""
+    (DataLoader's watchdog), not linger holding memory and shard files.
+
+    Promise: Signals (train/RECOVERY.md)."""
     import psutil
 
     res = run([BIN / "python", "-c", LOADER_THEN_SIGKILL, shards], timeout=90)

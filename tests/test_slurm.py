@@ -224,6 +224,7 @@ def through_the_time_limit(cluster: Cluster, reference: Reference, shards: Path,
 # -- 1. time limit -> checkpoint -> requeue -> resume, one node --------------------------------
 def test_time_limit_checkpoints_requeues_and_resumes_bit_identical(cluster, shards, reference,
                                                                    tmp_path):
+    """Promise: Restarting a job: `ringfeed run` (train/RECOVERY.md)."""
     output = through_the_time_limit(cluster, reference, shards, tmp_path, HOROVODRUN_SBATCH)
     # The script's own launch line: 2 ranks on this node (SIGTERM to horovodrun on the signal).
     hostname = socket.gethostname().split(".")[0]
@@ -247,6 +248,7 @@ def _srun_mpi_missing(cluster: Cluster) -> str | None:
 
 def test_srun_mpi_time_limit_requeue_and_resume_bit_identical(cluster, shards, reference,
                                                               tmp_path):
+    """Promise: Restarting a job: `ringfeed run` (train/RECOVERY.md)."""
     reason = _srun_mpi_missing(cluster)
     if reason:
         pytest.skip(reason)

@@ -73,6 +73,7 @@ def collect(pipe: ShardPipeline) -> list[tuple[list[int], bytes]]:
 
 # -- the cache's downloads ------------------------------------------------------------------
 def test_a_download_cut_again_and_again_resumes_with_range_reads(bucket, proxy, tmp_path):
+    """Promise: Storage outages (train/RECOVERY.md)."""
     import s3fs
 
     data = os.urandom((4 << 20) + 12345)
@@ -105,6 +106,7 @@ def test_a_download_cut_again_and_again_resumes_with_range_reads(bucket, proxy, 
 @pytest.mark.parametrize("mode", ["reset", "stall", "slowdown", "cut"])
 def test_each_kind_of_outage_is_waited_out_and_the_data_is_the_same(bucket, proxy, tmp_path,
                                                                    mode, caplog):
+    """Promise: Storage outages (train/RECOVERY.md)."""
     endpoint, shards = bucket
     local = collect(pipeline(shards, tmp_path / "unused"))
     proxy.cut_after = 2000
@@ -166,6 +168,7 @@ def train_config(tmp_path: Path, name: str, source: str | Path, proxy: FaultProx
 
 def test_two_ranks_train_through_an_outage_to_the_weights_of_a_run_without_it(
         bucket, proxy, tmp_path):
+    """Promise: Storage outages (train/RECOVERY.md)."""
     endpoint, shards = bucket
     reference = horovodrun(2, [RINGFEED, "train", train_config(tmp_path, "ref", shards, None)],
                            timeout=240)
@@ -191,6 +194,7 @@ def test_two_ranks_train_through_an_outage_to_the_weights_of_a_run_without_it(
 
 
 def test_past_the_budget_exit_75_then_ringfeed_run_finishes_the_job(bucket, proxy, tmp_path):
+    """Promise: Storage outages (train/RECOVERY.md)."""
     endpoint, shards = bucket
     reference = run([RINGFEED, "train", train_config(tmp_path, "ref", shards, None)],
                     timeout=240)

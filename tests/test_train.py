@@ -77,6 +77,7 @@ def train_two_ranks(tmp_path: Path, shards: Path, name: str, steps: int, **overr
     (["train"], "--set 'train': expected KEY=VALUE"),
 ])
 def test_bad_config_is_one_line_and_exit_2(tmp_path, shards, capsys, overrides, expected):
+    """Promise: Errors a restart cannot fix (train/RECOVERY.md)."""
     cfg = config(tmp_path, shards)
     code = main(["train", str(cfg), *[a for o in overrides for a in ("--set", o)]])
     err = capsys.readouterr().err
@@ -103,6 +104,7 @@ def test_print_config_shows_resolved_values_and_defaults(tmp_path, shards, capsy
 
 
 def test_bad_config_under_horovodrun_fails_fast_on_every_rank(tmp_path, shards):
+    """Promise: Errors a restart cannot fix (train/RECOVERY.md)."""
     cfg = config(tmp_path, shards)
     res = horovodrun(2, [RINGFEED, "train", cfg, "--set", "optim.lr=-1"], timeout=120)
     assert res.returncode != 0 and "Exit code: 2" in res.output, res.output[-3000:]
@@ -114,6 +116,7 @@ def test_bad_config_under_horovodrun_fails_fast_on_every_rank(tmp_path, shards):
 
 # -- torch: train, SIGTERM one rank, resume, compare ----------------------------------------
 def test_torch_two_ranks_sigterm_then_resume_is_bit_identical(tmp_path, shards):
+    """Promises: What is lost on a crash; Signals (train/RECOVERY.md)."""
     import torch
 
     common = {"data": {"batch_size": 2}, "train": {"epochs": 2, "log_every": 5},
@@ -159,6 +162,7 @@ def test_torch_two_ranks_sigterm_then_resume_is_bit_identical(tmp_path, shards):
 
 
 def test_nan_loss_on_one_rank_stops_all_ranks(tmp_path, shards):
+    """Promise: Errors a restart cannot fix (train/RECOVERY.md)."""
     cfg = config(tmp_path, shards, train={"loss": "train_util:nan_on_rank1_at_step3"})
     res = horovodrun(2, [RINGFEED, "train", cfg], timeout=240, env=test_env(**USER_CODE_ENV))
     assert res.returncode != 0
@@ -182,6 +186,7 @@ def test_torch_under_mpirun(tmp_path, shards):
 
 # -- TensorFlow: train, resume from a copied checkpoint past a corrupt newer one -------------
 def test_tensorflow_two_ranks_train_and_resume_past_a_corrupt_checkpoint(tmp_path, shards):
+    """Promise: Checkpoints that survive being killed (train/RECOVERY.md)."""
     common = {"framework": "tensorflow", "train": {"epochs": 2, "log_every": 10},
               "checkpoint": {"every_steps": 20, "keep": 10}}
     train_two_ranks(tmp_path, shards, "full", 120, **common)  # 480 / (2 x 4) x 2 epochs

@@ -68,6 +68,7 @@ def test_checkpoints_are_atomic_verified_and_pruned(tmp_path):
 
 
 def test_resume_auto_skips_a_corrupt_newest_checkpoint(tmp_path):
+    """Promise: Checkpoints that survive being killed (train/RECOVERY.md)."""
     for step in (10, 20):
         write_checkpoint(tmp_path, step, {}, _payload(f"state at {step}"), keep=5)
     (tmp_path / "ckpt-000000020" / "state.bin").write_text("state at 2")  # truncated
