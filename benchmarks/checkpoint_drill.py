@@ -5,11 +5,12 @@ and the run must end bit-identical to an uninterrupted one. Not part of `make be
 
     .venv/bin/python benchmarks/checkpoint_drill.py [--reps 20] [--seed 38]
 
-A kill point is a byte budget (train/faults.py `kill-in-checkpoint-write:<step>:<bytes>`) over
-the bytes the write puts out, staged locally then uploaded: drawn uniformly over that whole
-range, plus, one time in five, "after every object but meta.json". The training runs are
-forked children of this process (tests/fault_util.py): the real CLI, trainer, store and
-SIGKILL. Results: benchmarks/results/checkpoint_drill.json.
+A kill point is a byte budget (train/resilience/faults.py
+`kill-in-checkpoint-write:<step>:<bytes>`) over the bytes the write puts out, staged locally
+then uploaded: drawn uniformly over that whole range, plus, one time in five, "after every
+object but meta.json". The training runs are forked children of this process
+(tests/fault_util.py): the real CLI, trainer, store and SIGKILL. Results:
+benchmarks/results/checkpoint_drill.json.
 """
 
 from __future__ import annotations

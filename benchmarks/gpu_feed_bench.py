@@ -16,7 +16,7 @@ spent getting its next batch onto the device; per step, the host's time inside t
 (launching kernels) and, on CUDA, the GPU's span from the step's first to its last kernel (CUDA
 events) say which side limits. Every row also gives achieved TFLOP/s and MFU: FLOPs per sample
 counted as the trainer counts them (FlopCounterMode on the meta device), against the device's
-dense bf16 peak (train/throughput.py's table, or --peak-tflops). The timed steps run across
+dense bf16 peak (train/observe/throughput.py's table, or --peak-tflops). The timed steps run across
 epoch boundaries (with 25,600 samples an epoch is ~100 steps), so every shuffle-buffer refill
 is paid as in training. With --compile (default on for a full CUDA run) a second copy of the
 model goes through `torch.compile` (default mode, dynamic=False; its compile time reported)
@@ -71,7 +71,7 @@ from datasets import CACHE, cached_dir, image_shards  # noqa: E402
 from pipeline_bench import write_jpeg_folder  # noqa: E402
 
 from ringfeed.fsutil import atomic_write_text  # noqa: E402
-from ringfeed.train.throughput import (  # noqa: E402
+from ringfeed.train.observe.throughput import (  # noqa: E402
     Accounting,
     FlopCount,
     Peak,

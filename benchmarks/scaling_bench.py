@@ -50,8 +50,8 @@ def checkpoint_times(size_mb: int, work: Path, repeat: int) -> dict:
     bare torch.save/torch.load of the same tensors."""
     import torch
 
-    from ringfeed.train.checkpoint import as_store, load_verified, write_checkpoint
-    from ringfeed.train.checkpoint_store import checkpoint_name
+    from ringfeed.train.checkpoint.files import as_store, load_verified, write_checkpoint
+    from ringfeed.train.checkpoint.store import checkpoint_name
 
     tensors = 8  # a model is many tensors; 8 of size/8 each
     state = {f"layer{i}.weight": torch.randn(size_mb * MB // 4 // tensors)

@@ -20,7 +20,7 @@ EXIT_CONFIG = 2
 EXIT_DIVERGED = 3
 EXIT_WRITE = 4
 EXIT_STORAGE_UNAVAILABLE = 75  # sysexits.h EX_TEMPFAIL: "try again later"
-EXIT_HANG = 76  # the hang watchdog (train/watchdog.py) ended a job no rank moved in
+EXIT_HANG = 76  # the hang watchdog (train/resilience/watchdog.py) ended a job no rank moved in
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what a shell reports for a job ended by SIGTERM
 

@@ -39,9 +39,9 @@ def preload_torch_trainer() -> None:
     import torch._dynamo  # noqa: F401
     import webdataset  # noqa: F401
 
+    import ringfeed.train.backends.torch  # noqa: F401
     import ringfeed.train.cli  # noqa: F401
     import ringfeed.train.loop  # noqa: F401
-    import ringfeed.train.torch_backend  # noqa: F401
 
 
 def ringfeed_forked(argv: list[str], log: Path, timeout: float = 120,
@@ -66,8 +66,8 @@ def ringfeed_forked(argv: list[str], log: Path, timeout: float = 120,
             os.environ.update(env or {})
             if "torch" in sys.modules:  # imported by the parent: set the threads here
                 sys.modules["torch"].set_num_threads(1)
-            from ringfeed.train import faults
             from ringfeed.train.cli import main
+            from ringfeed.train.resilience import faults
 
             faults.arm(os.environ.get(faults.ENV))
             code = main([str(a) for a in argv])

@@ -24,15 +24,15 @@ from train_util import toy_config, write_config, write_toy_shards
 
 from ringfeed.errors import UserError
 from ringfeed.remote import RetryPolicy
-from ringfeed.train.checkpoint import (
+from ringfeed.train.checkpoint.checkpointer import Checkpointer
+from ringfeed.train.checkpoint.files import (
     CheckpointWriteError,
     find_resume_point,
     probe_writable,
     remove_stale_temporaries,
     write_checkpoint,
 )
-from ringfeed.train.checkpoint_store import open_store
-from ringfeed.train.checkpointing import Checkpointer
+from ringfeed.train.checkpoint.store import open_store
 from ringfeed.train.config import RunConfig
 from ringfeed.train.runstate import TrainState
 

@@ -1,5 +1,5 @@
-"""train/checkpointing.py in-process, on one rank with a stand-in backend: restore, the save
-rules (due, due at the end), snapshot then write, checkpoint.on_error."""
+"""train/checkpoint/checkpointer.py in-process, on one rank with a stand-in backend: restore,
+the save rules (due, due at the end), snapshot then write, checkpoint.on_error."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from ringfeed.errors import UserError
-from ringfeed.train.backend import Dist, StepResult
-from ringfeed.train.checkpoint import CheckpointWriteError, list_checkpoints
-from ringfeed.train.checkpointing import Checkpointer
+from ringfeed.train.backends.base import Dist, StepResult
+from ringfeed.train.checkpoint.checkpointer import Checkpointer
+from ringfeed.train.checkpoint.files import CheckpointWriteError, list_checkpoints
 from ringfeed.train.config import RunConfig
 from ringfeed.train.runstate import TrainState
 
@@ -134,7 +134,7 @@ def test_a_failed_write_raises_or_is_reported_and_not_retried_at_the_end(tmp_pat
 
 
 def test_a_local_dir_keeps_renaming_and_loses_what_killed_writes_and_deletes_left(tmp_path):
-    from ringfeed.train.checkpoint import remove_stale_temporaries, write_checkpoint
+    from ringfeed.train.checkpoint.files import remove_stale_temporaries, write_checkpoint
 
     write_checkpoint(tmp_path, 10, {}, lambda d: (d / "state.bin").write_text("10"), keep=3)
     (tmp_path / ".ckpt-000000020.tmp-99").mkdir()  # a write killed before its rename

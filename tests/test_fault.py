@@ -33,7 +33,7 @@ from fault_util import (
 from helpers import BIN, horovodrun, run, test_env
 from train_util import finish, start, toy_config, write_config, write_toy_shards
 
-from ringfeed.train.checkpoint import META, find_resume_point, list_checkpoints, verify
+from ringfeed.train.checkpoint.files import META, find_resume_point, list_checkpoints, verify
 
 pytestmark = pytest.mark.system  # each test starts processes (tests/conftest.py)
 

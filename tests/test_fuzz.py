@@ -313,7 +313,7 @@ def test_a_damaged_checkpoint_meta_is_passed_over(world, checkpoints, tmp_path, 
     """--resume auto's search with the newest meta.json damaged: the older checkpoint, or the
     newest when its meta still reads (every file's sha256 still checks), never an error; a
     resume from a meta that reads but says something else is one line (exit 2)."""
-    from ringfeed.train.checkpoint import find_resume_point
+    from ringfeed.train.checkpoint.files import find_resume_point
 
     run = tmp_path / "run"
     if run.exists():
@@ -381,7 +381,7 @@ def test_a_disk_that_fills_mid_run_is_one_line_exit_4_and_keeps_what_was_written
         records = [json.loads(r) for r in (out / name).read_text().splitlines()]  # whole ones
         steps = [r["step"] for r in records if key in r]  # (not validation records)
         assert steps == list(range(1, len(steps) + 1)) and len(steps) > 20, name
-    from ringfeed.train.checkpoint import verify
+    from ringfeed.train.checkpoint.files import verify
 
     saved = sorted((tmp_path / "ckpts").glob("ckpt-*"))
     assert saved, "no checkpoint before the disk filled"

@@ -20,7 +20,7 @@ from train_util import (
     write_toy_shards,
 )
 
-from ringfeed.train.checkpoint_store import checkpoint_name
+from ringfeed.train.checkpoint.store import checkpoint_name
 
 pytestmark = pytest.mark.system
 

@@ -22,9 +22,9 @@ from fault_util import logged_step, wait_for, worker_processes
 from helpers import BIN, test_env
 from train_util import finish, start, toy_config, write_config, write_toy_shards
 
-from ringfeed.train.horovod_env import apply_horovod_env, watchdog_env
-from ringfeed.train.ranks import RankTimes, per_rank, straggler
-from ringfeed.train.watchdog import (
+from ringfeed.train.backends.horovod_env import apply_horovod_env, watchdog_env
+from ringfeed.train.observe.ranks import RankTimes, per_rank, straggler
+from ringfeed.train.resilience.watchdog import (
     EXIT_HANG,
     HANG_LINE,
     Limits,

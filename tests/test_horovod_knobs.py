@@ -1,4 +1,4 @@
-"""The `horovod:` config section (train/horovod_env.py): Horovod's own knobs set before
+"""The `horovod:` config section (train/backends/horovod_env.py): Horovod's own knobs set before
 hvd.init() on every rank, and proof from Horovod's own outputs that it used them - the
 timeline (rank 0's Chrome trace of every collective) and the autotuner's log (the parameter
 values it ran each sample with). Bad values are one line naming the field."""
@@ -14,14 +14,14 @@ from helpers import BIN, horovodrun, read_timeline, run
 from train_util import toy_config, write_config, write_toy_shards
 
 from ringfeed.errors import UserError
-from ringfeed.train.cli import main
-from ringfeed.train.config import HorovodSection
-from ringfeed.train.horovod_env import (
+from ringfeed.train.backends.horovod_env import (
     apply_horovod_env,
     check_controller,
     horovod_env,
     launch_problem,
 )
+from ringfeed.train.cli import main
+from ringfeed.train.config import HorovodSection
 
 RINGFEED = BIN / "ringfeed"
 MIB = 1024 * 1024

@@ -160,7 +160,7 @@ def test_ringfeed_train_across_two_netns_hosts(root_hosts: RootHosts, tmp_path: 
     steps = [json.loads(line).get("step") for line in
              (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(s for s in steps if s is not None) == 12
-    from ringfeed.train.checkpoint import checkpoint_path
+    from ringfeed.train.checkpoint.files import checkpoint_path
     assert (checkpoint_path(run_dir / "checkpoints", 12) / "meta.json").is_file()
 
 

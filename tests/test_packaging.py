@@ -50,6 +50,12 @@ def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
     for sub in ("pipeline/core.py", "train/loop.py", "shards/build.py", "shards/sources/text.py",
                 "train/models/torch_models.py", "formats/tarindex.py"):
         assert f"ringfeed/{sub}" in names, sub
+    # every module of the tree, sub-packages too (one left out of pyproject's `packages` is not)
+    modules = [p.relative_to(source).as_posix()
+               for name in ("ringfeed", "pipeline", "train", "shards")
+               for p in (source / name).rglob("*.py")]
+    missing = [m for m in modules if f"ringfeed/{m.removeprefix('ringfeed/')}" not in names]
+    assert len(modules) > 100 and not missing, missing
 
 
 @pytest.mark.system  # runs Python and the CLI

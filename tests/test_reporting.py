@@ -1,4 +1,4 @@
-"""train/reporting.py in-process, on one rank with a stand-in backend: the hooks write
+"""train/observe/reporter.py in-process, on one rank with a stand-in backend: the hooks write
 config.yaml, metrics.jsonl, samples.jsonl and summary.json; the first step is the untimed
 warm-up; a mixture's shares are counted per source."""
 
@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from ringfeed.train.backend import Dist, StepResult
+from ringfeed.train.backends.base import Dist, StepResult
 from ringfeed.train.config import RunConfig
 from ringfeed.train.data import CLASSIFY, DataSpec
-from ringfeed.train.reporting import Reporter, step_extras, valid_sample_ids
+from ringfeed.train.observe.reporter import Reporter, step_extras, valid_sample_ids
+from ringfeed.train.observe.throughput import FlopCount
 from ringfeed.train.runstate import Recovery, TrainState
-from ringfeed.train.throughput import FlopCount
 
 SPEC = DataSpec(CLASSIFY, "x.npy", "y.npy", (4,), num_classes=2)
 

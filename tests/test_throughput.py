@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import BIN, horovodrun, run, test_env  # noqa: E402
 from train_util import toy_config, write_config, write_toy_shards  # noqa: E402
 
-from ringfeed.train.throughput import (  # noqa: E402
+from ringfeed.train.observe.throughput import (  # noqa: E402
     PEAK_TFLOPS,
     Accounting,
     FlopCount,
@@ -39,7 +39,7 @@ from ringfeed.train.throughput import (  # noqa: E402
 RINGFEED = BIN / "ringfeed"
 
 
-# -- analytic counts, written independently of train/throughput.py -----------------------------
+# -- analytic counts, written independently of train/observe/throughput.py -------------------------
 def cnn_training_flops(h: int, w: int, c: int, width: int, hidden: int, classes: int) -> int:
     """train/models' cnn: conv3x3(c->width), conv3x3(width->width), pool, conv3x3(width->2w),
     pool, dense(2w*(h/4)*(w/4) -> hidden), dense(hidden -> classes). A product of m x k by k x n
@@ -147,7 +147,7 @@ def test_torch_counts_builtin_models_like_the_analytic_count() -> None:
 
     from ringfeed.train.data import CLASSIFY, LM, DataSpec
     from ringfeed.train.models.torch_models import build
-    from ringfeed.train.throughput import count_torch_flops
+    from ringfeed.train.observe.throughput import count_torch_flops
 
     torch.manual_seed(0)
     cnn = build("cnn", DataSpec(CLASSIFY, "png", "cls", (8, 8, 1), num_classes=10), width=32,
@@ -174,7 +174,7 @@ def test_torch_counts_builtin_models_like_the_analytic_count() -> None:
 def test_torch_model_that_needs_real_values_is_unknown() -> None:
     import torch
 
-    from ringfeed.train.throughput import count_torch_flops
+    from ringfeed.train.observe.throughput import count_torch_flops
 
     class Peeking(torch.nn.Module):
         def __init__(self) -> None:
@@ -197,7 +197,7 @@ def test_tensorflow_counts_builtin_models_like_the_analytic_count() -> None:
 
     from ringfeed.train.data import CLASSIFY, LM, DataSpec
     from ringfeed.train.models.keras_models import build
-    from ringfeed.train.throughput import count_tf_flops
+    from ringfeed.train.observe.throughput import count_tf_flops
 
     keras.utils.set_random_seed(0)
     cnn = build("cnn", DataSpec(CLASSIFY, "png", "cls", (8, 8, 1), num_classes=10), width=32,
@@ -224,7 +224,7 @@ def test_profile_window_opens_and_closes_at_its_steps(tmp_path: Path) -> None:
     import torch
 
     from ringfeed.train.config import ProfileSection
-    from ringfeed.train.profile import NO_SPAN, StepProfiler
+    from ringfeed.train.observe.profiler import NO_SPAN, StepProfiler
 
     said: list[str] = []
     section = ProfileSection(start_step=2, steps=2, ranks=[0])

@@ -24,7 +24,7 @@ from helpers import BIN, ringfeed, test_env
 from train_util import toy_config, write_config, write_toy_shards
 
 from ringfeed.train.cli import main
-from ringfeed.train.trackers import flat_config
+from ringfeed.train.observe.trackers import flat_config
 
 
 # -- one process ----------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def test_mlflow_and_wandb_get_every_scalar_and_a_resume_continues_the_same_runs(
 
 
 def test_a_tracker_failing_mid_run_is_one_warning_and_training_goes_on(capsys):
-    from ringfeed.train.trackers import Guarded
+    from ringfeed.train.observe.trackers import Guarded
 
     class Flaky:  # a sink whose server went away after the second record
         name = "mlflow"

@@ -14,8 +14,8 @@ import yaml
 from train_util import toy_config, write_config, write_toy_shards
 
 from ringfeed.errors import UserError
-from ringfeed.train.backend import StepResult, choose_gpu, gpu_for_rank
-from ringfeed.train.checkpoint import (
+from ringfeed.train.backends.base import StepResult, choose_gpu, gpu_for_rank
+from ringfeed.train.checkpoint.files import (
     find_resume_point,
     list_checkpoints,
     remove_stale_temporaries,
@@ -26,7 +26,7 @@ from ringfeed.train.cli import main
 from ringfeed.train.config import load_config
 from ringfeed.train.data import LM, infer_spec, make_pipeline, split_batch
 from ringfeed.train.loop import micro_batch_groups
-from ringfeed.train.metrics import RunLogger, bottleneck_line
+from ringfeed.train.observe.metrics import RunLogger, bottleneck_line
 from ringfeed.train.schedule import LRSchedule, scaled_peak_lr
 
 
@@ -151,7 +151,7 @@ def _events(path: Path) -> list:
 
 
 def test_logger_writes_jsonl_and_tensorboard_and_a_resume_rewrites_history(tmp_path):
-    from ringfeed.train.trackers import TensorBoardSink
+    from ringfeed.train.observe.trackers import TensorBoardSink
 
     tensorboard = TensorBoardSink(tmp_path / "tensorboard").start()
     logger = RunLogger(tmp_path, True, total_steps=6, global_batch=8, log_every=2,
@@ -312,7 +312,7 @@ def test_the_data_section_is_the_pipelines_config(tmp_path, shards):
 
 
 def test_cpu_threads_split_the_hosts_cores_between_its_ranks(monkeypatch):
-    from ringfeed.train.backend import cpu_threads_per_rank
+    from ringfeed.train.backends.base import cpu_threads_per_rank
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)

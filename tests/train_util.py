@@ -271,9 +271,9 @@ def _arm(backend, on: bool) -> None:
 
 # -- the step-level worker ------------------------------------------------------------------
 def _backend(framework: str, accumulate: int, micro: int, spec=None, **train: Any):
+    from ringfeed.train.backends.select import make_backend
     from ringfeed.train.config import RunConfig
     from ringfeed.train.data import CLASSIFY, DataSpec
-    from ringfeed.train.frameworks import make_backend
 
     spec = spec or DataSpec(CLASSIFY, "x.npy", "y.npy", (FEATURES,), num_classes=CLASSES)
     model = train.pop("model", {"name": "mlp", "args": {"hidden": [16]}})
@@ -291,8 +291,8 @@ def _backend(framework: str, accumulate: int, micro: int, spec=None, **train: An
 
 
 def _dist(framework: str) -> tuple[int, int]:
+    from ringfeed.train.backends.select import make_backend
     from ringfeed.train.config import RunConfig
-    from ringfeed.train.frameworks import make_backend
 
     dist = make_backend(RunConfig(framework=framework, data={"train": "unused"})).dist
     return dist.rank, dist.size

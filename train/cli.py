@@ -15,13 +15,13 @@ from typing import NoReturn
 from ringfeed.errors import exit_status, one_line
 
 COMMAND_MODULES = [
-    "ringfeed.train.info",        # ringfeed info
-    "ringfeed.shards.cli",        # ringfeed shard | verify | inspect
-    "ringfeed.train.main",        # ringfeed train
-    "ringfeed.train.supervise",   # ringfeed run -- <launcher ...>
-    "ringfeed.train.bench",       # ringfeed bench
-    "ringfeed.train.tune",        # ringfeed tune SEARCH.yaml
-    "ringfeed.train.replay",      # ringfeed replay RUN_DIR --steps A:B
+    "ringfeed.train.info",                  # ringfeed info
+    "ringfeed.shards.cli",                  # ringfeed shard | verify | inspect
+    "ringfeed.train.main",                  # ringfeed train
+    "ringfeed.train.resilience.supervise",  # ringfeed run -- <launcher ...>
+    "ringfeed.train.bench",                 # ringfeed bench
+    "ringfeed.train.tune",                  # ringfeed tune SEARCH.yaml
+    "ringfeed.train.replay",                # ringfeed replay RUN_DIR --steps A:B
 ]
 
 

@@ -42,9 +42,9 @@ from ringfeed.pipeline.config import (
     canonical_rule_error,
     pipeline_config,
 )
-from ringfeed.train.checkpoint import refuse_earlier_run
-from ringfeed.train.checkpoint_store import is_remote
-from ringfeed.train.horovod_env import launch_problem
+from ringfeed.train.backends.horovod_env import launch_problem
+from ringfeed.train.checkpoint.files import refuse_earlier_run
+from ringfeed.train.checkpoint.store import is_remote
 from ringfeed.userhooks import IMPORT_PATH
 
 BUILTIN_MODELS = ("mlp", "cnn", "gpt")
@@ -180,7 +180,7 @@ class OptimSection(_Section):
 class ProfileSection(_Section):
     """Profile steps start_step .. start_step + steps - 1 (counted from 1, as metrics.jsonl
     counts them) on `ranks`: a torch or TensorFlow profiler trace in <output.dir>/profile/rank<r>/
-    plus Horovod's timeline of the same steps (train/profile.py)."""
+    plus Horovod's timeline of the same steps (train/observe/profiler.py)."""
 
     start_step: PositiveInt = 5  # after the first steps' tracing and warm-up
     steps: PositiveInt = 5
@@ -224,13 +224,13 @@ class TrainSection(_Section):
     # bytes per sync; false sends the parameters only and each rank keeps its own moments.
     sync_optimizer_state: bool = True
     # One device's peak TFLOP/s for MFU (model FLOPs utilisation); null: ringfeed's table of
-    # GPUs by name and precision (train/throughput.py), none on CPU
+    # GPUs by name and precision (train/observe/throughput.py), none on CPU
     peak_tflops: PositiveFloat | None = None
     profile: ProfileSection | None = None  # null: off (`ringfeed train --profile`: defaults)
-    # The hang watchdog (train/watchdog.py): no rank making progress for this long ends the job
-    # with every live rank's stacks in <output.dir>/hang/, one line naming the stopped rank(s),
-    # exit 76 (restartable). null: off (and Horovod's Gloo timeout left alone). Off in elastic
-    # runs, where Horovod Elastic handles a lost worker.
+    # The hang watchdog (train/resilience/watchdog.py): no rank making progress for this long
+    # ends the job with every live rank's stacks in <output.dir>/hang/, one line naming the
+    # stopped rank(s), exit 76 (restartable). null: off (and Horovod's Gloo timeout left alone).
+    # Off in elastic runs, where Horovod Elastic handles a lost worker.
     hang_timeout_s: PositiveFloat | None = 300.0
     # Added to hang_timeout_s at start-up (restore), the first step (tracing, compiling),
     # validation, checkpoints and the end (a long checkpoint write on rank 0)
@@ -280,8 +280,8 @@ class ElasticSection(_Section):
 
 class HorovodSection(_Section):
     """Horovod's own knobs, set as its environment variables before hvd.init() on every rank
-    (train/horovod_env.py). A key left null keeps what the launcher or the environment gives
-    (horovodrun's --fusion-threshold-mb etc., or HOROVOD_* variables); a key set here wins
+    (train/backends/horovod_env.py). A key left null keeps what the launcher or the environment
+    gives (horovodrun's --fusion-threshold-mb etc., or HOROVOD_* variables); a key set here wins
     over them, so the config stays the record of how the run was made."""
 
     fusion_threshold_mb: float | None = Field(None, ge=0)  # HOROVOD_FUSION_THRESHOLD; 0: off
@@ -309,7 +309,7 @@ class HorovodSection(_Section):
 class OutputSection(_Section):
     dir: str = "runs/ringfeed"
     # Where rank 0's scalars, the config and the summary go besides metrics.jsonl
-    # (train/trackers.py): tensorboard (<dir>/tensorboard/), mlflow (MLFLOW_TRACKING_URI),
+    # (train/observe/trackers.py): tensorboard (<dir>/tensorboard/), mlflow (MLFLOW_TRACKING_URI),
     # wandb (WANDB_MODE, WANDB_PROJECT); [] for metrics.jsonl alone.
     loggers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
         default_factory=lambda: ["tensorboard"])
@@ -353,7 +353,7 @@ class RunConfig(_Section):
 
     @property
     def checkpoint_dir(self) -> str:
-        """checkpoint.dir: a local path or a URL (train/checkpoint_store.py)."""
+        """checkpoint.dir: a local path or a URL (train/checkpoint/store.py)."""
         return self.checkpoint.dir or str(Path(self.output.dir) / "checkpoints")
 
     @property
@@ -530,7 +530,7 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
         raise UserError(f"{path}: data.order: global needs data.global_batch_size (the samples "
                         "of one optimizer step over all ranks)")
     _check_local_sgd(cfg, path)
-    from ringfeed.train.trackers import missing_package
+    from ringfeed.train.observe.trackers import missing_package
 
     missing = missing_package(cfg.output.loggers)
     if missing:

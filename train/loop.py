@@ -12,20 +12,22 @@
                checkpoint every N steps or on request, and the elastic commit
     wrap_up()  the last validation and checkpoint, summary.json, a barrier
 
-The hang watchdog (train/watchdog.py) hears where each rank is: phase() at every move (data,
-step, report, validate, checkpoint, end); it runs from start() to close(), not in elastic runs.
+The hang watchdog (train/resilience/watchdog.py) hears where each rank is: phase() at every
+move (data, step, report, validate, checkpoint, end); it runs from start() to close(), not in
+elastic runs.
 
 Components, each owning its state: the backend (model, optimizer, Horovod), the Checkpointer
-(train/checkpointing.py: resume, save, keep), the Reporter (train/reporting.py: logs, sample
-log, mixture shares, throughput, profiler, summary; the loop calls its hooks). k
+(train/checkpoint/checkpointer.py: resume, save, keep), the Reporter (train/observe/reporter.py:
+logs, sample log, mixture shares, throughput, profiler, summary; the loop calls its hooks). k
 (train.accumulate) is decided here once and handed to the backend, which asserts it.
 
 `TrainState.step` (optimizer steps) is the only progress counter: the schedule, logging,
 validation and checkpoints are functions of it; the pipeline's own state (epoch, batches
 consumed) travels in every checkpoint so a resumed run sees exactly the batches it would have.
-Elastic runs (train/elastic.py) wrap train() and wrap_up() in Horovod Elastic's retry loop and
-commit every N steps: a strategy the loop calls, not a subclass, which changes the trainer only
-through its methods (commit_values() to commit, rejoin() and elastic_reset() after a reset).
+Elastic runs (train/resilience/elastic.py) wrap train() and wrap_up() in Horovod Elastic's
+retry loop and commit every N steps: a strategy the loop calls, not a subclass, which changes
+the trainer only through its methods (commit_values() to commit, rejoin() and elastic_reset()
+after a reset).
 """
 
 from __future__ import annotations
@@ -41,19 +43,19 @@ import numpy as np
 
 from ringfeed import userhooks
 from ringfeed.errors import UserError
-from ringfeed.train import faults
-from ringfeed.train.backend import Backend, Dist
-from ringfeed.train.checkpointing import Checkpointer, Saved
+from ringfeed.train.backends.base import Backend, Dist
+from ringfeed.train.backends.select import make_backend
+from ringfeed.train.checkpoint.checkpointer import Checkpointer, Saved
 from ringfeed.train.config import RunConfig
 from ringfeed.train.data import DataSpec, infer_spec, make_pipeline
-from ringfeed.train.elastic import ElasticRun
-from ringfeed.train.frameworks import make_backend
-from ringfeed.train.profile import StepProfiler, want_dynamic_timeline
-from ringfeed.train.reporting import Reporter
+from ringfeed.train.observe.profiler import StepProfiler, want_dynamic_timeline
+from ringfeed.train.observe.reporter import Reporter
+from ringfeed.train.resilience import faults
+from ringfeed.train.resilience.elastic import ElasticRun
+from ringfeed.train.resilience.supervise import RESTART_ENV
+from ringfeed.train.resilience.watchdog import Watchdog, limits_for
 from ringfeed.train.runstate import EXIT_PREEMPTED, Recovery, SignalRequests, TrainState
 from ringfeed.train.schedule import LRSchedule, make_schedule
-from ringfeed.train.supervise import RESTART_ENV
-from ringfeed.train.watchdog import Watchdog, limits_for
 
 
 class TrainingDiverged(UserError):
@@ -134,7 +136,7 @@ class Trainer:
     elastic: ElasticRun | None
     checkpointer: Checkpointer  # resume, save, keep
     reporter: Reporter  # logs, sample log, summary, throughput, profiler
-    watchdog: Watchdog | None  # the hang watchdog (train/watchdog.py); None when off
+    watchdog: Watchdog | None  # the hang watchdog (train/resilience/watchdog.py); None when off
     state: TrainState
     recovery: Recovery
     # data: set by prepare(); again after an elastic world-size change
@@ -251,7 +253,7 @@ class Trainer:
         started = time.perf_counter()
         with self.reporter.span("ringfeed.step", step=state.step + 1):
             result = self.backend.train_step(micro, lr, signals.take())
-        # the time this rank spent in the step's collective (per-rank figures, reporting.py):
+        # the time this rank spent in the step's collective (per-rank figures, observe/reporter.py):
         # the backend's own count where it has one, else the whole step
         collective_s = getattr(self.backend, "collective_s", None)
         if collective_s is None:
@@ -326,7 +328,7 @@ class Trainer:
         self.backend.allreduce_sum({"done": 0.0})
 
     def phase(self, name: str) -> None:
-        """Tell the hang watchdog where this rank is (train/watchdog.py PHASES)."""
+        """Tell the hang watchdog where this rank is (train/resilience/watchdog.py PHASES)."""
         if self.watchdog is not None:
             self.watchdog.at(self.state.step, name)
 
@@ -360,7 +362,7 @@ class Trainer:
         """The last train.log_every steps' losses (benchmarks/workers/ringfeed_loop.py)."""
         return self.reporter.recent_losses
 
-    # -- elastic resets (train/elastic.py calls these) ----------------------------------------
+    # -- elastic resets (train/resilience/elastic.py calls these) ----------------------------------
     def commit_values(self) -> tuple[dict[str, Any], dict[str, int]]:
         """Collective: samples.jsonl flushed up to this step, then what an elastic commit
         holds as plain values: (the TrainState with the train pipeline's state, the recovery

@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("elastic.enabled needs an elastic launch: horovodrun --min-np N "
                         "--max-np M --host-discovery-script SCRIPT ... ringfeed train CONFIG "
                         "--elastic (train/RECOVERY.md)")
-    from ringfeed.train.horovod_env import apply_horovod_env
-    from ringfeed.train.watchdog import hang_timeout_s
+    from ringfeed.train.backends.horovod_env import apply_horovod_env
+    from ringfeed.train.resilience.watchdog import hang_timeout_s
 
     # Before anything loads Horovod's library: it reads the autotuner's sample settings when it
     # loads, the rest in hvd.init() (the backends apply the section again right before it).

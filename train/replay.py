@@ -53,7 +53,7 @@ def parse_steps(text: str) -> tuple[int, int]:
 
 def checkpoint_before(directory: Path, step: int) -> tuple[Path | None, int]:
     """The newest complete checkpoint of `directory` at or before `step` (None, 0: none)."""
-    from ringfeed.train.checkpoint import list_checkpoints
+    from ringfeed.train.checkpoint.files import list_checkpoints
 
     found: tuple[Path | None, int] = (None, 0)
     for path in list_checkpoints(directory) if directory.is_dir() else []:

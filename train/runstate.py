@@ -1,6 +1,6 @@
 """What a run carries besides the model: its progress (`TrainState`, the one progress counter),
 what it survived (`Recovery`), and the signal requests the loop agrees on across ranks. The
-loop (train/loop.py) and the elastic strategy (train/elastic.py) both use them."""
+loop (train/loop.py) and the elastic strategy (train/resilience/elastic.py) both use them."""
 
 from __future__ import annotations
 

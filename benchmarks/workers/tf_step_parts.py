@@ -20,7 +20,7 @@ import tensorflow as tf
 from hvd_tf_loop import setup
 from peer import parse_args, report, time_steps
 
-from ringfeed.train.tf_backend import cross_entropy
+from ringfeed.train.backends.tf import cross_entropy
 
 PARTS = set(filter(None, os.environ.get("PARTS", "").split(",")))
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ringfeed.train.checkpoint import PREFIX, CheckpointError, list_checkpoints, verify
-from ringfeed.train.supervise import die_with_parent
+from ringfeed.train.checkpoint.files import PREFIX, CheckpointError, list_checkpoints, verify
+from ringfeed.train.resilience.supervise import die_with_parent
 
 POLL_S = 0.25
 TERM_GRACE_S = 10.0  # SIGTERM first (srun cancels its step, ringfeed saves), then SIGKILL

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from ringfeed.train.runstate import Recovery, SignalRequests
 
 if TYPE_CHECKING:  # (type hints only: the loop imports this module)
-    from ringfeed.train.backend import Backend
+    from ringfeed.train.backends.base import Backend
     from ringfeed.train.loop import Trainer
 
 

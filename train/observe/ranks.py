@@ -2,7 +2,7 @@
 straggler named, and the per-rank percentiles of summary.json.
 
     RankTimes     one rank's figures, per step (for the run's percentiles) and per log window
-    RankFigures   the Reporter's part (train/reporting.py): every train.log_every steps one small
+    RankFigures   the Reporter's part (reporter.py): every train.log_every steps one small
                   allreduce gathers every rank's window means for metrics.jsonl and names the
                   straggler in the log; at the end, every rank's percentiles for summary.json
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ringfeed.train.backend import Backend
+from ringfeed.train.backends.base import Backend
 
 
 class RankTimes:

@@ -1,6 +1,6 @@
 """The checkpoint protocol of a run: where it resumes from, when it saves, how a write is made
-(now, or in the background) and how a failed one is handled. train/checkpoint.py has the
-files (staging, verification, retention), train/checkpoint_store.py where they live (a local
+(now, or in the background) and how a failed one is handled. train/checkpoint/files.py has the
+files (staging, verification, retention), train/checkpoint/store.py where they live (a local
 directory or object storage).
 
     restore()  collective: rank 0 probes checkpoint.dir, refuses a dir of an earlier run under
@@ -43,8 +43,8 @@ from typing import Any
 
 from ringfeed.errors import EXIT_STORAGE_UNAVAILABLE, EXIT_WRITE, UserError
 from ringfeed.remote import RetryPolicy, StorageUnavailable
-from ringfeed.train.backend import Backend, StepResult
-from ringfeed.train.checkpoint import (
+from ringfeed.train.backends.base import Backend, StepResult
+from ringfeed.train.checkpoint.files import (
     CheckpointWriteError,
     find_resume_point,
     probe_writable,
@@ -52,7 +52,7 @@ from ringfeed.train.checkpoint import (
     remove_stale_temporaries,
     write_checkpoint,
 )
-from ringfeed.train.checkpoint_store import CheckpointStore, open_store
+from ringfeed.train.checkpoint.store import CheckpointStore, open_store
 from ringfeed.train.config import RunConfig
 from ringfeed.train.runstate import TrainState
 

@@ -1,5 +1,5 @@
 """Where checkpoints live: a local directory or any fsspec URL (`s3://`, `gs://`, ...), behind
-one small interface, so train/checkpoint.py states the protocol once.
+one small interface, so train/checkpoint/files.py states the protocol once.
 
 A checkpoint `ckpt-<step>` is a set of files (the framework's payload and `meta.json`, which
 holds the sha256 of every payload file). Both stores stage it in a local directory first; what
@@ -32,7 +32,7 @@ from typing import Any
 
 from ringfeed.fsutil import fsync_path
 from ringfeed.remote import RetryPolicy, retrying, with_timeouts
-from ringfeed.train import faults
+from ringfeed.train.resilience import faults
 
 PREFIX = "ckpt-"
 META = "meta.json"
@@ -336,7 +336,7 @@ class RemoteStore(CheckpointStore):
 
 def _upload_progress() -> Any:
     """An fsspec callback that hands each uploaded part's bytes to the fault-injection hook
-    (train/faults.py: a kill mid-upload in tests; nothing otherwise)."""
+    (train/resilience/faults.py: a kill mid-upload in tests; nothing otherwise)."""
     from fsspec.callbacks import Callback
 
     class Progress(Callback):

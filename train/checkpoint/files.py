@@ -1,5 +1,5 @@
 """Checkpoint files and policy: atomic publication, newest-complete lookup with corruption
-fallback, keep-last-K, in a local directory or object storage (train/checkpoint_store.py).
+fallback, keep-last-K, in a local directory or object storage (train/checkpoint/store.py).
 
 A checkpoint `ckpt-<step>` holds the framework's payload (torch: `state.pt`, read back with
 `torch.load(weights_only=True)`; TensorFlow: a `tf.train.Checkpoint`) and `meta.json` (step,
@@ -28,8 +28,7 @@ from typing import IO, Any
 from ringfeed.errors import UserError
 from ringfeed.fsutil import sha256_file
 from ringfeed.remote import StorageUnavailable
-from ringfeed.train import faults
-from ringfeed.train.checkpoint_store import (
+from ringfeed.train.checkpoint.store import (
     META,
     PREFIX,
     CheckpointStore,
@@ -37,6 +36,7 @@ from ringfeed.train.checkpoint_store import (
     open_store,
     parent_and_name,
 )
+from ringfeed.train.resilience import faults
 
 __all__ = ["META", "PREFIX", "CheckpointError", "CheckpointWriteError", "Found",
            "checkpoint_path", "describe_write_error", "find_resume_point", "list_checkpoints",

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 
 from ringfeed.errors import model_mismatch, state_dict_differences
-from ringfeed.train.backend import (
+from ringfeed.train.backends.base import (
     Dist,
     Groups,
     HorovodBackend,
@@ -37,11 +37,11 @@ from ringfeed.train.backend import (
     cpu_threads_per_rank,
     metric_sums,
 )
-from ringfeed.train.checkpoint import open_for_write
+from ringfeed.train.checkpoint.files import open_for_write
 from ringfeed.train.data import DataSpec, split_batch
 from ringfeed.train.models import build_model, channels_first
 from ringfeed.train.models.outputs import on_logits
-from ringfeed.train.throughput import FlopCount, count_torch_flops
+from ringfeed.train.observe.throughput import FlopCount, count_torch_flops
 
 STATE_FILE = "state.pt"
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -163,7 +163,7 @@ class HostCopy:
 
 
 class TorchCheckpoints:
-    """The checkpoint payload of TorchBackend (CheckpointBackend, train/backend.py): model,
+    """The checkpoint payload of TorchBackend (CheckpointBackend, train/backends/base.py): model,
     optimizer, GradScaler and every rank's RNG state in one `state.pt`, loadable with
     weights_only=True; a resume gives every rank rank 0's state."""
 
@@ -404,7 +404,7 @@ class TorchBackend(TorchCheckpoints, HorovodBackend):
             return (current >= scale).squeeze()
         return self.scaler.get_scale() >= scale
 
-    # -- throughput accounting (train/throughput.py) ------------------------------------------
+    # -- throughput accounting (train/observe/throughput.py) ---------------------------------------
     def count_flops(self, batch: dict[str, Any]) -> FlopCount:
         """Training FLOPs per sample of the model at this batch's shape (meta device: no
         compute, no gradient on the real parameters, RNG states kept)."""

@@ -8,7 +8,7 @@
         SIGKILL the writer of ckpt-<step> (rank 0) inside the write: once <bytes> bytes of the
         checkpoint's files are on disk (default 0), or just before the rename that publishes
         it if the files are smaller. Bytes are counted in files written through
-        train.checkpoint.open_for_write (torch's payload, meta.json); TensorFlow writes its
+        train/checkpoint/files.py open_for_write (torch's payload, meta.json); TensorFlow writes its
         payload itself, so there the count starts at meta.json. For a checkpoint.dir in object
         storage the bytes uploaded count too (staged first, then uploaded), and "just before
         the rename" is just before meta.json's upload, which publishes it. With

@@ -20,11 +20,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from ringfeed.errors import UserError
+from ringfeed.train.backends.horovod_env import apply_horovod_env, check_controller
 from ringfeed.train.data import REGRESS, DataSpec
-from ringfeed.train.horovod_env import apply_horovod_env, check_controller
 from ringfeed.train.losses import regression_fns
-from ringfeed.train.profile import no_span
-from ringfeed.train.watchdog import hang_timeout_s
+from ringfeed.train.observe.profiler import no_span
+from ringfeed.train.resilience.watchdog import hang_timeout_s
 from ringfeed.userhooks import load_callable
 
 # Per-step agreement vector, allreduced with op=Average on every step. Any rank's request
@@ -125,7 +125,7 @@ class StepBackend(Protocol):
 
 
 class CheckpointBackend(Protocol):
-    """Checkpoints (train/checkpoint.py writes the directory, the backend its payload)."""
+    """Checkpoints (train/checkpoint/files.py writes the directory, the backend its payload)."""
 
     def rng_states(self) -> Any:
         """Collective: every rank's RNG state, gathered on rank 0 (None elsewhere)."""
@@ -171,7 +171,7 @@ class ReplicaSync(Protocol):
 
 
 class ElasticBackend(Protocol):
-    """Horovod Elastic for the framework (train/elastic.py)."""
+    """Horovod Elastic for the framework (train/resilience/elastic.py)."""
 
     def refresh_dist(self) -> Dist:
         """Rank and size again, after Horovod was re-initialised at another world size."""
@@ -188,12 +188,12 @@ class ElasticBackend(Protocol):
 
 class Backend(StepBackend, CheckpointBackend, Collectives, ReplicaSync, ElasticBackend,
               Protocol):
-    """Everything the loop needs from one framework (torch_backend.py, tf_backend.py)."""
+    """Everything the loop needs from one framework (backends/torch.py, backends/tf.py)."""
 
 
 class HorovodBackend:
-    """The set-up and bookkeeping both framework backends share (torch_backend.py,
-    tf_backend.py subclass it): Horovod started with the config's knobs, the GPU choice's
+    """The set-up and bookkeeping both framework backends share (backends/torch.py,
+    backends/tf.py subclass it): Horovod started with the config's knobs, the GPU choice's
     gather, k micro-batches per step, the sync period and allreduce counts, the task's loss and
     metrics (or the user's), the per-rank seed, Horovod's plain-object collectives.
 
@@ -219,7 +219,7 @@ class HorovodBackend:
         """hvd.init() with the config's knobs; the profiler's named ranges are off."""
         self.dist = start_horovod(self.hvd, cfg)
         self.cfg = cfg
-        self.span = no_span  # named profiler ranges: train/profile.py sets them while tracing
+        self.span = no_span  # named profiler ranges: observe/profiler.py sets them while tracing
 
     def gpu_gather(self) -> Callable[[GpuView], list[GpuView]] | None:
         """The gather choose_gpu() needs: every rank's view (None in elastic runs)."""

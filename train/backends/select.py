@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from ringfeed.train.backend import Backend
+from ringfeed.train.backends.base import Backend
 
 # Importing TensorFlow imports Keras 3, which imports scikit-learn (for keras.wrappers'
 # SKLearnClassifier) and matplotlib.pyplot (for keras.visualization) whenever they are
@@ -38,10 +38,10 @@ def import_tensorflow_for_training() -> None:
 def make_backend(cfg) -> Backend:
     """Import the framework named by cfg.framework (and Horovod for it), hvd.init() included."""
     if cfg.framework == "torch":
-        from ringfeed.train.torch_backend import TorchBackend
+        from ringfeed.train.backends.torch import TorchBackend
 
         return TorchBackend(cfg)
     import_tensorflow_for_training()
-    from ringfeed.train.tf_backend import TFBackend
+    from ringfeed.train.backends.tf import TFBackend
 
     return TFBackend(cfg)

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from ringfeed.fsutil import atomic_write_text
-from ringfeed.train.runfiles import AppendFile, output_dir_error, output_write_error
-from ringfeed.train.throughput import Accounting, summary_lines
-from ringfeed.train.trackers import ScalarSink, finite_scalars
+from ringfeed.train.observe.runfiles import AppendFile, output_dir_error, output_write_error
+from ringfeed.train.observe.throughput import Accounting, summary_lines
+from ringfeed.train.observe.trackers import ScalarSink, finite_scalars
 
 # Data-wait share of step time above which we call the input pipeline the bottleneck.
 BOTTLENECK_SHARE = 0.20

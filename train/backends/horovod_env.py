@@ -83,7 +83,7 @@ def launch_problem(section: Any, environ: MutableMapping[str, str]) -> str | Non
 
 def watchdog_env(hang_timeout_s: float | None, environ: MutableMapping[str, str]
                  ) -> dict[str, str]:
-    """What the hang watchdog (train/watchdog.py, `hang_timeout_s`; None: off) needs from
+    """What the hang watchdog (train/resilience/watchdog.py, `hang_timeout_s`; None: off) needs from
     Horovod: the hang is the watchdog's to end, with its line and the stacks, so nothing of
     Horovod's may end the job first. Gloo's receive timeout (30 s by default: a stopped rank
     ends the others with HorovodInternalError tracebacks) is raised to hang_timeout_s + 60 s
@@ -93,7 +93,7 @@ def watchdog_env(hang_timeout_s: float | None, environ: MutableMapping[str, str]
     stays as it is. MPI and NCCL have no timeout of their own to raise."""
     if hang_timeout_s is None:
         return {}
-    from ringfeed.train.watchdog import gloo_timeout_s
+    from ringfeed.train.resilience.watchdog import gloo_timeout_s
 
     gloo = gloo_timeout_s(hang_timeout_s)
     try:

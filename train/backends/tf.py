@@ -34,7 +34,7 @@ from horovod.common.elastic import ObjectState
 from horovod.common.exceptions import HorovodInternalError
 
 from ringfeed.errors import model_mismatch
-from ringfeed.train.backend import (
+from ringfeed.train.backends.base import (
     STATS_LOSS,
     Groups,
     HorovodBackend,
@@ -45,7 +45,7 @@ from ringfeed.train.backend import (
 from ringfeed.train.data import REGRESS, DataSpec, split_batch
 from ringfeed.train.models import build_model, channels_first
 from ringfeed.train.models.outputs import on_logits
-from ringfeed.train.throughput import FlopCount, count_tf_flops
+from ringfeed.train.observe.throughput import FlopCount, count_tf_flops
 
 CHECKPOINT_PREFIX = "tf_checkpoint"
 POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
@@ -106,7 +106,7 @@ def _write_tf_checkpoint(checkpoint: tf.train.Checkpoint, directory: Path) -> No
 
 
 class TFCheckpoints:
-    """The checkpoint payload of TFBackend (CheckpointBackend, train/backend.py): model and
+    """The checkpoint payload of TFBackend (CheckpointBackend, train/backends/base.py): model and
     optimizer variables in one tf.train.Checkpoint (Keras keeps the dropout RNG state in the
     model's variables); a resume gives every rank rank 0's state."""
 
@@ -317,7 +317,7 @@ class TFBackend(TFCheckpoints, HorovodBackend):
             grad_norm=norm / scale if self.cfg.train.grad_clip else None,
             loss_scale=scale if fp16 else None)
 
-    # -- throughput accounting (train/throughput.py) ------------------------------------------
+    # -- throughput accounting (train/observe/throughput.py) ---------------------------------------
     def count_flops(self, batch: dict[str, Any]) -> FlopCount:
         """Training FLOPs per sample of the model at this batch's shape (the forward and
         gradient traced as a graph, not run)."""

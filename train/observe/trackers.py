@@ -140,7 +140,7 @@ class TensorBoardSink:
         self._events: Any = None
 
     def start(self) -> TensorBoardSink:
-        from ringfeed.train.runfiles import EventWriter
+        from ringfeed.train.observe.runfiles import EventWriter
 
         self._events = EventWriter(self.logdir)
         return self

@@ -6,7 +6,7 @@
     start_timing()   training starts: the first step of a stretch is the warm-up, not timed
     on_step()        after every optimizer step: the step's time, loss, lr, data wait, the
                      sample ids and mixture counts; a log line every train.log_every steps,
-                     with every rank's figures (train/ranks.py: one small allreduce) and the
+                     with every rank's figures (ranks.py: one small allreduce) and the
                      straggler named
     on_step_end()    after the step's validation and checkpoint: the profiler's window moves
                      on and the clock restarts (validation and checkpoints are not step time)
@@ -14,12 +14,12 @@
     on_checkpoint()  before a checkpoint or an elastic commit: samples.jsonl is flushed, so
                      it covers every step the checkpoint or commit holds
     finish()         summary.json (collective: the data-wait share is averaged over ranks;
-                     each rank's percentiles gathered in one allreduce, train/ranks.py)
+                     each rank's percentiles gathered in one allreduce, train/observe/ranks.py)
 
 Rules: rank 0 writes every file; every method is called on every rank in the same order, and
 those marked collective talk to all ranks (the sample log's allgather every log_every steps,
 the mixture shares' allreduce on log steps). Rank 0's trackers (output.loggers: TensorBoard,
-MLflow, W&B; train/trackers.py) are opened at the first open() and closed by close().
+MLflow, W&B; train/observe/trackers.py) are opened at the first open() and closed by close().
 """
 
 from __future__ import annotations
@@ -34,19 +34,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ringfeed.fsutil import atomic_write_text
-from ringfeed.train.backend import Backend, StepResult
+from ringfeed.train.backends.base import Backend, StepResult
 from ringfeed.train.config import RunConfig
 from ringfeed.train.data import LM, DataSpec
-from ringfeed.train.metrics import RunLogger, SampleLog, Throughput
-from ringfeed.train.profile import StepProfiler
-from ringfeed.train.ranks import RankFigures
-from ringfeed.train.runfiles import output_dir_error
+from ringfeed.train.observe.metrics import RunLogger, SampleLog, Throughput
+from ringfeed.train.observe.profiler import StepProfiler
+from ringfeed.train.observe.ranks import RankFigures
+from ringfeed.train.observe.runfiles import output_dir_error
+from ringfeed.train.observe.throughput import Accounting, FlopCount, resolve_peak
+from ringfeed.train.observe.trackers import ScalarSink, close_sinks, open_sinks
 from ringfeed.train.runstate import Recovery, TrainState
-from ringfeed.train.throughput import Accounting, FlopCount, resolve_peak
-from ringfeed.train.trackers import ScalarSink, close_sinks, open_sinks
 
 if TYPE_CHECKING:
-    from ringfeed.train.checkpointing import Saved
+    from ringfeed.train.checkpoint.checkpointer import Saved
 
 STORAGE_COUNTS = ("storage_retries", "storage_throttles", "storage_wait_s")
 
@@ -152,7 +152,7 @@ class Reporter:
     def on_step(self, state: TrainState, result: StepResult, micro: list[Any], lr: float,
                 waited: float, collective_s: float = 0.0) -> None:
         """After optimizer step `state.step`, which spent `collective_s` in its collective
-        (train/ranks.py) (collective on log steps: the per-rank figures, mixture shares, and the
+        (ranks.py) (collective on log steps: the per-rank figures, mixture shares, and the
         sample log's allgather)."""
         step, now = state.step, time.perf_counter()
         if step > self.first_step + 1:  # the first step traces/compiles: not timed
@@ -202,8 +202,8 @@ class Reporter:
         self.logger.validation(state.step, state.epoch, metrics)
 
     def on_checkpoint_saved(self, saved: Saved) -> None:
-        """A checkpoint write the ranks agreed on (train/checkpointing.py): what it cost, as
-        an event in metrics.jsonl and in summary.json's totals."""
+        """A checkpoint write the ranks agreed on (train/checkpoint/checkpointer.py): what it
+        cost, as an event in metrics.jsonl and in summary.json's totals."""
         self.checkpoint_costs.append((saved.blocked_s, saved.write_s))
         if self.logger is not None:
             self.logger.event(saved.step, {
