@@ -1,19 +1,16 @@
 """What a ringfeed command's failure looks like: one line, `ringfeed: <label>: <what> (<what to
 do>)`, and an exit code that says whether a restart can help.
 
-`EXIT_STATUSES` is the one table of exit codes: the CLI exits with them (`exit_status`, called
-once, in train/cli.py), `ringfeed run` decides from them what it relaunches (`relaunches`), and
-train/RECOVERY.md's exit-code table is checked against it by a test.
+`EXIT_STATUSES` is the one table of exit codes: the CLI exits with them (train/cli.py's
+`exit_status`, the one place an exception becomes an exit code), `ringfeed run` decides from
+them what it relaunches (`relaunches`), and train/RECOVERY.md's exit-code table is checked
+against it by a test. This module imports nothing of ringfeed: every other one may import it.
 """
 
 from __future__ import annotations
 
-import errno
-import sys
-import traceback
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import IO
 
 EXIT_CRASH = 1
 EXIT_CONFIG = 2
@@ -95,35 +92,6 @@ def relaunches(code: int, markers: Collection[str]) -> bool:
         return False
     rows = [s for s in EXIT_STATUSES if s.code == code]
     return not rows or any(s.relaunch for s in rows)
-
-
-# Write errors no restart fixes: the CLI names the file and exits EXIT_WRITE.
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
-
-
-def exit_status(exc: BaseException, stream: IO[str] | None = None) -> int:
-    """The one place a command's exception becomes its exit code: prints the line (and, for the
-    user's code, its traceback first) on `stream` (stderr) and returns the code. Anything
-    else is re-raised: a crash, with Python's traceback and exit 1."""
-    stream = stream or sys.stderr
-    if isinstance(exc, UserError):
-        line, code = f"ringfeed: {exc.label}: {exc}", exc.exit_code
-    elif isinstance(exc, KeyboardInterrupt):
-        line, code = "ringfeed: interrupted", EXIT_INTERRUPTED
-    elif isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
-        where = f"cannot write {exc.filename}" if exc.filename else "a write failed"
-        line, code = (f"ringfeed: error: {where} ({exc.strerror}; free space or choose another "
-                      "directory; what was written before is kept)"), EXIT_WRITE
-    else:
-        from ringfeed.userhooks import user_code_of
-
-        culprit = user_code_of(exc)
-        if culprit is None:
-            raise exc
-        traceback.print_exception(exc, file=stream)
-        line, code = f"{USER_CODE_LINE}{culprit}: {type(exc).__name__}: {exc}", EXIT_CRASH
-    print(one_line(line), file=stream, flush=True)
-    return code
 
 
 def one_line(text: str) -> str:

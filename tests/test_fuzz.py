@@ -619,7 +619,8 @@ def test_errors_from_the_users_code_are_told_apart_by_their_frames(tmp_path, mon
 
 
 def test_the_line_is_one_line_whatever_the_message(capsys):
-    from ringfeed.errors import UserError, exit_status
+    from ringfeed.errors import UserError
+    from ringfeed.train.cli import exit_status
 
     assert exit_status(UserError("two\nlines  here")) == 2
     assert capsys.readouterr().err == "ringfeed: error: two lines here\n"

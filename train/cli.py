@@ -8,11 +8,21 @@ so `ringfeed --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
-from typing import NoReturn
+import traceback
+from typing import IO, NoReturn
 
-from ringfeed.errors import exit_status, one_line
+from ringfeed.errors import (
+    EXIT_CRASH,
+    EXIT_INTERRUPTED,
+    EXIT_WRITE,
+    USER_CODE_LINE,
+    UserError,
+    one_line,
+)
+from ringfeed.userhooks import user_code_of
 
 COMMAND_MODULES = [
     "ringfeed.train.info",                  # ringfeed info
@@ -50,6 +60,33 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.register(sub)
     return parser
+
+
+# Write errors no restart fixes: the CLI names the file and exits EXIT_WRITE.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+def exit_status(exc: BaseException, stream: IO[str] | None = None) -> int:
+    """The one place a command's exception becomes its exit code: prints the line (and, for the
+    user's code, its traceback first) on `stream` (stderr) and returns the code. Anything
+    else is re-raised: a crash, with Python's traceback and exit 1."""
+    stream = stream or sys.stderr
+    if isinstance(exc, UserError):
+        line, code = f"ringfeed: {exc.label}: {exc}", exc.exit_code
+    elif isinstance(exc, KeyboardInterrupt):
+        line, code = "ringfeed: interrupted", EXIT_INTERRUPTED
+    elif isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
+        where = f"cannot write {exc.filename}" if exc.filename else "a write failed"
+        line, code = (f"ringfeed: error: {where} ({exc.strerror}; free space or choose another "
+                      "directory; what was written before is kept)"), EXIT_WRITE
+    else:
+        culprit = user_code_of(exc)
+        if culprit is None:
+            raise exc
+        traceback.print_exception(exc, file=stream)
+        line, code = f"{USER_CODE_LINE}{culprit}: {type(exc).__name__}: {exc}", EXIT_CRASH
+    print(one_line(line), file=stream, flush=True)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
