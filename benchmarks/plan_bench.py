@@ -87,8 +87,7 @@ def synthetic_counts(shards: int, samples: int, seed: int = 0) -> np.ndarray:
 def synthetic_manifest(directory: Path, shards: int, samples: int, seed: int = 0) -> np.ndarray:
     """manifest.json and manifest.bin for `shards` shards (names train-0000000.tar, fake
     sizes and hashes), written directly: no tar files, no ShardInfo objects. Returns counts."""
-    from ringfeed.formats.manifest import Manifest
-    from ringfeed.formats.manifest_format import manifest_meta
+    from ringfeed.formats.manifest import Manifest, manifest_meta
 
     counts = synthetic_counts(shards, samples, seed)
     sha = np.frombuffer(np.random.default_rng(seed + 1).bytes(32 * shards), np.uint8)

@@ -45,8 +45,7 @@ def one_sample_shards() -> Path:
 
 def manifest_of(real: Path, shards: int, out: Path) -> Path:
     """`shards` entries over the real shards, round robin: a link and a manifest row each."""
-    from ringfeed.formats.manifest import Manifest
-    from ringfeed.formats.manifest_format import manifest_meta
+    from ringfeed.formats.manifest import Manifest, manifest_meta
 
     manifest = Manifest.load(real)
     table = manifest.split("train").shards

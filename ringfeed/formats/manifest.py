@@ -44,12 +44,14 @@ when that path leaves OUT (`..`).
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+import os
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ringfeed.formats.manifest_format import INDEX_NAME, write_manifest_index
+from ringfeed.formats.manifest_format import INDEX_NAME, SplitArrays, write_index
 from ringfeed.fsutil import atomic_write_bytes
 
 FORMAT = "ringfeed-shards"
@@ -103,8 +105,8 @@ class Manifest:
 
     def save(self, directory: str | Path) -> Path:
         """Write `directory/manifest.json` atomically (temp file + rename), then its compact
-        binary index `manifest.bin` (ringfeed/formats/manifest_format.py; ringfeed/formats/manifest_index.py maps it instead
-        of parsing the JSON)."""
+        binary index `manifest.bin` (manifest_format.py's layout; manifest_index.py maps it
+        instead of parsing the JSON)."""
         path = Path(directory) / "manifest.json"
         text = self.to_json().encode()
         atomic_write_bytes(path, text)
@@ -153,3 +155,23 @@ class Manifest:
         if name not in self.splits:
             raise ManifestError(f"split {name!r} not in manifest (have: {', '.join(self.splits)})")
         return self.splits[name]
+
+
+def manifest_meta(manifest: Manifest) -> dict[str, Any]:
+    """The manifest's fields other than its shard table (kept in the index header)."""
+    meta = asdict(replace(manifest, splits={}))
+    del meta["splits"]
+    return meta
+
+
+def write_manifest_index(manifest: Manifest, json_bytes: bytes, path: str | os.PathLike) -> Path:
+    """The index of `manifest`, whose JSON text is `json_bytes`, written to `path`."""
+    return write_index(path, *index_contents(manifest, json_bytes))
+
+
+def index_contents(manifest: Manifest, json_bytes: bytes) -> tuple:
+    """write_index's arguments for `manifest`, whose JSON text is `json_bytes`."""
+    splits = {name: SplitArrays.from_shards(split.shards)
+              for name, split in manifest.splits.items()}
+    return (manifest_meta(manifest), splits, len(json_bytes),
+            hashlib.sha256(json_bytes).hexdigest())

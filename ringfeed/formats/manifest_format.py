@@ -1,26 +1,23 @@
 """The binary format of manifest.bin, the compact index of manifest.json (written side; the
-reading side, memory-mapped, is ringfeed/formats/manifest_index.py). It imports nothing of the manifest
-module: Manifest.save writes the index through it right after the JSON, without an import
-cycle."""
+reading side, memory-mapped, is ringfeed/formats/manifest_index.py): flat arrays per split and
+the file's layout. It imports nothing of the manifest module, not even for type hints: a shard
+row is what ShardRow says the index stores, and manifest.py turns a Manifest into these arrays
+when Manifest.save writes the index right after the JSON."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import struct
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 
 import numpy as np
 
 from ringfeed.fsutil import atomic_open
-
-if TYPE_CHECKING:  # (type hints only)
-    from ringfeed.formats.manifest import Manifest, ShardInfo
 
 INDEX_NAME = "manifest.bin"
 MAGIC = b"RFMIDX\x00\x02"  # \x01: the header had no crc32 (such files are rebuilt)
@@ -31,6 +28,16 @@ ALIGN = 64
 HAS_SHA256, HAS_INDEX = 1, 2
 _ARRAYS = ("counts", "bytes", "sha256", "flags", "name_offsets", "names", "index_offsets",
            "index_names")
+
+
+class ShardRow(Protocol):
+    """What the index stores of one shard (manifest.py's ShardInfo is one)."""
+
+    name: str
+    num_samples: int
+    bytes: int
+    sha256: str | None
+    index: str | None
 
 
 @dataclasses.dataclass
@@ -47,7 +54,7 @@ class SplitArrays:
     index_names: np.ndarray  # uint8: sidecar names ("" where none)
 
     @classmethod
-    def from_shards(cls, shards: Sequence[ShardInfo]) -> SplitArrays:
+    def from_shards(cls, shards: Sequence[ShardRow]) -> SplitArrays:
         names = [s.name.encode() for s in shards]
         index_names = [(s.index or "").encode() for s in shards]
         sha = b"".join(bytes.fromhex(s.sha256) if s.sha256 else bytes(32) for s in shards)
@@ -63,13 +70,6 @@ def _blob(items: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.zeros(len(items) + 1, dtype=np.int64)
     np.cumsum([len(x) for x in items], out=offsets[1:])
     return offsets, np.frombuffer(b"".join(items), dtype=np.uint8)
-
-
-def manifest_meta(manifest: Manifest) -> dict[str, Any]:
-    """The manifest's fields other than its shard table (kept in the index header)."""
-    meta = dataclasses.asdict(dataclasses.replace(manifest, splits={}))
-    del meta["splits"]
-    return meta
 
 
 def write_index(path: str | os.PathLike, meta: dict[str, Any], splits: dict[str, SplitArrays],
@@ -108,15 +108,3 @@ def _little_endian(a: np.ndarray) -> bytes:
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def write_manifest_index(manifest: Manifest, json_bytes: bytes, path: str | os.PathLike) -> Path:
-    """The index of `manifest`, whose JSON text is `json_bytes`, written to `path`."""
-    return write_index(path, *_contents(manifest, json_bytes))
-
-
-def _contents(manifest: Manifest, json_bytes: bytes) -> tuple:
-    splits = {name: SplitArrays.from_shards(split.shards)
-              for name, split in manifest.splits.items()}
-    return (manifest_meta(manifest), splits, len(json_bytes),
-            hashlib.sha256(json_bytes).hexdigest())

@@ -45,7 +45,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ringfeed.formats.manifest import Manifest, ManifestError, ShardInfo, Split
+from ringfeed.formats.manifest import (
+    Manifest,
+    ManifestError,
+    ShardInfo,
+    Split,
+    index_contents,
+    write_manifest_index,
+)
 from ringfeed.formats.manifest_format import (  # noqa: F401 - re-exported: the index's one namespace
     HAS_INDEX,
     HAS_SHA256,
@@ -56,9 +63,7 @@ from ringfeed.formats.manifest_format import (  # noqa: F401 - re-exported: the 
     VERSION,
     SplitArrays,
     _aligned,
-    _contents,
     _serialise,
-    write_manifest_index,
 )
 
 
@@ -269,7 +274,7 @@ def _cached(key: str, cache_dir: str | os.PathLike | None, read: Callable[[], by
         except OSError:
             pass  # no usable cache (read-only, full, a file in the way): this process only
     data, buffer = read(), io.BytesIO()
-    _serialise(buffer, *_contents(_parse(data, origin), data))
+    _serialise(buffer, *index_contents(_parse(data, origin), data))
     return ManifestIndex.from_bytes(buffer.getvalue())
 
 
