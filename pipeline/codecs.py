@@ -1,7 +1,8 @@
 """CPU image decoders: encoded bytes -> uint8 HWC arrays, the pixels PIL gives, faster.
 
 `decode_image(data, image_size)` is what `Decoder` (pipeline/decode.py) calls for every image:
-uint8 HWC, C=1 for grayscale (PIL modes L, 1, I, I;16, F, LA), C=3 otherwise, resized with PIL's
+uint8 HWC, C=1 for grayscale (PIL modes L, 1, I, I;16, F, LA), C=3 otherwise (`channels=3` or 1
+forces it: PIL's convert("RGB") or convert("L") of any mode, CMYK and palettes too), resized with PIL's
 BILINEAR filter to (h, w) when `image_size` is given and differs. Its output is bit for bit that
 of the reference path, `decode_pil` (open with PIL, convert to L/RGB, resize, np.asarray):
 
@@ -42,6 +43,7 @@ import io
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -62,38 +64,95 @@ _probe: tuple[Any, bool, str] | None = None  # (simplejpeg module, usable, why n
 
 
 def decode_image(data: bytes, image_size: tuple[int, int] | None = None, *,
-                 dct_downscale: bool = False) -> np.ndarray:
-    """uint8 HWC (C = 1 or 3), resized to image_size=(h, w) when given; equal to decode_pil's
-    result (unless dct_downscale=True, see the module docstring). Raises on a corrupt image."""
+                 dct_downscale: bool = False, channels: int | None = None) -> np.ndarray:
+    """uint8 HWC (C = 1 or 3; `channels` 3 or 1 forces it, as PIL's convert("RGB"/"L")),
+    resized to image_size=(h, w) when given; equal to decode_pil's result (unless
+    dct_downscale=True, see the module docstring). Raises on a corrupt image."""
     if data[:3] == JPEG_SIGNATURE:
         if simplejpeg is not None and _simplejpeg_usable():
-            array = _decode_simplejpeg(data, image_size, dct_downscale)
+            array = _decode_simplejpeg(data, image_size, dct_downscale, channels)
             if array is not None:
                 return array
         if dct_downscale and image_size is not None:
-            return decode_pil(data, image_size, draft=True)
-    return decode_pil(data, image_size)
+            return decode_pil(data, image_size, draft=True, channels=channels)
+    return decode_pil(data, image_size, channels=channels)
 
 
 def decode_pil(data: bytes, image_size: tuple[int, int] | None = None, *,
-               draft: bool = False) -> np.ndarray:
-    """The reference decode (PIL): open, convert to L or RGB, resize BILINEAR to (h, w) when
-    given and different, HWC. `draft=True`: a JPEG is first decoded at a reduced DCT scale
-    (PIL's Image.draft), the fallback of dct_downscale."""
+               draft: bool = False, channels: int | None = None) -> np.ndarray:
+    """The reference decode (PIL): open, convert to L or RGB (`channels` 1 or 3 forces which),
+    resize BILINEAR to (h, w) when given and different, HWC. `draft=True`: a JPEG is first
+    decoded at a reduced DCT scale (PIL's Image.draft), the fallback of dct_downscale."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as img:
         if draft and image_size is not None and img.format == "JPEG":
             h, w = image_size
             img.draft(img.mode, (w, h))
-        if img.mode not in ("L", "RGB"):
-            img = img.convert("L" if img.mode in GRAY_MODES else "RGB")
+        img = _converted(img, channels)
         if image_size is not None:
             h, w = image_size
             if img.size != (w, h):
                 img = img.resize((w, h), Image.Resampling.BILINEAR)
         array = np.asarray(img)
     return array[:, :, None] if array.ndim == 2 else array
+
+
+def decode_scaled(data: bytes, choose_scale: Callable[[int, int], int],
+                  channels: int | None = None) -> tuple[np.ndarray, tuple[int, int]]:
+    """uint8 HWC decoded at 1/s of its size, s = choose_scale(height, width) in (1, 2, 4, 8)
+    (a JPEG's DCT-domain scaling, ceil(H / s) x ceil(W / s); other formats at full size), and
+    the encoded (height, width). Scale 1 gives decode_image's pixels."""
+    if data[:3] == JPEG_SIGNATURE and simplejpeg is not None and _simplejpeg_usable():
+        try:
+            height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+        except Exception:
+            colorspace = None
+        target = _simplejpeg_target(colorspace, channels)
+        if target is not None and not _too_large(height, width):
+            scale = choose_scale(height, width)
+            kwargs = ({"min_height": -(-height // scale), "min_width": -(-width // scale)}
+                      if scale > 1 else {})
+            try:
+                array = simplejpeg.decode_jpeg(data, colorspace=target, **kwargs)
+            except Exception:
+                array = None
+            if array is not None:
+                return _to_channels(array, channels), (height, width)
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        width, height = img.size
+        scale = choose_scale(height, width)
+        if scale > 1 and img.format == "JPEG":  # PIL's draft rule keeps >= the size asked
+            img.draft(img.mode, (max(1, width // scale), max(1, height // scale)))
+        array = np.asarray(_converted(img, channels))
+    return (array[:, :, None] if array.ndim == 2 else array), (height, width)
+
+
+def _converted(img: Any, channels: int | None) -> Any:
+    """A PIL image in mode L or RGB: as `channels` says, else L for grayscale modes."""
+    mode = {1: "L", 3: "RGB"}.get(channels) if channels else (
+        img.mode if img.mode in ("L", "RGB") else "L" if img.mode in GRAY_MODES else "RGB")
+    return img if img.mode == mode else img.convert(mode)
+
+
+def _simplejpeg_target(colorspace: str | None, channels: int | None) -> str | None:
+    """simplejpeg's output colourspace for a JPEG of header `colorspace` (None: PIL must
+    decode it); grayscale to RGB replicates the channel, as PIL's convert("RGB")."""
+    target = _SIMPLEJPEG_COLORSPACE.get(colorspace)
+    if target is not None and channels == 3:
+        return "RGB"
+    return target
+
+
+def _to_channels(array: np.ndarray, channels: int | None) -> np.ndarray:
+    """channels=1 of an RGB decode: PIL's convert("L") of it (ITU-R 601-2 luma)."""
+    if channels == 1 and array.shape[2] == 3:
+        from PIL import Image
+
+        return np.asarray(Image.fromarray(array).convert("L"))[:, :, None]
+    return array
 
 
 def resize(array: np.ndarray, image_size: tuple[int, int] | None) -> np.ndarray:
@@ -115,13 +174,13 @@ def jpeg_backend() -> str:
 
 
 def _decode_simplejpeg(data: bytes, image_size: tuple[int, int] | None,
-                       dct_downscale: bool) -> np.ndarray | None:
+                       dct_downscale: bool, channels: int | None = None) -> np.ndarray | None:
     """The decoded (and resized) image, or None where PIL must decode it."""
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except Exception:
         return None  # PIL decides (and raises for a corrupt file)
-    target = _SIMPLEJPEG_COLORSPACE.get(colorspace)
+    target = _simplejpeg_target(colorspace, channels)
     if target is None or _too_large(height, width):
         return None
     kwargs: dict[str, int] = {}
@@ -133,7 +192,7 @@ def _decode_simplejpeg(data: bytes, image_size: tuple[int, int] | None,
         array = simplejpeg.decode_jpeg(data, colorspace=target, **kwargs)
     except Exception:
         return None
-    return resize(array, image_size)
+    return resize(_to_channels(array, channels), image_size)
 
 
 def draft_scale(size: tuple[int, int], image_size: tuple[int, int]) -> int:
