@@ -34,14 +34,16 @@ def stack(values: list[Any]) -> Any:
 
 
 def gather(sources: list[Any], positions: np.ndarray, source_of: np.ndarray
-           ) -> tuple[dict[str, np.ndarray], list[str]]:
+           ) -> tuple[dict[str, Any], list[str]]:
     """A batch straight from decoded-cache entries: element i is sample `positions[i]` of
-    `sources[source_of[i]]` (each with `arrays` and `keys`); one fancy-index copy per field and
-    entry, no per-sample dicts. The arrays equal collate() of the same samples."""
+    `sources[source_of[i]]` (each with `arrays`, `ragged` and `keys`); one fancy-index copy per
+    field and entry, no per-sample dicts. The arrays equal collate() of the same samples; a
+    ragged image field is a list of SourceImages (Decoder.realize_columns augments them)."""
     first = sources[0]
     out = {name: np.empty((len(positions), *a.shape[1:]), a.dtype)
            for name, a in first.arrays.items()}
     keys: list[str] = [""] * len(positions)
+    ragged: dict[str, list[Any]] = {name: [None] * len(positions) for name in first.ragged}
     for k, source in enumerate(sources):
         rows = np.flatnonzero(source_of == k)
         picked = positions[rows]
@@ -49,4 +51,6 @@ def gather(sources: list[Any], positions: np.ndarray, source_of: np.ndarray
             out[name][rows] = array[picked]
         for i, p in zip(rows.tolist(), picked.tolist(), strict=True):
             keys[i] = source.keys[p]
-    return out, keys
+            for name, images in ragged.items():
+                images[i] = source.source_image(name, p)
+    return {**out, **ragged}, keys

@@ -22,9 +22,15 @@ from pydantic import (
     PositiveInt,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from ringfeed.fsutil import parse_size
+from ringfeed.pipeline.augment import (
+    as_size,
+    default_val_augment,
+    parse_augment,
+)
 from ringfeed.pipeline.errors import PipelineError
 from ringfeed.userhooks import IMPORT_PATH
 
@@ -62,6 +68,20 @@ class PipelineConfig(BaseModel):
         None, description="resize images to (height, width)")
     normalize: tuple[Any, Any] | None = Field(
         None, description="(mean, std) per channel of x / 255; None: uint8 pixels")
+    augment: list[Any] | None = Field(
+        None, description="this split's image augmentation, torchvision's stages in order: "
+                          "random_resized_crop, horizontal_flip, resize, center_crop, "
+                          "color_jitter (a name, or {name: {args}}; pipeline/README.md)")
+    val_augment: list[Any] | None = Field(
+        None, description="the validation split's stages (default: torchvision's eval preset "
+                          "when augment crops at random); ShardPipeline reads `augment` only: "
+                          "a validation pipeline gets augment=augment_for(config, False)")
+    channels: Literal[1, 3] | None = Field(
+        None, description="image channels: 3 (RGB) or 1 (L) for every image; default 3 with "
+                          "augment, else as decoded (1 for grayscale)")
+    cache_short_side: PositiveInt | None = Field(
+        None, description="random augment with the decoded cache: cached images' shorter side "
+                          "at most this (default int(max(image_size) / 0.875): 256 for 224)")
     on_error: Literal["skip", "fail"] = Field(
         "skip", description="a bad sample: replaced by a repeat and counted, or an error")
     cache_dir: PathStr | None = Field(None, description="local shard cache (default: a temp dir)")
@@ -112,6 +132,18 @@ class PipelineConfig(BaseModel):
             raise ValueError(f"{info.field_name} must be an import path 'module:function', "
                              f"got {v!r}")
         return v
+
+    @field_validator("augment", "val_augment", mode="before")
+    @classmethod
+    def _augment(cls, v: Any, info) -> Any:
+        parse_augment(v, None, info.field_name, sized=False)  # image_size: _augment_size
+        return v
+
+    @model_validator(mode="after")
+    def _augment_size(self) -> PipelineConfig:
+        for name in ("augment", "val_augment"):
+            parse_augment(getattr(self, name), as_size(self.image_size), name)
+        return self
 
     @field_validator("decoded_cache")
     @classmethod
@@ -168,5 +200,18 @@ def pipeline_config(config: PipelineConfig | None, options: dict[str, Any]) -> P
         return PipelineConfig(**{**base, **options})
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "options"
-        raise PipelineError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
+        where = ".".join(str(p) for p in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        if where and not message.startswith((f"{where}:", f"{where}[")):  # (augment's name it)
+            message = f"{where}: {message}"
+        raise PipelineError(message) from None
+
+
+def augment_for(config: PipelineConfig, training: bool) -> list[Any] | None:
+    """The stages a pipeline of `config` takes as its `augment`: the train split's
+    (`augment`), or the validation split's (`val_augment`, else default_val_augment)."""
+    if training:
+        return config.augment
+    if config.val_augment is not None:
+        return config.val_augment
+    return default_val_augment(config.augment, config.image_size)

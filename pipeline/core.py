@@ -18,12 +18,13 @@ from typing import Any
 import numpy as np
 
 from ringfeed.formats.manifest import Manifest
+from ringfeed.pipeline.augment import eval_resize, parse_augment
 from ringfeed.pipeline.background import BackgroundIterator
 from ringfeed.pipeline.batch import collate
 from ringfeed.pipeline.cache import ShardCache
 from ringfeed.pipeline.canonical import RankStreams, canonical_config, leave_out_for, load_skip
 from ringfeed.pipeline.config import PipelineConfig, pipeline_config
-from ringfeed.pipeline.decode import Decoder, as_pair
+from ringfeed.pipeline.decode import Decoder, UserCodeError, as_pair
 from ringfeed.pipeline.decoded_cache import DecodedStore, layout_of
 from ringfeed.pipeline.errors import PipelineDataError, PipelineError
 from ringfeed.pipeline.mixture import (
@@ -109,9 +110,14 @@ def make_decoder(c: PipelineConfig, kinds: dict[str, str]) -> Decoder:
     kinds = {**kinds, **(c.fields or {})}
     hooks = {name: load_callable(fn, name) if isinstance(fn, str) else fn
              for name, fn in (("decode", c.decode), ("transform", c.transform))}
-    return Decoder(kinds, as_pair(c.image_size), c.normalize, hooks["decode"],
-                   hooks["transform"], decode_images=c.decode_device == "cpu",
-                   threads=c.decode_threads)
+    size = as_pair(c.image_size)
+    augment = parse_augment(c.augment, size)
+    # one rule: colour whenever augmenting (photos: ImageNet's grey, CMYK and PNG files too)
+    channels = c.channels or (3 if augment is not None else None)
+    source_side = c.cache_short_side or (eval_resize(size) if size is not None else None)
+    return Decoder(kinds, size, c.normalize, hooks["decode"], hooks["transform"],
+                   decode_images=c.decode_device == "cpu", threads=c.decode_threads,
+                   augment=augment, seed=c.seed, channels=channels, source_side=source_side)
 
 
 class ShardPipeline:
@@ -565,6 +571,8 @@ def first_decoded(refs: Sequence[ShardRef], cache: ShardCache, indexes: IndexSto
                     break
                 try:
                     return decoder(raw)
+                except UserCodeError as e:  # the user's decode/transform: theirs to see
+                    raise e.error from None
                 except Exception as e:
                     first_error = first_error or e
                     continue
@@ -585,6 +593,8 @@ def check_mixture_fields(sources: ResolvedSources, decoder: Decoder, cache: Shar
     for name, refs in zip(sources.names, sources.parts, strict=True):
         try:
             sample = decoder(first_raw(refs, cache, indexes))
+        except UserCodeError as e:
+            raise e.error from None
         except PipelineDataError as e:
             raise PipelineError(f"mixture source {name!r}: {e}") from None
         except Exception as e:  # an undecodable first sample: the reader will say more

@@ -6,9 +6,11 @@ instead of reading and decoding. Normalization and `transform` still run per pas
 
 An entry is keyed by the shard's identity (manifest sha256; else path, size and mtime) and the
 decode settings, so a changed shard or other settings never meet an old entry. File layout:
-the field arrays, each 64-byte aligned, then the keys (utf-8 blob + int64 ends), then a JSON
-footer describing them (with a crc32 of each field's bytes and of the keys), its length (8
-bytes) and a magic (8 bytes).
+the field arrays, each 64-byte aligned, then the heap of ragged images, then the keys (utf-8
+blob + int64 ends), then a JSON footer describing them (with a crc32 of each field's bytes, of
+the heap and of the keys), its length (8 bytes) and a magic (8 bytes). A ragged image field
+(random augment's SourceImages: uint8 HWC of any size) is an int64 table of one row per sample,
+(heap offset, h, w, c, encoded height, encoded width), with its pixels in the heap.
 
 Integrity: a process verifies an entry's checksums the first time it maps it, and again when
 the file's size or mtime changes (a writer touched it); recency for eviction is the atime, so
@@ -20,8 +22,8 @@ Several processes share a directory (ranks and loader workers of one host): an e
 to a temp file under an exclusive non-blocking lock and renamed into place (one writer; the
 others read the source meanwhile), readers hold a shared `flock` while they use an entry, and
 least-recently-used entries no one holds are evicted above `limit` bytes. Shards whose samples
-are not all fixed-shape arrays or numbers (text, JSON, bytes, ragged images), or that hold a bad
-sample, are not cached.
+are not all fixed-shape arrays, numbers or SourceImages (text, JSON, bytes, ragged arrays), or
+that hold a bad sample, are not cached.
 """
 
 from __future__ import annotations
@@ -41,14 +43,16 @@ from typing import Any
 import numpy as np
 
 from ringfeed.fsutil import publish
+from ringfeed.pipeline.augment_pixels import SourceImage
 from ringfeed.pipeline.cache import LOCK_SUFFIX, evict_lru_sized, remove_stale_temporaries
 
-MAGIC = b"RFDEC002"  # 002: checksums in the footer (001 entries are never opened)
+MAGIC = b"RFDEC003"  # 003: ragged images and a heap; 002: checksums (older: never opened)
 SUFFIX = ".rfd"
 # How stale this process's view of the cache's size may get (other ranks and loader workers
 # write entries too): the directory is scanned again at least this often while writing.
 RESCAN_S = 30.0
 ALIGN = 64
+RAGGED_ROW = 6  # a ragged image's table row: heap offset, h, w, c, encoded height, width
 
 
 class Uncacheable(Exception):
@@ -74,11 +78,14 @@ def _scalar_dtype(value: Any) -> np.dtype | None:
     return None
 
 
-def _layout(sample: dict[str, Any]) -> dict[str, tuple[np.dtype, tuple[int, ...], bool]]:
-    """field -> (dtype, shape, is a Python number) from the first decoded sample."""
-    fields = {}
+def _layout(sample: dict[str, Any]) -> dict[str, tuple[np.dtype, tuple[int, ...], Any]]:
+    """field -> (dtype, shape, kind) from the first decoded sample: kind True for a Python
+    number, "ragged" for a SourceImage (stored as its table row), else False."""
+    fields: dict[str, tuple[np.dtype, tuple[int, ...], Any]] = {}
     for name, value in sample.items():
-        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        if isinstance(value, SourceImage):
+            fields[name] = (np.dtype(np.int64), (RAGGED_ROW,), "ragged")
+        elif isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
             fields[name] = (value.dtype, value.shape, False)
         elif (dtype := _scalar_dtype(value)) is not None:
             fields[name] = (dtype, (), True)
@@ -88,8 +95,10 @@ def _layout(sample: dict[str, Any]) -> dict[str, tuple[np.dtype, tuple[int, ...]
 
 
 def layout_of(sample: dict[str, Any]) -> int:
-    """Bytes one sample takes in an entry (raises Uncacheable for a sample it cannot hold)."""
-    return sum(dtype.itemsize * int(np.prod(shape)) for dtype, shape, _ in _layout(sample).values())
+    """Bytes one sample takes in an entry (raises Uncacheable for a sample it cannot hold); a
+    SourceImage's, this one's pixels."""
+    return sum(dtype.itemsize * int(np.prod(shape)) for dtype, shape, _ in _layout(sample).values()
+               ) + sum(v.pixels.nbytes for v in sample.values() if isinstance(v, SourceImage))
 
 
 class DecodedStore:
@@ -191,17 +200,20 @@ class EntryWriter:
         self.count = 0
         self.keys: list[bytes] = []
         self._fields: list[dict[str, Any]] = []
-        self._layout: dict[str, tuple[np.dtype, tuple[int, ...], bool]] = {}
+        self._layout: dict[str, tuple[np.dtype, tuple[int, ...], Any]] = {}
         self._offsets: dict[str, int] = {}
         self._crc: dict[str, int] = {}  # running crc32 of each field's bytes, in file order
         self._fd: int | None = None
+        self._heap = 0  # bytes of ragged pixels written after the fixed fields
+        self._heap_crc = 0
 
     def _start(self, first: dict[str, Any]) -> None:
         self._layout = _layout(first)
         offset, fields = 0, []
-        for name, (dtype, shape, scalar) in self._layout.items():
+        for name, (dtype, shape, kind) in self._layout.items():
             fields.append({"name": name, "dtype": dtype.str, "shape": list(shape),
-                           "offset": offset, "scalar": scalar})
+                           "offset": offset, "scalar": kind is True,
+                           "ragged": kind == "ragged"})
             self._offsets[name] = offset
             offset += -(-(self.n * dtype.itemsize * int(np.prod(shape))) // ALIGN) * ALIGN
         self._data_bytes, self._fields = offset, fields
@@ -217,9 +229,12 @@ class EntryWriter:
         if columns.keys() != self._layout.keys():
             raise Uncacheable(f"fields {sorted(columns)} differ from {sorted(self._layout)}")
         rows = []
-        for name, (dtype, shape, scalar) in self._layout.items():
+        heap: list[np.ndarray] = []
+        for name, (dtype, shape, kind) in self._layout.items():
             values = columns[name]
-            if scalar:
+            if kind == "ragged":
+                block = self._ragged(name, values, heap)
+            elif kind:
                 if any(_scalar_dtype(v) != dtype for v in values):
                     raise Uncacheable(f"field {name!r} changes type")
                 block = np.array(values, dtype=dtype)
@@ -229,16 +244,37 @@ class EntryWriter:
                     raise Uncacheable(f"field {name!r} changes shape or dtype")
                 block = np.stack(values)
             rows.append((name, block))
+        for pixels in heap:  # the ragged images' pixels, appended to the heap
+            data = memoryview(pixels).cast("B")
+            self._heap_crc = zlib.crc32(data, self._heap_crc)
+            self._pwrite(data, self._data_bytes + self._heap)
+            self._heap += len(data)
         first = self.count
         for name, block in rows:
             data = memoryview(np.ascontiguousarray(block)).cast("B")
             self._crc[name] = zlib.crc32(data, self._crc.get(name, 0))
-            at = self._offsets[name] + first * (data.nbytes // len(keys))
-            done = 0
-            while done < len(data):
-                done += os.pwrite(self._fd, data[done:], at + done)
+            self._pwrite(data, self._offsets[name] + first * (data.nbytes // len(keys)))
         self.keys.extend(key.encode() for key in keys)
         self.count += len(keys)
+
+    def _pwrite(self, data: memoryview, at: int) -> None:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], at + done)
+
+    def _ragged(self, name: str, values: list[Any], heap: list[np.ndarray]) -> np.ndarray:
+        """The table rows of a column of SourceImages; their pixels queued on `heap`."""
+        rows = np.empty((len(values), RAGGED_ROW), dtype=np.int64)
+        at = self._heap + sum(p.nbytes for p in heap)
+        for i, value in enumerate(values):
+            if not isinstance(value, SourceImage) or value.pixels.dtype != np.uint8 \
+                    or value.pixels.ndim != 3:
+                raise Uncacheable(f"field {name!r} changes type")
+            pixels = np.ascontiguousarray(value.pixels)
+            rows[i] = (at, *pixels.shape, value.height, value.width)
+            heap.append(pixels)
+            at += pixels.nbytes
+        return rows
 
     def finish(self) -> CachedShard | None:
         """Publish the entry (temp file, fsync, rename); the entry opened for reading."""
@@ -249,16 +285,19 @@ class EntryWriter:
             ends = np.cumsum([len(k) for k in self.keys], dtype=np.int64)
             blob = b"".join(self.keys)
             ends_bytes = ends.tobytes()
+            keys_at = self._data_bytes + self._heap
             footer = {"num_samples": self.n,
                       "fields": [{**f, "crc32": self._crc[f["name"]]} for f in self._fields],
-                      "keys": {"offset": self._data_bytes, "bytes": len(blob),
-                               "ends_offset": self._data_bytes + len(blob),
+                      "heap": {"offset": self._data_bytes, "bytes": self._heap,
+                               "crc32": self._heap_crc},
+                      "keys": {"offset": keys_at, "bytes": len(blob),
+                               "ends_offset": keys_at + len(blob),
                                "crc32": zlib.crc32(ends_bytes, zlib.crc32(blob))}}
             text = json.dumps(footer).encode()
             tail = blob + ends_bytes + text + len(text).to_bytes(8, "little") + MAGIC
             with os.fdopen(self._fd, "r+b") as f:
                 self._fd = None
-                f.seek(self._data_bytes)
+                f.seek(keys_at)
                 f.write(tail)
             publish(self.tmp, self.path)
             st = os.stat(self.path)
@@ -269,7 +308,7 @@ class EntryWriter:
             return None
         finally:
             self._lock.close()
-        self.store.evict(self._data_bytes + len(tail))  # the entry's size: what was written
+        self.store.evict(self._data_bytes + self._heap + len(tail))  # the entry's size
         return self.store.open(self.path)
 
     def abort(self) -> None:
@@ -297,28 +336,35 @@ class CachedShard:
         length = int.from_bytes(mm[size - 16:size - 8], "little")
         footer = self._footer = json.loads(mm[size - 16 - length:size - 16])
         n = self.num_samples = int(footer["num_samples"])
-        self.arrays: dict[str, np.ndarray] = {}
+        self.arrays: dict[str, np.ndarray] = {}  # fixed-shape fields
+        self.ragged: dict[str, np.ndarray] = {}  # ragged image fields: their tables
         self.scalars: set[str] = set()
         for field in footer["fields"]:
             dtype, shape = np.dtype(field["dtype"]), tuple(field["shape"])
-            self.arrays[field["name"]] = np.frombuffer(
-                mm, dtype, n * int(np.prod(shape)), field["offset"]).reshape((n, *shape))
+            array = np.frombuffer(mm, dtype, n * int(np.prod(shape)),
+                                  field["offset"]).reshape((n, *shape))
+            (self.ragged if field.get("ragged") else self.arrays)[field["name"]] = array
             if field["scalar"]:
                 self.scalars.add(field["name"])
+        heap = footer["heap"]
+        self.heap = np.frombuffer(mm, np.uint8, heap["bytes"], heap["offset"])
         keys = footer["keys"]
         blob = mm[keys["offset"]:keys["offset"] + keys["bytes"]]
         ends = np.frombuffer(mm, np.int64, n, keys["ends_offset"]).tolist()
         self.keys = [blob[a:b].decode() for a, b in zip([0, *ends[:-1]], ends, strict=True)]
         # field -> (dtype, sample shape): entries with equal layouts gather into one batch
         self.layout = {name: (a.dtype.str, a.shape[1:]) for name, a in self.arrays.items()}
+        self.layout.update({name: ("ragged",) for name in self.ragged})
 
     def verify(self) -> None:
         """Raises ValueError naming what differs from what was written."""
         for field in self._footer["fields"]:
-            data = memoryview(self.arrays[field["name"]]).cast("B")
-            if zlib.crc32(data) != field["crc32"]:
+            array = (self.ragged if field.get("ragged") else self.arrays)[field["name"]]
+            if zlib.crc32(memoryview(array).cast("B")) != field["crc32"]:
                 raise ValueError(f"field {field['name']!r} changed since it was written "
                                  "(checksum)")
+        if zlib.crc32(memoryview(self.heap).cast("B")) != self._footer["heap"]["crc32"]:
+            raise ValueError("the ragged images changed since they were written (checksum)")
         keys = self._footer["keys"]
         n = self.num_samples
         region = self._mm[keys["offset"]:keys["ends_offset"] + 8 * n]
@@ -326,13 +372,22 @@ class CachedShard:
             raise ValueError("the keys changed since they were written (checksum)")
 
     def sample(self, position: int) -> dict[str, Any]:
-        """One decoded sample (copies, as the decoder would return: numbers as Python ones)."""
-        return {name: (array[position].item() if name in self.scalars
-                       else np.array(array[position]))
-                for name, array in self.arrays.items()}
+        """One decoded sample (copies, as the decoder would return: numbers as Python ones;
+        a ragged image as a SourceImage viewing the entry)."""
+        sample = {name: (array[position].item() if name in self.scalars
+                         else np.array(array[position]))
+                  for name, array in self.arrays.items()}
+        sample.update({name: self.source_image(name, position) for name in self.ragged})
+        return sample
+
+    def source_image(self, name: str, position: int) -> SourceImage:
+        at, h, w, c, height, width = self.ragged[name][position].tolist()
+        return SourceImage(self.heap[at:at + h * w * c].reshape(h, w, c), height, width)
 
     def close(self) -> None:
         self.arrays.clear()
+        self.ragged.clear()
+        self.heap = np.empty(0, np.uint8)
         try:
             self._mm.close()
         except BufferError:  # a batch still views it: the map closes when that is dropped

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ringfeed.pipeline.batch import collate, gather, stack
-from ringfeed.pipeline.decode import Decoder
+from ringfeed.pipeline.decode import Decoder, UserCodeError
 from ringfeed.pipeline.decoded_cache import CachedShard
 from ringfeed.pipeline.errors import PipelineDataError
 from ringfeed.pipeline.readplan import Chunk, ReadPlan
@@ -69,8 +69,9 @@ class GoodSamples:
 
 class DecodedBatches:
     def __init__(self, decoder: Decoder, reads: ReadPlan, good: GoodSamples,
-                 counters: StreamCounters) -> None:
+                 counters: StreamCounters, epoch: int = 0) -> None:
         self.decoder, self.reads, self.good, self.counters = decoder, reads, good, counters
+        self.epoch = epoch
 
     def applies(self, chunk: Chunk, sources: Sources) -> bool:
         """A full batch, no transform (it must see every sample), and all its shards decoded
@@ -88,18 +89,22 @@ class DecodedBatches:
         entries = [sources[r] for r in used]
         positions = reads.pos_of[chunk.slots]
         arrays, keys = gather(entries, positions, np.searchsorted(used, runs))
+        decoder = self.decoder
+        arrays = decoder.realize_columns(arrays, keys, self.epoch)  # (random augment)
         valid = reads.valid[chunk.slots]
         counts["padded"] += int(len(valid) - valid.sum())
         counts["cached_samples"] += len(chunk.slots)
         last = entries[used.index(int(runs[-1]))]
-        self.good.accept(self.decoder.finish(last.sample(int(positions[-1]))), keys[-1])
-        return Assembled(self.decoder.finish_batch(arrays), keys, reads.ids[chunk.slots], valid)
+        sample = decoder.realize(last.sample(int(positions[-1])), keys[-1], self.epoch)
+        self.good.accept(decoder.finish(sample), keys[-1])
+        return Assembled(decoder.finish_batch(arrays, keys), keys, reads.ids[chunk.slots], valid)
 
 
 class ColumnBatches:
     def __init__(self, decoder: Decoder, reads: ReadPlan, good: GoodSamples,
-                 counters: StreamCounters) -> None:
+                 counters: StreamCounters, epoch: int = 0) -> None:
         self.decoder, self.reads, self.good, self.counters = decoder, reads, good, counters
+        self.epoch = epoch
 
     def applies(self, chunk: Chunk, sources: Sources) -> bool:
         """A full batch from indexed shards, and no user decode or transform (they must see
@@ -125,7 +130,7 @@ class ColumnBatches:
         if any(type(raw) is BadSample for raw in raws):
             raise Fallback
         try:
-            columns = self.decoder.columns(raws)
+            columns = self.decoder.columns(raws, self.epoch)
         except Exception:  # the sample-by-sample route names the bad sample
             raise Fallback from None
         if columns is None or not self.good.matches(columns):
@@ -135,7 +140,8 @@ class ColumnBatches:
         self.counters.counts["samples_read"] += len(raws)
         valid = reads.valid[chunk.slots]
         self.counters.counts["padded"] += int(len(valid) - valid.sum())
-        fields = self.decoder.finish_batch({name: stack(v) for name, v in columns.items()})
+        fields = self.decoder.finish_batch({name: stack(v) for name, v in columns.items()},
+                                           keys)
         return Assembled(fields, keys, reads.ids[chunk.slots], valid)
 
 
@@ -146,9 +152,10 @@ class SampleBatches:
     per chunk."""
 
     def __init__(self, decoder: Decoder, reads: ReadPlan, good: GoodSamples,
-                 counters: StreamCounters, on_error: str, stream_name: str) -> None:
+                 counters: StreamCounters, on_error: str, stream_name: str,
+                 epoch: int = 0) -> None:
         self.decoder, self.reads, self.good, self.counters = decoder, reads, good, counters
-        self.on_error, self.stream_name = on_error, stream_name
+        self.on_error, self.stream_name, self.epoch = on_error, stream_name, epoch
         self.items: list[tuple[Any, int, bool, str]] = []  # (sample, id, valid, key) unbatched
         self.pending: list[int] = []  # items waiting for the stream's first good sample
         self.warned: set[str] = set()  # shards already warned about
@@ -202,9 +209,10 @@ class SampleBatches:
             key = source.keys[position]
             self.counters.counts["cached_samples"] += 1
             try:
-                sample = decoder.finish(source.sample(position))
-            except Exception as e:  # the user's transform failed
-                return None, key, BadSample(source.url, position, key, f"cannot decode ({e})")
+                sample = decoder.finish(decoder.realize(source.sample(position), key,
+                                                        self.epoch))
+            except UserCodeError as e:  # the user's transform: their error, not bad data
+                raise e.error from None
         else:
             raw = source.get(position)
             if isinstance(raw, BadSample):
@@ -212,8 +220,10 @@ class SampleBatches:
             self.counters.counts["samples_read"] += 1
             key = raw["__key__"]
             try:
-                sample = decoder.finish(decoder.base(raw))
-            except Exception as e:  # undecodable content, or the user's decode/transform
+                sample = decoder.finish(decoder.base(raw, self.epoch))
+            except UserCodeError as e:  # the user's decode/transform: not bad data
+                raise e.error from None
+            except Exception as e:  # undecodable content
                 return None, key, BadSample(source.url, position, key, f"cannot decode ({e})")
         if not self.good.matches(sample):
             return None, key, BadSample(source.url, position, key, f"has fields {sorted(sample)}, "
@@ -231,7 +241,8 @@ class SampleBatches:
                         "place, __valid__=False): %s", bad.describe())
 
     def _assemble(self, items: list[tuple[Any, int, bool, str]]) -> Assembled:
-        fields = self.decoder.finish_batch(collate([s for s, _, _, _ in items]))
-        return Assembled(fields, [k for _, _, _, k in items],
+        keys = [k for _, _, _, k in items]
+        fields = self.decoder.finish_batch(collate([s for s, _, _, _ in items]), keys)
+        return Assembled(fields, keys,
                          np.array([i for _, i, _, _ in items], dtype=np.int64),
                          np.array([v for _, _, v, _ in items], dtype=bool))

@@ -101,10 +101,11 @@ class WorkerStream:
         reads = ReadPlan(self.plan, needed, context.layout)
         shards = ShardOpener(context, reads, counters)
         good = GoodSamples()
-        whole_batch_routes = (DecodedBatches(context.decoder, reads, good, counters),
-                              ColumnBatches(context.decoder, reads, good, counters))
+        # (the epoch, with each sample's key and the seed, decides its augmentation)
+        whole_batch_routes = (DecodedBatches(context.decoder, reads, good, counters, self.epoch),
+                              ColumnBatches(context.decoder, reads, good, counters, self.epoch))
         samples = SampleBatches(context.decoder, reads, good, counters, context.on_error,
-                                f"worker stream {self.w} of this rank")
+                                f"worker stream {self.w} of this rank", self.epoch)
         local_batch = self.skip
         try:
             for chunk in reads.chunks():
