@@ -2,13 +2,16 @@
 
     check_available("cuda")                                  # at pipeline build: one-line error
     pixels = decode_jpeg_batch(datas, (h, w), torch.device("cuda", 0))   # per batch
+    images = decode_images(datas, device, nvjpeg_decoder(), channels=3)  # CHW list (augment)
 
 `decode_jpeg_batch` returns uint8 NHWC on the device, the layout the CPU decode gives (C=1 for
-grayscale JPEGs, 3 for colour): `torchvision.io.decode_jpeg(list, device=...)` decodes the batch's
-JPEGs in one batched nvJPEG call (mode GRAY for 1-component, RGB for YCbCr), then images whose
+grayscale JPEGs, 3 for colour; `channels=3` makes grey JPEGs RGB in the same nvJPEG call):
+`torchvision.io.decode_jpeg(list, device=...)` decodes the batch's JPEGs in one batched nvJPEG
+call per mode (GRAY for 1-component, RGB for YCbCr), then images whose
 size differs from `image_size` are resized on the GPU, bilinear with antialiasing
 (`torch.nn.functional.interpolate(..., antialias=True)`, PIL's BILINEAR filter in spirit), rounded
-to uint8.
+to uint8. `decode_images` leaves each image at its size (gpu_augment.py crops and resizes the
+batch); `jpeg_header` reads a JPEG's size and components without decoding.
 
 The pixels are NOT PIL's: nvJPEG is another JPEG decoder (its IDCT and chroma upsampling differ
 from libjpeg's; how much could not be measured here, there is no GPU on the machine this was
@@ -92,12 +95,21 @@ def check_available(device: str = "cuda") -> None:
 
 
 def decode_jpeg_batch(datas: Sequence[bytes], image_size: tuple[int, int] | None,
-                      device: Any) -> Any:
+                      device: Any, channels: int | None = None) -> Any:
     """Encoded images -> uint8 tensor [N, H, W, C] on `device` (a torch.device or a string
     such as "cuda:0"): JPEGs decoded with nvJPEG, resized on the GPU to image_size=(h, w) when
     given; see the module docstring for what goes to the CPU and how pixels differ from it.
-    Without image_size every image must decode to the same shape. Raises ValueError when the
-    images do not stack (grayscale and colour mixed, different sizes) or one is corrupt."""
+    `channels` 3 or 1 converts every image (as the CPU decode's `channels`). Without
+    image_size every image must decode to the same shape. Raises ValueError when the images
+    do not stack (grayscale and colour mixed, different sizes) or one is corrupt."""
+    import torch
+
+    return decode_batch(datas, image_size, torch.device(device), nvjpeg_decoder(), channels)
+
+
+def nvjpeg_decoder() -> Decode:
+    """The Decode that runs torchvision's batched nvJPEG (the current stream synchronized
+    first, see the module docstring)."""
     import torch
 
     decode_jpeg, mode = _torchvision_io()
@@ -108,35 +120,65 @@ def decode_jpeg_batch(datas: Sequence[bytes], image_size: tuple[int, int] | None
             torch.cuda.current_stream(dev).synchronize()  # see the module docstring
         return decode_jpeg(tensors, mode=modes[channels], device=dev)
 
-    return decode_batch(datas, image_size, torch.device(device), nvjpeg)
+    return nvjpeg
 
 
 # -- the batch logic, with the decoder passed in (tests give it a CPU stand-in) ---------------
 Decode = Callable[[list, int, Any], list]  # (uint8 1-D CPU tensors, channels, device) -> CHW
+Header = tuple[int, int, int]  # jpeg_header's (channels for nvJPEG or 0, height, width)
 
 
-def decode_batch(datas: Sequence[bytes], image_size: tuple[int, int] | None, device: Any,
-                 decode: Decode) -> Any:
-    import torch
-
+def decode_each(datas: Sequence[bytes], device: Any, decode: Decode,
+                channels: int | None = None, headers: Sequence[Header] | None = None,
+                image_size: tuple[int, int] | None = None) -> list[Any]:
+    """Each image decoded: CHW uint8 tensors on `device` from nvJPEG (one call per output
+    mode), HWC arrays from the CPU decoder (resized to image_size) for the rest (see the
+    module docstring). `channels` 3 or 1: every image converted (a grey JPEG as RGB by
+    nvJPEG; a colour one to grey by the CPU, PIL's luma). Raises ValueError naming an image
+    that does not decode."""
     n = len(datas)
     if n == 0:
         raise ValueError("decode_jpeg_batch: an empty batch")
-    channels = [jpeg_channels(d) for d in datas]  # 1 or 3 for nvJPEG, 0: CPU decode
-    images: list[Any] = [None] * n  # CHW uint8 on the device, or HWC arrays from the CPU
-    for c in (1, 3):
-        index = [i for i in range(n) if channels[i] == c]
+    if headers is None:
+        headers = [jpeg_header(d) for d in datas]
+    # nvJPEG's output mode per image, 0: the CPU decodes it
+    modes = [0 if c == 0 or (channels == 1 and c == 3) else channels or c
+             for c, _, _ in headers]
+    images: list[Any] = [None] * n
+    for m in (1, 3):
+        index = [i for i in range(n) if modes[i] == m]
         if index:
-            for i, image in zip(index, _gpu_decode([datas[i] for i in index], c, device,
+            for i, image in zip(index, _gpu_decode([datas[i] for i in index], m, device,
                                                    decode), strict=True):
                 images[i] = image
     for i in range(n):
         if images[i] is None:
             try:
-                images[i] = codecs.decode_image(bytes(datas[i]), image_size)
+                images[i] = codecs.decode_image(bytes(datas[i]), image_size, channels=channels)
             except Exception as e:
                 raise ValueError(f"image {i} of the batch: {type(e).__name__}: "
                                  f"{_line(e)}") from e
+    return images
+
+
+def decode_images(datas: Sequence[bytes], device: Any, decode: Decode,
+                  channels: int | None = None, headers: Sequence[Header] | None = None
+                  ) -> list[Any]:
+    """decode_each at full size, every image a CHW uint8 tensor on `device` (the CPU's
+    uploaded)."""
+    import torch
+
+    return [image if isinstance(image, torch.Tensor)
+            else torch.from_numpy(np.require(image, requirements="CW")).permute(2, 0, 1)
+            .to(device) for image in decode_each(datas, device, decode, channels, headers)]
+
+
+def decode_batch(datas: Sequence[bytes], image_size: tuple[int, int] | None, device: Any,
+                 decode: Decode, channels: int | None = None) -> Any:
+    import torch
+
+    n = len(datas)
+    images = decode_each(datas, device, decode, channels, image_size=image_size)
     # shapes as (C, H, W), before resizing
     shapes = [tuple(im.shape) if isinstance(im, torch.Tensor)
               else (im.shape[2], im.shape[0], im.shape[1]) for im in images]
@@ -144,7 +186,7 @@ def decode_batch(datas: Sequence[bytes], image_size: tuple[int, int] | None, dev
     if len(depth) > 1:
         raise ValueError("decode_jpeg_batch: the batch mixes grayscale (C=1) and colour (C=3) "
                          "images, which do not stack (the CPU decode gives them these channel "
-                         "counts too)")
+                         "counts too; channels: 3 converts them)")
     if image_size is None:
         if len({s[1:] for s in shapes}) > 1:
             raise ValueError("decode_jpeg_batch: images of different sizes need "
@@ -211,24 +253,35 @@ def _host_tensors(datas: list[bytes]) -> list:
 def jpeg_channels(data: bytes) -> int:
     """1 (grayscale) or 3 (YCbCr) for JPEGs nvJPEG decodes as the CPU would; 0 for anything
     the CPU must decode (not a JPEG, CMYK, YCCK, Adobe RGB, an unreadable header)."""
+    return jpeg_header(data)[0]
+
+
+def jpeg_header(data: bytes) -> Header:
+    """(jpeg_channels, height, width) from the JPEG's frame header, without decoding; (0, 0, 0)
+    where it is not a JPEG nvJPEG takes."""
     if data[:3] != codecs.JPEG_SIGNATURE:
-        return 0
+        return (0, 0, 0)
     if codecs.simplejpeg is not None:
         try:
-            colorspace = codecs.simplejpeg.decode_jpeg_header(data)[2]
+            height, width, colorspace, _ = codecs.simplejpeg.decode_jpeg_header(data)
         except Exception:  # noqa: BLE001
-            return 0
-        return {"Gray": 1, "YCbCr": 3}.get(colorspace, 0)
-    return _jpeg_channels_py(bytes(data))
+            return (0, 0, 0)
+        channels = {"Gray": 1, "YCbCr": 3}.get(colorspace, 0)
+        return (channels, height, width) if channels else (0, 0, 0)
+    return _jpeg_header_py(bytes(data))
 
 
 def _jpeg_channels_py(data: bytes) -> int:
-    """jpeg_channels without simplejpeg: the SOF component count; 3 components count as YCbCr
-    unless an Adobe APP14 marker says RGB (transform 0)."""
-    pos, adobe_rgb = 2, False
+    return _jpeg_header_py(data)[0]
+
+
+def _jpeg_header_py(data: bytes) -> Header:
+    """jpeg_header without simplejpeg: the SOF's size and component count; 3 components
+    count as YCbCr unless an Adobe APP14 marker says RGB (transform 0)."""
+    pos, adobe_rgb, none = 2, False, (0, 0, 0)
     while pos + 4 <= len(data):
         if data[pos] != 0xFF:
-            return 0
+            return none
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte
             pos += 1
@@ -238,15 +291,16 @@ def _jpeg_channels_py(data: bytes) -> int:
             adobe_rgb = data[pos + 15] == 0
         if marker in (0xC0, 0xC1, 0xC2):  # baseline, extended, progressive Huffman
             if pos + 9 >= len(data):
-                return 0
+                return none
+            height = int.from_bytes(data[pos + 5:pos + 7], "big")
+            width = int.from_bytes(data[pos + 7:pos + 9], "big")
             components = data[pos + 9]
-            if components == 1:
-                return 1
-            return 3 if components == 3 and not adobe_rgb else 0
+            channels = 1 if components == 1 else 3 if components == 3 and not adobe_rgb else 0
+            return (channels, height, width) if channels else none
         if 0xC3 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) or marker == 0xDA:
-            return 0  # lossless/arithmetic coded, or image data before a frame header
+            return none  # lossless/arithmetic coded, or image data before a frame header
         pos += 2 + length
-    return 0
+    return none
 
 
 def _torchvision_io():

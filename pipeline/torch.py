@@ -226,19 +226,35 @@ class TorchLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         batches = self._batches()
         if self.pipe.config.decode_device == "cuda":
-            batches = (self._decoded_on_gpu(batch) for batch in batches)
-        return batches
+            device = self._decode_device()
+            return (self._decoded_on_gpu(batch, epoch, device) for epoch, batch in batches)
+        return (batch for _, batch in batches)
 
-    def _decoded_on_gpu(self, batch: dict[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def _decode_device() -> torch.device:
+        """decode_device="cuda": the current CUDA device."""
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _decoded_on_gpu(self, batch: dict[str, Any], epoch: int, device: torch.device
+                        ) -> dict[str, Any]:
         """decode_device="cuda": the image fields arrive as encoded bytes and are decoded here
         with nvJPEG, a batch at a time, into uint8 NHWC tensors on the GPU (then normalized
-        there when the pipeline normalizes)."""
+        there when the pipeline normalizes); with `augment`, cropped, resized, flipped and
+        jittered there too, each sample as (seed, `epoch`, its key) decides on the CPU path
+        (gpu_augment.py)."""
+        from ringfeed.pipeline.gpu_augment import decode_augment_batch
         from ringfeed.pipeline.gpu_decode import decode_jpeg_batch
 
         decoder = self.pipe.context.decoder
-        device = torch.device("cuda", torch.cuda.current_device())
         for name in decoder.image_fields_encoded(batch):
-            pixels = decode_jpeg_batch(list(batch[name]), decoder.image_size, device)
+            if decoder.augment is not None:
+                batch[name] = decode_augment_batch(
+                    list(batch[name]), batch["__key__"], decoder.augment, decoder.seed, epoch,
+                    device, channels=decoder.channels, scale=decoder.pixel_scale,
+                    shift=decoder.pixel_shift)
+                continue
+            pixels = decode_jpeg_batch(list(batch[name]), decoder.image_size, device,
+                                       decoder.channels)
             if decoder.normalize is not None:
                 scale = torch.as_tensor(decoder.pixel_scale, device=device)
                 shift = torch.as_tensor(decoder.pixel_shift, device=device)
@@ -246,7 +262,8 @@ class TorchLoader:
             batch[name] = pixels
         return batch
 
-    def _batches(self) -> Iterator[dict[str, Any]]:
+    def _batches(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(epoch, batch) pairs, the counters booked."""
         pipe = self.pipe
         if pipe.config.num_workers == 0:
             # the pipeline's own pass, made tensors in its reader thread (direct) or by the
@@ -254,7 +271,7 @@ class TorchLoader:
             for booked in (pipe.iterate(count=False, convert=_as_tensors) if self.direct
                            else self.loader):
                 pipe.mark_consumed(booked.tag, len(booked.batch["__index__"]), strict=True)
-                yield booked.batch
+                yield booked.tag[0], booked.batch
             return
         plan, t0, _ = pipe.begin()
         self._state.write({"epoch": plan.epoch, "segments": pipe.progress.segment_dicts(),
@@ -276,7 +293,7 @@ class TorchLoader:
             for name, dtype in _SMALL_FIELDS.items():
                 if isinstance(batch[name], list):
                     batch[name] = torch.tensor(batch[name], dtype=dtype)
-            yield pipe.received(booked, time.perf_counter() - started).batch
+            yield booked.tag[0], pipe.received(booked, time.perf_counter() - started).batch
 
 
 def make_loader(pipe: ShardPipeline, **loader_kwargs: Any) -> TorchLoader:
