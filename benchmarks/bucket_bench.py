@@ -222,10 +222,11 @@ def profile(counts: dict[str, Any], log: list[dict[str, Any]], t0: float) -> dic
 
 
 def run_read(name: str, tool: str, decoder: str, data: str, cache: Path, args,
-             proxy=None) -> dict[str, Any]:
+             proxy=None, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One reader process (peer_worker.py read; `extra`: more of its options, which win)."""
     cmd = [python_for(tool), str(WORKER), "read", "--tool", tool, "--decoder", decoder,
            "--data", data, "--cache", str(cache), "--batch", str(args.batch), "--workers",
-           str(args.workers), "--epochs", "2", "--mark"]
+           str(args.workers), "--epochs", "2", "--mark", *extra]
     if proxy is not None:
         cmd += ["--endpoint", proxy.url]
         proxy.reset_counters()

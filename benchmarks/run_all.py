@@ -63,6 +63,7 @@ BENCHES = [
     Bench("plan", "plan_bench.py", "issue 17: plans at scale"),
     Bench("local_sgd", "local_sgd_bench.py", "issue 16: local SGD on a slow link"),
     Bench("startup", "startup_bench.py", "issue 17: a real run on 10^6 shards"),
+    Bench("augment", "augment_bench.py", "issue 45: train-time augmentation"),
 ]
 NAMES = [b.name for b in BENCHES]
 README = HERE / "README.md"

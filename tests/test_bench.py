@@ -13,7 +13,7 @@ from helpers import REPO, ringfeed
 
 # Every benchmark runs here, once; the quick run is each one's smoke test.
 BENCHMARKS = {"shards", "pipeline", "trainer", "allreduce", "scaling", "stall", "decode", "plan",
-              "local_sgd", "startup"}
+              "local_sgd", "startup", "augment"}
 NOT_MEASURED_IN_QUICK = ("pending:", "full mode only")
 
 
@@ -62,6 +62,7 @@ def test_every_benchmark_runs_in_quick_mode(tmp_path):
     check_decode(tmp_path)
     check_plan(tmp_path)
     check_startup(tmp_path)
+    check_augment(tmp_path)
     # The closing table is printed, and a quick run leaves the committed README alone.
     assert "met?" in r.stdout and "allreduce" in r.stdout
     assert readme.read_text() == readme_before
@@ -108,6 +109,24 @@ def check_startup(results):
     runs = json.loads((results / "startup_quick.json").read_text())["data"]["runs"]
     assert len(runs) == 2 and "10000" in runs  # the real shards' own count, and 10^4
     assert all(run["wall_s"] > 0 and run["bin_mb"] > 0 for run in runs.values())
+
+
+def check_augment(results):
+    augment = json.loads((results / "augment_bench_quick.json").read_text())
+    data = augment["data"]
+    # ImageNet-like: ~110 KB JPEGs cut from real photos, some of them grayscale
+    assert 80 <= data["photos"]["mean_kb"] <= 140 and data["photos"]["grayscale"] > 0
+    core = data["one_core"]["passes"]  # every contender went through every image
+    for name in ("torchvision PIL", "ringfeed cold", "ringfeed cached"):
+        assert core[name][0]["images"] == data["photos"]["images"], name
+    for name in ("ringfeed cold", "ringfeed cached"):  # 3 channels, grayscale JPEGs too
+        assert core[name][0]["shape"] == [64, 224, 224, 3], name
+    assert core["ringfeed cached"][0]["cached_samples"] > 0  # served from the decoded cache
+    for name, passes in data["two_cores"]["passes"].items():  # NCHW float, normalized
+        assert passes[0]["shape"] == [32, 3, 224, 224], name
+        assert passes[0]["dtype"] == "torch.float32", name
+    goals = [r for r in augment["rows"] if r["goal"]]
+    assert len(goals) == 5
 
 
 GPU_FEED_CONTENDERS = {"in_memory", "webdataset", "ringfeed_off", "ringfeed_warm"}

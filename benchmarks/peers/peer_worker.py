@@ -6,11 +6,19 @@ for ringfeed, in the repository's .venv. Prints one JSON line (the last line of 
 
     python peer_worker.py prepare --tool wds|mds|litdata --src IMAGES --out DIR --per-shard N
     python peer_worker.py read --tool ringfeed|wds|mds|litdata --decoder own|ringfeed \\
-        --data DIR_OR_S3_URL --cache DIR [--endpoint URL] [--batch 256] [--workers 2]
+        --data DIR_OR_S3_URL --cache DIR [--endpoint URL] [--batch 256] [--workers 2] \\
+        [--augment SIZE]
 
 "ringfeed" as the decoder: the tool's reader hands over the stored JPEG bytes and ringfeed's
 own decoder (pipeline/codecs.py, loaded by path: simplejpeg, checked against PIL) makes the
 arrays, so decode and I/O can be told apart.
+
+`--augment SIZE` (benchmarks/augment_bench.py): torchvision's RandomResizedCrop(SIZE) + flip on
+every image. ringfeed through its own `augment` option; each peer decodes with PIL, converts to
+RGB and crops and flips in PIL (peers/pil_augment.py) through its documented place for a
+transform: webdataset `.decode("pilrgb").map_tuple(...)`, a Streaming `StreamingDataset`
+subclass's `__getitem__`, LitData's `transform=` (its JPEG deserializer hands over the PIL
+image: its own decoder is torchvision.io, which does not load here).
 """
 
 from __future__ import annotations
@@ -24,11 +32,14 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # pil_augment
+RINGFEED_AUGMENT = ["random_resized_crop", "horizontal_flip"]
 
 
 def ringfeed_codecs():
@@ -186,6 +197,22 @@ def _as_array(image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))           # PIL: decoded here (lazily loaded)
 
 
+class PILAugment:
+    """A PIL image -> uint8 HWC RGB, RandomResizedCrop(size) + flip (peers/pil_augment.py),
+    with a generator of each process's own (loader workers fork from one parent)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._rng: tuple[int, random.Random] | None = None
+
+    def __call__(self, image) -> np.ndarray:
+        from pil_augment import crop_flip
+
+        if self._rng is None or self._rng[0] != os.getpid():
+            self._rng = (os.getpid(), random.Random(os.getpid()))
+        return np.asarray(crop_flip(image.convert("RGB"), self.size, self._rng[1]))
+
+
 def _s3_boto(endpoint: str | None):
     import boto3
 
@@ -193,123 +220,167 @@ def _s3_boto(endpoint: str | None):
                         aws_access_key_id="testing", aws_secret_access_key="testing")
 
 
+@dataclass(frozen=True)
+class ReadSpec:
+    """What one reader reads and how (make_loader's arguments)."""
+
+    decoder: str
+    data: str
+    cache: Path
+    endpoint: str | None
+    batch: int
+    workers: int
+    crop: PILAugment | None
+
+    @property
+    def remote(self) -> bool:
+        return self.data.startswith("s3://")
+
+
 def make_loader(tool: str, decoder: str, data: str, cache: Path, endpoint: str | None,
-                batch: int, workers: int):
+                batch: int, workers: int, augment: int = 0):
     """An iterable of (images NHWC uint8, labels, valid or None) batches, one epoch per
     iteration."""
-    remote = data.startswith("s3://")
-    if tool in ("ringfeed", "ringfeed-gz"):
-        from ringfeed.pipeline import ShardPipeline
-        from ringfeed.pipeline.torch import make_loader as rf_loader
-
-        options = ({"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
-                   if remote else {})
-        pipe = ShardPipeline(data, batch_size=batch, num_workers=workers, balance="pad",
-                             cache_dir=str(cache), storage_options=options, seed=0)
-        loader = rf_loader(pipe)
-
+    spec = ReadSpec(decoder, data, cache, endpoint, batch, workers,
+                    PILAugment(augment) if augment else None)
+    loaders = {"ringfeed": _ringfeed_loader, "ringfeed-gz": _ringfeed_loader,
+               "wds": _wds_loader, "mds": _mds_loader, "litdata": _litdata_loader}
+    if tool not in loaders:
+        raise SystemExit(f"unknown tool {tool}")
+    loader = loaders[tool](spec)
+    if tool.startswith("ringfeed"):
         def epochs():
             for b in loader:
                 yield b["jpg"], b["cls"], b["__valid__"]
-        return epochs
-    if tool == "wds":
-        import webdataset as wds
-        from torch.utils.data import DataLoader
-
-        if remote:
-            def gopen_s3(url, mode="rb", bufsize=8192):
-                bucket, key = url[len("s3://"):].split("/", 1)
-                return _s3_boto(endpoint).get_object(Bucket=bucket, Key=key)["Body"]
-            importlib.import_module("webdataset.gopen").gopen_schemes["s3"] = gopen_s3
-            import boto3  # noqa: F401  (imported in the parent: the workers fork with it)
-
-            bucket, prefix = data[len("s3://"):].split("/", 1)
-            listing = _s3_boto(endpoint).list_objects_v2(Bucket=bucket, Prefix=prefix + "/")
-            urls = sorted(f"s3://{bucket}/{o['Key']}" for o in listing.get("Contents", [])
-                          if o["Key"].endswith(".tar"))
-            extra = {"cache_dir": str(cache)}
-        else:
-            urls = sorted(str(p) for p in Path(data).glob("*.tar"))
-            extra = {}
-        dataset = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False, seed=0,
-                                 **extra).shuffle(1000)
-        if decoder == "own":
-            dataset = dataset.decode("rgb8").to_tuple("jpg", "cls")
-        else:
-            dataset = dataset.map(lambda s: (rf_decode(s["jpg"]), int(s["cls"])))
-        dataset = dataset.batched(batch, partial=True)
-        loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                            persistent_workers=True, prefetch_factor=2)
-
+    else:
         def epochs():
             for images, labels in loader:
                 yield images, labels, None
-        return epochs
-    if tool == "mds":
-        from streaming import StreamingDataset
-        from torch.utils.data import DataLoader
+    return epochs
 
-        if decoder == "ringfeed":        # Streaming's "jpeg" column handed over as its bytes
-            from streaming.base.format.mds import encodings
 
-            class RawJPEG(encodings.JPEG):
-                def decode(self, data: bytes):
-                    return data
-            encodings._encodings["jpeg"] = RawJPEG
-        if remote:
-            os.environ["S3_ENDPOINT_URL"] = endpoint
-            dataset = StreamingDataset(remote=data, local=str(cache), batch_size=batch,
-                                       shuffle=True, shuffle_seed=0)
-        else:
-            dataset = StreamingDataset(local=data, batch_size=batch, shuffle=True,
-                                       shuffle_seed=0)
-        loader = DataLoader(dataset, batch_size=batch, num_workers=workers,
-                            collate_fn=collate_dicts(_as_array), persistent_workers=True,
-                            prefetch_factor=2)
+def _ringfeed_loader(spec: ReadSpec):
+    from ringfeed.pipeline import ShardPipeline
+    from ringfeed.pipeline.torch import make_loader as rf_loader
 
-        def epochs():
-            for images, labels in loader:
-                yield images, labels, None
-        return epochs
-    if tool == "litdata":
-        import litdata
-        from litdata.streaming import serializers
+    options = ({"endpoint_url": spec.endpoint, "key": "testing", "secret": "testing"}
+               if spec.remote else {})
+    extra = ({"augment": RINGFEED_AUGMENT, "image_size": (spec.crop.size, spec.crop.size)}
+             if spec.crop else {})
+    pipe = ShardPipeline(spec.data, batch_size=spec.batch, num_workers=spec.workers,
+                         balance="pad", cache_dir=str(spec.cache), storage_options=options,
+                         seed=0, **extra)
+    return rf_loader(pipe)
 
-        if decoder == "ringfeed":        # LitData's JPEG serializer hands over the bytes
-            def raw(self, data: bytes):
-                return bytes(data)
-            serializers.JPEGSerializer.deserialize = raw
-        else:
-            # LitData 0.2.76 decodes JPEGs only with torchvision.io (PIL only for EXIF ones),
-            # and torchvision cannot load here (setup.sh): its PIL path, for every JPEG
-            def pil_tensor(data: bytes):
-                import torch
 
-                return torch.from_numpy(pil_decode(data)).permute(2, 0, 1).contiguous()
-            serializers._decode_image_tensor = pil_tensor
-        if remote:
-            # boto3 client kwargs (LitData's S3Client passes storage_options to boto3); its
-            # obstore store copies the endpoint from that client, but its client options are
-            # a module constant without `allow_http`: obstore refuses http:// endpoints else
-            from litdata.streaming import downloader
+def _wds_loader(spec: ReadSpec):
+    import webdataset as wds
+    from torch.utils.data import DataLoader
 
-            downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS,
-                                                  "allow_http": True}
-            options = {"endpoint_url": endpoint, "aws_access_key_id": "testing",
-                       "aws_secret_access_key": "testing", "region_name": "us-east-1"}
-            dataset = litdata.StreamingDataset(data, cache_dir=str(cache), shuffle=True,
-                                               seed=0, storage_options=options)
-        else:
-            dataset = litdata.StreamingDataset(data, shuffle=True, seed=0)
-        loader = litdata.StreamingDataLoader(dataset, batch_size=batch, num_workers=workers,
-                                             collate_fn=collate_dicts(_as_array),
-                                             persistent_workers=True, prefetch_factor=2)
+    endpoint = spec.endpoint
+    if spec.remote:
+        def gopen_s3(url, mode="rb", bufsize=8192):
+            bucket, key = url[len("s3://"):].split("/", 1)
+            return _s3_boto(endpoint).get_object(Bucket=bucket, Key=key)["Body"]
+        importlib.import_module("webdataset.gopen").gopen_schemes["s3"] = gopen_s3
+        import boto3  # noqa: F401  (imported in the parent: the workers fork with it)
 
-        def epochs():
-            for images, labels in loader:
-                yield images, labels, None
-        return epochs
-    raise SystemExit(f"unknown tool {tool}")
+        bucket, prefix = spec.data[len("s3://"):].split("/", 1)
+        listing = _s3_boto(endpoint).list_objects_v2(Bucket=bucket, Prefix=prefix + "/")
+        urls = sorted(f"s3://{bucket}/{o['Key']}" for o in listing.get("Contents", [])
+                      if o["Key"].endswith(".tar"))
+        extra = {"cache_dir": str(spec.cache)}
+    else:
+        urls = sorted(str(p) for p in Path(spec.data).glob("*.tar"))
+        extra = {}
+    dataset = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False, seed=0,
+                             **extra).shuffle(1000)
+    if spec.crop is not None:
+        dataset = dataset.decode("pilrgb").to_tuple("jpg", "cls").map_tuple(spec.crop, int)
+    elif spec.decoder == "own":
+        dataset = dataset.decode("rgb8").to_tuple("jpg", "cls")
+    else:
+        dataset = dataset.map(lambda s: (rf_decode(s["jpg"]), int(s["cls"])))
+    dataset = dataset.batched(spec.batch, partial=True)
+    return DataLoader(dataset, batch_size=None, num_workers=spec.workers,
+                      persistent_workers=True, prefetch_factor=2)
+
+
+def _mds_loader(spec: ReadSpec):
+    from streaming import StreamingDataset
+    from torch.utils.data import DataLoader
+
+    if spec.decoder == "ringfeed":       # Streaming's "jpeg" column handed over as its bytes
+        from streaming.base.format.mds import encodings
+
+        class RawJPEG(encodings.JPEG):
+            def decode(self, data: bytes):
+                return data
+        encodings._encodings["jpeg"] = RawJPEG
+    kind = StreamingDataset
+    crop = spec.crop
+    if crop is not None:
+        class Augmented(StreamingDataset):      # Streaming's place for a transform
+            def __getitem__(self, index):
+                sample = super().__getitem__(index)
+                return {**sample, "jpg": crop(sample["jpg"])}
+        kind = Augmented
+    if spec.remote:
+        os.environ["S3_ENDPOINT_URL"] = spec.endpoint
+        dataset = kind(remote=spec.data, local=str(spec.cache), batch_size=spec.batch,
+                       shuffle=True, shuffle_seed=0)
+    else:
+        dataset = kind(local=spec.data, batch_size=spec.batch, shuffle=True, shuffle_seed=0)
+    return DataLoader(dataset, batch_size=spec.batch, num_workers=spec.workers,
+                      collate_fn=collate_dicts(_as_array), persistent_workers=True,
+                      prefetch_factor=2)
+
+
+def _litdata_loader(spec: ReadSpec):
+    import litdata
+    from litdata.streaming import serializers
+
+    transform = None
+    crop = spec.crop
+    if crop is not None:                 # the PIL image, cropped by LitData's transform=
+        def pil_image(data: bytes):
+            from PIL import Image
+
+            return Image.open(io.BytesIO(bytes(data)))
+        serializers._decode_image_tensor = pil_image
+
+        def transform(sample):
+            return {**sample, "jpg": crop(sample["jpg"])}
+    elif spec.decoder == "ringfeed":     # LitData's JPEG serializer hands over the bytes
+        def raw(self, data: bytes):
+            return bytes(data)
+        serializers.JPEGSerializer.deserialize = raw
+    else:
+        # LitData 0.2.76 decodes JPEGs only with torchvision.io (PIL only for EXIF ones),
+        # and torchvision cannot load here (setup.sh): its PIL path, for every JPEG
+        def pil_tensor(data: bytes):
+            import torch
+
+            return torch.from_numpy(pil_decode(data)).permute(2, 0, 1).contiguous()
+        serializers._decode_image_tensor = pil_tensor
+    options = {}
+    if spec.remote:
+        # boto3 client kwargs (LitData's S3Client passes storage_options to boto3); its
+        # obstore store copies the endpoint from that client, but its client options are
+        # a module constant without `allow_http`: obstore refuses http:// endpoints else
+        from litdata.streaming import downloader
+
+        downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS,
+                                              "allow_http": True}
+        options = {"cache_dir": str(spec.cache), "storage_options": {
+            "endpoint_url": spec.endpoint, "aws_access_key_id": "testing",
+            "aws_secret_access_key": "testing", "region_name": "us-east-1"}}
+    dataset = litdata.StreamingDataset(spec.data, shuffle=True, seed=0, transform=transform,
+                                       **options)
+    return litdata.StreamingDataLoader(dataset, batch_size=spec.batch,
+                                       num_workers=spec.workers,
+                                       collate_fn=collate_dicts(_as_array),
+                                       persistent_workers=True, prefetch_factor=2)
 
 
 def read(args) -> dict:
@@ -325,7 +396,7 @@ def read(args) -> dict:
     imported = time.perf_counter() - start
     start = time.perf_counter()
     epochs = make_loader(args.tool, args.decoder, args.data, cache, args.endpoint,
-                         args.batch, args.workers)
+                         args.batch, args.workers, args.augment)
     built = time.perf_counter() - start
     out = {"tool": args.tool, "decoder": args.decoder, "import_s": imported,
            "build_s": built, "epochs": []}
@@ -360,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--augment", type=int, default=0, metavar="SIZE",
+                        help="RandomResizedCrop(SIZE) + flip on every image (0: off)")
     parser.add_argument("--mark", action="store_true",
                         help="after each epoch print a mark line and wait for a line on stdin")
     args = parser.parse_args(argv)
