@@ -50,6 +50,7 @@ import numpy as np
 
 from ringfeed.pipeline import gpu_decode
 from ringfeed.pipeline.augment import JITTER_NAMES, Augment, CropParams, crop_params
+from ringfeed.pipeline.errors import PipelineDataError
 
 # ITU-R 601 luma, torchvision's rgb_to_grayscale (augment_pixels.LUMA, the CPU path's)
 LUMA = (0.2989, 0.587, 0.114)
@@ -267,5 +268,12 @@ def decode_augment_batch(datas: Sequence[bytes], keys: Sequence[str], stages: Au
     sizes = [(h, w) if c else (int(im.shape[1]), int(im.shape[2]))
              for (c, h, w), im in zip(headers, images, strict=True)]
     params = sample_params(stages, seed, epoch, keys, sizes)
+    outs: dict[tuple[int, int], str] = {}
+    for key, p in zip(keys, params, strict=True):
+        outs.setdefault((p.out_height, p.out_width), key)
+    if len(outs) > 1:  # no crop stage and no image_size: the CPU path's error, its words
+        seen = ", ".join(f"{k!r} is {s}" for s, k in list(outs.items())[:3])
+        raise PipelineDataError(f"the images of one batch differ in shape ({seen}): set "
+                                "image_size or augment (a crop) so they come out alike")
     batch = augment_batch(images, params, sizes, scale=scale, shift=shift, channels_last=True)
     return batch.permute(0, 2, 3, 1)  # NHWC, contiguous: the pipeline's image layout

@@ -263,6 +263,15 @@ def test_grey_cmyk_and_png_come_out_as_colour():
         assert np.abs(out[i].numpy().astype(int) - want).max() <= 1
 
 
+def test_images_of_other_sizes_without_a_crop_name_the_samples():
+    from ringfeed.pipeline import PipelineDataError
+
+    datas = [encoded(photo(20, 30)), encoded(photo(24, 30))]
+    stages = parse_augment(["horizontal_flip"], None)
+    with pytest.raises(PipelineDataError, match="'b' is \\(24, 30\\)"):
+        gpu_augment.decode_augment_batch(datas, ["a", "b"], stages, 0, 0, "cpu", pil_nvjpeg())
+
+
 def test_jpeg_header_sizes_without_simplejpeg_agree():
     for data in [encoded(photo(37, 53)), encoded(photo(20, 30), mode="L")]:
         with Image.open(io.BytesIO(data)) as image:
