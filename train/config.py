@@ -39,6 +39,7 @@ from ringfeed.formats.manifest_index import ManifestIndex, load_index
 from ringfeed.pipeline.config import (
     PipelineConfig,
     WeightedSource,
+    augment_for,
     canonical_rule_error,
     pipeline_config,
 )
@@ -131,9 +132,10 @@ class DataSection(PipelineConfig):
     def to_pipeline_config(self, split: str, seed: int = 0, accumulate: int = 1
                            ) -> PipelineConfig:
         """The PipelineConfig that reads the run's `split` ("train" or "val"): this section's
-        pipeline keys, with what a run decides itself (the manifest split, the seed, shuffling,
-        the epoch's tail, normalize, read-ahead, a mixture's epoch_samples). Pure: the section
-        is not changed. (`ShardPipeline(source, data.to_pipeline_config("train"))`.)"""
+        pipeline keys, with what a run decides itself (the manifest split, the seed, the
+        split's augmentation, shuffling, the epoch's tail, normalize, read-ahead, a mixture's
+        epoch_samples). Pure: the section is not changed.
+        (`ShardPipeline(source, data.to_pipeline_config("train"))`.)"""
         if split not in RUN_SPLITS:
             raise ValueError(f"split must be one of {RUN_SPLITS}, got {split!r}")
         training = split == "train"
@@ -143,7 +145,9 @@ class DataSection(PipelineConfig):
         keys = {k: getattr(self, k) for k in PipelineConfig.model_fields}
         keys.update(
             split=self.train_split if training else self.val_split,
-            seed=seed,
+            seed=seed,  # the order and each sample's augmentation: (seed, epoch, key)
+            # the split's stages: val_augment, or the eval preset when augment crops at random
+            augment=augment_for(self, training),
             shuffle=self.shuffle and training,
             # Validation pads instead of dropping: every sample is scored once, the padding is
             # masked out by __valid__, and all ranks still run the same number of batches.

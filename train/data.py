@@ -54,7 +54,7 @@ class DataSpec:
 def make_pipeline(cfg, split: str, rank: int, world_size: int):
     """The ShardPipeline for `split` ("train" or "val") of this rank, read as
     cfg.to_pipeline_config(split) says (the data section's options, with what differs between
-    training and validation)."""
+    training and validation), its images of the run's channel count (run_channels)."""
     from ringfeed.pipeline import ShardPipeline
 
     training = split == "train"
@@ -67,7 +67,34 @@ def make_pipeline(cfg, split: str, rank: int, world_size: int):
         source = [{"path": s.path, "name": name}
                   for s, name in zip(source, source_names(source), strict=True)]
     return ShardPipeline(source, cfg.to_pipeline_config(split), rank=rank,
-                         world_size=world_size)
+                         world_size=world_size, channels=run_channels(cfg))
+
+
+def run_channels(cfg) -> int | None:
+    """The channel count every image of a run is converted to, one for both splits, so the
+    model's input has one shape in every batch (a batch of only grey photos in a colour set, a
+    colour image in a grey one): data.channels; 3 with data.augment or data.val_augment; else
+    the train split's first image's, 3 or 1. None: that sample holds no image, or the user's
+    data.decode (or the GPU) decodes them."""
+    from ringfeed.pipeline import ShardPipeline
+
+    d = cfg.data
+    if d.channels is not None:
+        return d.channels
+    if d.augment is not None or d.val_augment is not None:
+        return 3
+    if d.decode is not None or d.decode_device != "cpu":
+        return None
+    # rank 0 of 1: the first sample in manifest order, every rank's; without the user's
+    # transform and normalize, so the decoded image itself is looked at
+    probe = ShardPipeline(d.train, cfg.to_pipeline_config("train"), rank=0, world_size=1,
+                          transform=None, normalize=None)
+    try:
+        sample = probe.peek_sample()
+        counts = {sample[name].shape[-1] for name in probe.decoder.image_fields(sample)}
+    finally:
+        probe.close()
+    return counts.pop() if len(counts) == 1 and counts <= {1, 3} else None
 
 
 def infer_spec(cfg, pipe) -> DataSpec:
