@@ -56,7 +56,7 @@ from ringfeed.pipeline.state import PipelineState
 from ringfeed.pipeline.stats import PipelineStats
 from ringfeed.pipeline.stream import Booked, StreamContext
 from ringfeed.remote import RetryPolicy
-from ringfeed.userhooks import load_callable, user_code_of
+from ringfeed.userhooks import load_callable
 
 # decoded_cache="auto" turns the cache on when the split's decoded samples fit cache_limit,
 # or, with no limit, this share of the free space where the cache lives (also the decoded
@@ -578,8 +578,6 @@ def first_decoded(refs: Sequence[ShardRef], cache: ShardCache, indexes: IndexSto
                     continue
         finally:
             samples.close()
-    if first_error is not None and user_code_of(first_error) is not None:
-        raise first_error
     why = f" (the first: {type(first_error).__name__}: {first_error})" if first_error else ""
     raise PipelineDataError(f"no decodable sample in any shard{why}")
 

@@ -1,4 +1,5 @@
-"""User code named in the config as "module:function" (models, loss, metrics, decode/transform)."""
+"""User code named in the config as "module:function" (models, loss, metrics, decode/transform):
+loading it (`load_callable`), and telling its errors apart (`UserCode`, one per command)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import importlib
 import inspect
 import os
 import re
+import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 from ringfeed.errors import UserError
@@ -26,18 +30,7 @@ def load_callable(path: str, field: str) -> Callable[..., Any]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UserError(f"{field}: {module_name!r} has no callable {attr!r}")
-    where = _source_of(module)
-    if where is not None and (field, path) not in _loaded.setdefault(where, []):
-        _loaded[where].append((field, path))
     return fn
-
-
-# The user code this process loaded: its module's file (a package's folder) -> the (field,
-# "module:function") pairs that named it.
-_loaded: dict[str, list[tuple[str, str]]] = {}
-# The optimizer steps this process completed (the loop counts them): an error from user code
-# before the first one is deterministic - a relaunch runs the same code on the same state.
-_steps = {"done": 0, "last": 0}
 
 
 def _source_of(module: Any) -> str | None:
@@ -61,36 +54,52 @@ def _entry(named: list[tuple[str, str]], frames: list[Any]) -> tuple[str, str]:
     return named[0]
 
 
-def note_step(step: int) -> None:
-    """The loop completed optimizer step `step` in this process."""
-    _steps["done"] += 1
-    _steps["last"] = step
+@dataclass
+class UserCode:
+    """The user code one command runs, as its config names it, and the optimizer steps this
+    process completed: what tells an exception raised from the user's code apart and names it.
+    Made for each command by the CLI (train/cli.py main), filled by the command that reads a
+    config (train/main.py), told of every step by the loop, asked by exit_status."""
 
+    named: list[tuple[str, str]] = dataclass_field(default_factory=list)  # (field, "module:function")
+    steps_done: int = 0  # an error before the first step is deterministic: a relaunch runs
+    last_step: int = 0  # the same code on the same state
 
-def reset() -> None:
-    """A new command in this process: no user code loaded, no step taken."""
-    _loaded.clear()
-    _steps.update(done=0, last=0)
+    def note_step(self, step: int) -> None:
+        """The loop completed optimizer step `step` in this process."""
+        self.steps_done += 1
+        self.last_step = step
 
+    def culprit(self, exc: BaseException) -> str | None:
+        """Whether `exc` was raised from the user's code (a frame of a module the config
+        named, once imported, in its traceback or its cause's): " (field=module:function)"
+        before this process's first step, " at step N (field=...)" after it; None when no
+        user code is involved."""
+        sources = self._sources()
+        seen: set[int] = set()
+        while exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+            for frame in reversed(frames):  # the innermost frame of the user's code names it
+                name = os.path.realpath(frame.f_code.co_filename)
+                for where, named in sources.items():
+                    if name == where or (where.endswith(os.sep) and name.startswith(where)):
+                        field_name, path = _entry(named, frames)
+                        if not self.steps_done:
+                            return f" ({field_name}={path})"
+                        return f" at step {self.last_step + 1} ({field_name}={path})"
+            exc = exc.__cause__ or exc.__context__
+        return None
 
-def user_code_of(exc: BaseException) -> str | None:
-    """Whether `exc` was raised from the user's code (a frame of a module the config named, in
-    its traceback or its cause's): " (field=module:function)" before this process's first
-    step, " at step N (field=...)" after it; None when no user code is involved."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
-        for frame in reversed(frames):  # the innermost frame of the user's code names it
-            name = os.path.realpath(frame.f_code.co_filename)
-            for where, named in _loaded.items():
-                if name == where or (where.endswith(os.sep) and name.startswith(where)):
-                    field, path = _entry(named, frames)
-                    if not _steps["done"]:
-                        return f" ({field}={path})"
-                    return f" at step {_steps['last'] + 1} ({field}={path})"
-        exc = exc.__cause__ or exc.__context__
-    return None
+    def _sources(self) -> dict[str, list[tuple[str, str]]]:
+        """Each named module this process imported: its file (a package's folder) -> the
+        (field, "module:function") pairs that name it."""
+        sources: dict[str, list[tuple[str, str]]] = {}
+        for field_name, path in self.named:
+            where = _source_of(sys.modules.get(path.partition(":")[0]))
+            if where is not None and (field_name, path) not in sources.setdefault(where, []):
+                sources[where].append((field_name, path))
+        return sources
 
 
 def call_with_optional(fn: Callable[..., Any], kwargs: dict[str, Any],

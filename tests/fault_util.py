@@ -67,9 +67,7 @@ def ringfeed_forked(argv: list[str], log: Path, timeout: float = 120,
             if "torch" in sys.modules:  # imported by the parent: set the threads here
                 sys.modules["torch"].set_num_threads(1)
             from ringfeed.train.cli import main
-            from ringfeed.train.resilience import faults
 
-            faults.arm(os.environ.get(faults.ENV))
             code = main([str(a) for a in argv])
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1

@@ -30,7 +30,7 @@ from ringfeed.pipeline.augment_pixels import (
     resample,
 )
 from ringfeed.pipeline.config import augment_for, pipeline_config
-from ringfeed.userhooks import load_callable, user_code_of
+from ringfeed.userhooks import UserCode, load_callable
 
 TRAIN = ["random_resized_crop", "horizontal_flip"]
 
@@ -402,12 +402,13 @@ def failing_transform(sample):
 def test_a_user_transform_that_raises_is_the_users_error(shards, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     hook = load_callable("test_augment:failing_transform", "data.transform")
+    user_code = UserCode([("data.transform", "test_augment:failing_transform")])
     for options in [{}, {"decoded_cache": True}, {"num_workers": 2}]:
         pipe = pipe_of(shards, tmp_path, transform=hook, **options)
         with pytest.raises(KeyError) as err:
             list(pipe)
         assert pipe.stats()["skipped"] == 0
-        assert user_code_of(err.value) == " (data.transform=test_augment:failing_transform)"
+        assert user_code.culprit(err.value) == " (data.transform=test_augment:failing_transform)"
     assert "test_augment" in sys.modules
 
 

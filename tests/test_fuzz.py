@@ -592,30 +592,27 @@ def test_a_sigkilled_parallel_csv_shard_leaves_no_worker(tmp_path):
 
 def test_errors_from_the_users_code_are_told_apart_by_their_frames(tmp_path, monkeypatch):
     """Promise: Exit codes (train/RECOVERY.md)."""
-    from ringfeed import userhooks
-    from ringfeed.userhooks import load_callable, note_step, user_code_of
+    from ringfeed.userhooks import UserCode, load_callable
 
     (tmp_path / "fuzz_user_mod.py").write_text("def fn():\n    raise KeyError('mine')\n\n"
                                                "def other():\n    raise KeyError('too')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    userhooks.reset()
+    user_code = UserCode([("train.loss", "fuzz_user_mod:fn"),
+                          ("train.metrics", "fuzz_user_mod:other")])  # the same module
     fn = load_callable("fuzz_user_mod:fn", "train.loss")
-    other = load_callable("fuzz_user_mod:other", "train.metrics")  # the same module
+    other = load_callable("fuzz_user_mod:other", "train.metrics")
+    with pytest.raises(KeyError) as raised:
+        other()
+    assert user_code.culprit(raised.value) == " (train.metrics=fuzz_user_mod:other)"
+    with pytest.raises(KeyError) as raised:
+        fn()
+    assert user_code.culprit(raised.value) == " (train.loss=fuzz_user_mod:fn)"
+    user_code.note_step(7)
+    assert user_code.culprit(raised.value) == " at step 8 (train.loss=fuzz_user_mod:fn)"
     try:
-        with pytest.raises(KeyError) as raised:
-            other()
-        assert user_code_of(raised.value) == " (train.metrics=fuzz_user_mod:other)"
-        with pytest.raises(KeyError) as raised:
-            fn()
-        assert user_code_of(raised.value) == " (train.loss=fuzz_user_mod:fn)"
-        note_step(7)
-        assert user_code_of(raised.value) == " at step 8 (train.loss=fuzz_user_mod:fn)"
-        try:
-            int("not a number")
-        except ValueError as ours:  # no frame of the user's module: not theirs
-            assert user_code_of(ours) is None
-    finally:
-        userhooks.reset()
+        int("not a number")
+    except ValueError as ours:  # no frame of the user's module: not theirs
+        assert user_code.culprit(ours) is None
 
 
 def test_the_line_is_one_line_whatever_the_message(capsys):

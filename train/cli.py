@@ -22,7 +22,7 @@ from ringfeed.errors import (
     UserError,
     one_line,
 )
-from ringfeed.userhooks import user_code_of
+from ringfeed.userhooks import UserCode
 
 COMMAND_MODULES = [
     "ringfeed.train.info",                  # ringfeed info
@@ -66,10 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 
-def exit_status(exc: BaseException, stream: IO[str] | None = None) -> int:
+def exit_status(exc: BaseException, stream: IO[str] | None = None,
+                user_code: UserCode | None = None) -> int:
     """The one place a command's exception becomes its exit code: prints the line (and, for the
-    user's code, its traceback first) on `stream` (stderr) and returns the code. Anything
-    else is re-raised: a crash, with Python's traceback and exit 1."""
+    user's code, which `user_code` tells apart, its traceback first) on `stream` (stderr) and
+    returns the code. Anything else is re-raised: a crash, with Python's traceback and exit 1."""
     stream = stream or sys.stderr
     if isinstance(exc, UserError):
         line, code = f"ringfeed: {exc.label}: {exc}", exc.exit_code
@@ -80,7 +81,7 @@ def exit_status(exc: BaseException, stream: IO[str] | None = None) -> int:
         line, code = (f"ringfeed: error: {where} ({exc.strerror}; free space or choose another "
                       "directory; what was written before is kept)"), EXIT_WRITE
     else:
-        culprit = user_code_of(exc)
+        culprit = user_code.culprit(exc) if user_code is not None else None
         if culprit is None:
             raise exc
         traceback.print_exception(exc, file=stream)
@@ -91,12 +92,15 @@ def exit_status(exc: BaseException, stream: IO[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit code (ringfeed/errors.py's table, decided by exit_status:
-    one line, no traceback, for everything but a crash and the user's own code)."""
+    one line, no traceback, for everything but a crash and the user's own code). The
+    command's user code (`args.user_code`) is the command's own: filled by what reads its
+    config, nothing kept from an earlier command in this process."""
     args = build_parser().parse_args(argv)
+    args.user_code = user_code = UserCode()
     try:
         return int(args.func(args) or 0)
     except (Exception, KeyboardInterrupt) as e:
-        return exit_status(e, sys.stderr)
+        return exit_status(e, sys.stderr, user_code)
 
 
 if __name__ == "__main__":

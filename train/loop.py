@@ -41,21 +41,27 @@ from typing import Any
 
 import numpy as np
 
-from ringfeed import userhooks
 from ringfeed.errors import UserError
 from ringfeed.train.backends.base import Backend, Dist
 from ringfeed.train.backends.select import make_backend
 from ringfeed.train.checkpoint.checkpointer import Checkpointer, Saved
 from ringfeed.train.config import RunConfig
 from ringfeed.train.data import DataSpec, infer_spec, make_pipeline
-from ringfeed.train.observe.profiler import StepProfiler, want_dynamic_timeline
+from ringfeed.train.observe.profiler import StepProfiler
 from ringfeed.train.observe.reporter import Reporter
-from ringfeed.train.resilience import faults
 from ringfeed.train.resilience.elastic import ElasticRun
+from ringfeed.train.resilience.faults import NO_FAULTS, FaultPlan
 from ringfeed.train.resilience.supervise import RESTART_ENV
 from ringfeed.train.resilience.watchdog import Watchdog, limits_for
-from ringfeed.train.runstate import EXIT_PREEMPTED, Recovery, SignalRequests, TrainState
+from ringfeed.train.runstate import (
+    EXIT_PREEMPTED,
+    Recovery,
+    SignalRequests,
+    StartupSignals,
+    TrainState,
+)
 from ringfeed.train.schedule import LRSchedule, make_schedule
+from ringfeed.userhooks import UserCode
 
 
 class TrainingDiverged(UserError):
@@ -151,16 +157,21 @@ class Trainer:
     global_batch: int
     schedule: LRSchedule
 
-    def __init__(self, cfg: RunConfig, backend: Backend | None = None):
+    def __init__(self, cfg: RunConfig, backend: Backend | None = None, *,
+                 user_code: UserCode | None = None, faults: FaultPlan = NO_FAULTS,
+                 startup: StartupSignals | None = None):
+        """From the entry point (train/main.py): `user_code`, told of every step; `faults`,
+        the test-only fault plan; `startup`, the signal handlers until the first step."""
         self.cfg, self.accumulate = cfg, cfg.train.accumulate
-        want_dynamic_timeline(cfg)  # (before hvd.init)
+        self.user_code, self.faults, self.startup = user_code or UserCode(), faults, startup
         self.backend = backend or make_backend(cfg)
         self.dist = self.backend.dist
         self.elastic = (ElasticRun(self, self.backend, cfg.elastic.commit_every_steps)
                         if cfg.elastic.enabled else None)
         self.reporter = Reporter(cfg, self.backend)
         self.checkpointer = Checkpointer(cfg, self.backend, self.reporter.say,
-                                         self.reporter.info, self.reporter.on_checkpoint_saved)
+                                         self.reporter.info, self.reporter.on_checkpoint_saved,
+                                         faults=faults)
         self.state = TrainState()
         self.recovery = Recovery(restarts=int(os.environ.get(RESTART_ENV, "0") or 0))
         self.train_pipe = self.val_pipe = self.loader = self.val_loader = None
@@ -175,13 +186,13 @@ class Trainer:
         try:
             self.prepare()
             if self.elastic is not None:
-                signals = SignalRequests(self.cfg.checkpoint.save_on_signal)
+                signals = SignalRequests(self.cfg.checkpoint.save_on_signal, self.startup)
                 stopped = self.elastic.run(signals)
             else:
                 if self.watchdog is not None:  # (collective: the hub's address)
                     self.watchdog.start(self.backend.broadcast_object)
                 self.start()
-                signals = SignalRequests(self.cfg.checkpoint.save_on_signal)
+                signals = SignalRequests(self.cfg.checkpoint.save_on_signal, self.startup)
                 stopped = self.train(signals)
                 self.wrap_up(stopped)
         finally:
@@ -248,7 +259,7 @@ class Trainer:
         if state.step + 1 in self.cfg.data.skip_steps:
             return self.skip_step(micro)
         self.phase("step")
-        faults.before_step(state.step + 1, self.dist.rank)
+        self.faults.before_step(state.step + 1, self.dist.rank)
         lr = self.schedule(state.step)
         started = time.perf_counter()
         with self.reporter.span("ringfeed.step", step=state.step + 1):
@@ -261,7 +272,7 @@ class Trainer:
         if not result.finite:  # every rank sees the same averaged loss: all stop here
             raise TrainingDiverged.at(result.loss, state)
         state.step += 1
-        userhooks.note_step(state.step)
+        self.user_code.note_step(state.step)
         self.phase("report")
         self.reporter.on_step(state, result, micro, lr, waited, collective_s)
         if val_every and state.step % val_every == 0:
@@ -450,6 +461,7 @@ def plan_steps(cfg: RunConfig, pipe: Any, step: int, steps_per_epoch: int, world
             make_schedule(cfg.optim, world_size, k, total))
 
 
-def train(cfg: RunConfig) -> int:
+def train(cfg: RunConfig, *, user_code: UserCode | None = None, faults: FaultPlan = NO_FAULTS,
+          startup: StartupSignals | None = None) -> int:
     """`ringfeed train` on a validated config: the process exit code."""
-    return Trainer(cfg).run()
+    return Trainer(cfg, user_code=user_code, faults=faults, startup=startup).run()

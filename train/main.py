@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
-from ringfeed import userhooks
 from ringfeed.errors import UserError
+from ringfeed.userhooks import IMPORT_PATH
 
 
 def register(subparsers) -> None:
@@ -57,8 +58,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from ringfeed.train.runstate import StartupSignals
 
-    StartupSignals.install()  # before anything slow: a scheduler's SIGTERM may come any time
-    userhooks.reset()
+    startup = StartupSignals().install()  # before anything slow: a SIGTERM may come any time
     from ringfeed.train.config import load_config, template
 
     if args.config is None:
@@ -86,6 +86,24 @@ def run(args: argparse.Namespace) -> int:
     # Before anything loads Horovod's library: it reads the autotuner's sample settings when it
     # loads, the rest in hvd.init() (the backends apply the section again right before it).
     apply_horovod_env(cfg.horovod, hang_timeout_s=hang_timeout_s(cfg))
+    from ringfeed.train.observe.profiler import dynamic_timeline_env
+    from ringfeed.train.resilience.faults import FaultPlan
+
+    for name, value in dynamic_timeline_env(cfg).items():
+        os.environ.setdefault(name, value)
+    faults = FaultPlan.from_env(os.environ)  # tests only: RINGFEED_FAULT, RINGFEED_SLOW_RANK
+    args.user_code.named.extend(user_code_named(cfg))
     from ringfeed.train.loop import train
 
-    return train(cfg)
+    return train(cfg, user_code=args.user_code, faults=faults, startup=startup)
+
+
+def user_code_named(cfg: Any) -> list[tuple[str, str]]:
+    """The user code `cfg` names, as (field, "module:function"): model.name unless built in,
+    train.loss, train.metrics, and the data hooks by the pipeline's names (decode,
+    transform), which its errors have always used."""
+    fields = {"model.name": cfg.model.name, "train.loss": cfg.train.loss,
+              "train.metrics": cfg.train.metrics, "decode": cfg.data.decode,
+              "transform": cfg.data.transform}
+    return [(field, path) for field, path in fields.items()
+            if isinstance(path, str) and IMPORT_PATH.match(path)]

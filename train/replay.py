@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ringfeed.errors import UserError
+from ringfeed.userhooks import UserCode
 
 
 def register(subparsers) -> None:
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, f"output.dir={out}", f"checkpoint.dir={out / 'checkpoints'}",
                  f"checkpoint.resume={start or 'none'}", "train.log_every=1",
                  f"train.stop_after_step={last}"]
-    code = _train(config, overrides)
+    code = _train(config, overrides, args.user_code)
     if code or not _is_rank_0():
         return code
     if original.data.order != "global":
@@ -96,12 +97,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(config: Path, overrides: list[str]) -> int:
-    """`ringfeed train CONFIG --set ...` in this process."""
+def _train(config: Path, overrides: list[str], user_code: UserCode) -> int:
+    """`ringfeed train CONFIG --set ...` in this process (its user code is this command's)."""
     from ringfeed.train.main import run as train
 
     return int(train(argparse.Namespace(config=str(config), overrides=overrides, resume=None,
-                                        elastic=False, profile=False, print_config=False))
+                                        elastic=False, profile=False, print_config=False,
+                                        user_code=user_code))
                or 0)
 
 

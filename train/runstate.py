@@ -64,13 +64,18 @@ class StartupSignals:
     where a relaunch resumes - and SIGUSR1 is remembered, so the first step saves. Installed by
     `ringfeed train` before anything slow; SignalRequests takes over at the first step."""
 
-    save_requested = False
+    def __init__(self) -> None:
+        self.save_requested = False
 
-    @classmethod
-    def install(cls) -> None:
-        cls.save_requested = False
-        signal.signal(signal.SIGTERM, cls._on_term)
-        signal.signal(signal.SIGUSR1, cls._on_usr1)
+    def install(self) -> StartupSignals:
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGUSR1, self._on_usr1)
+        return self
+
+    def take_save(self) -> bool:
+        """Whether a SIGUSR1 came during start-up (consumed by taking it)."""
+        requested, self.save_requested = self.save_requested, False
+        return requested
 
     @staticmethod
     def _on_term(signum, frame) -> None:
@@ -78,20 +83,18 @@ class StartupSignals:
               "resumes from the newest checkpoint)", flush=True)
         raise SystemExit(EXIT_PREEMPTED)
 
-    @classmethod
-    def _on_usr1(cls, signum, frame) -> None:
-        cls.save_requested = True
+    def _on_usr1(self, signum, frame) -> None:
+        self.save_requested = True
 
 
 class SignalRequests:
     """SIGTERM (what schedulers send before killing a job): save, then stop. SIGUSR1: save and
     carry on. The handlers only set flags; the loop agrees on them across ranks at the next
     step, so a signal that reaches one rank stops all of them at the same step. A SIGUSR1 that
-    came during start-up is a save request for the first step."""
+    came during start-up (`startup`'s) is a save request for the first step."""
 
-    def __init__(self, enabled: bool):
-        self.save, self.stop = StartupSignals.save_requested, False
-        StartupSignals.save_requested = False
+    def __init__(self, enabled: bool, startup: StartupSignals | None = None):
+        self.save, self.stop = startup is not None and startup.take_save(), False
         self._previous: dict[int, Any] = {}
         if enabled:
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)

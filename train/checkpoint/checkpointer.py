@@ -54,6 +54,7 @@ from ringfeed.train.checkpoint.files import (
 )
 from ringfeed.train.checkpoint.store import CheckpointStore, open_store
 from ringfeed.train.config import RunConfig
+from ringfeed.train.resilience.faults import NO_FAULTS, FaultPlan
 from ringfeed.train.runstate import TrainState
 
 
@@ -130,10 +131,12 @@ class Checkpointer:
     failed_step: int
 
     def __init__(self, cfg: RunConfig, backend: Backend, say: Callable[[str], None],
-                 log: Callable[[str], None], record: Callable[[Saved], None] | None = None):
+                 log: Callable[[str], None], record: Callable[[Saved], None] | None = None,
+                 faults: FaultPlan = NO_FAULTS):
         """`say`: a line on rank 0 before the logs open; `log`: a line of the run's log;
-        `record`: each agreed outcome, for metrics.jsonl and summary.json (rank 0)."""
-        self.cfg, self.backend = cfg, backend
+        `record`: each agreed outcome, for metrics.jsonl and summary.json (rank 0); `faults`:
+        the test-only fault plan (train/resilience/faults.py)."""
+        self.cfg, self.backend, self.faults = cfg, backend, faults
         self.section = cfg.checkpoint
         self.policy = RetryPolicy(budget_s=cfg.data.retry_budget_s)
         self.store = self.open(cfg.checkpoint_dir)
@@ -296,7 +299,7 @@ class Checkpointer:
         location, error, code = None, None, EXIT_WRITE
         try:
             location = write_checkpoint(self.store, snapshot.step, snapshot.meta,
-                                        snapshot.write_payload, self.section.keep)
+                                        snapshot.write_payload, self.section.keep, self.faults)
         except StorageUnavailable as e:
             error, code = str(e), EXIT_STORAGE_UNAVAILABLE
         except CheckpointWriteError as e:

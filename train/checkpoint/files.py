@@ -36,7 +36,7 @@ from ringfeed.train.checkpoint.store import (
     open_store,
     parent_and_name,
 )
-from ringfeed.train.resilience import faults
+from ringfeed.train.resilience.faults import NO_FAULTS, FaultPlan, WriteBudget, armed_budget
 
 __all__ = ["META", "PREFIX", "CheckpointError", "CheckpointWriteError", "Found",
            "checkpoint_path", "describe_write_error", "find_resume_point", "list_checkpoints",
@@ -97,22 +97,24 @@ def refuse_earlier_run(resume: str, directory: Location) -> None:
 
 
 def write_checkpoint(directory: Location, step: int, meta: dict[str, Any],
-                     write_payload: Callable[[Path], None], keep: int) -> str:
+                     write_payload: Callable[[Path], None], keep: int,
+                     faults: FaultPlan = NO_FAULTS) -> str:
     """Write `ckpt-<step>` (staged, payload before meta.json, published last), then delete all
     but the newest `keep`; returns its path or URL. CheckpointWriteError if the store refuses
-    (nothing half-written is left behind)."""
+    (nothing half-written is left behind). `faults`: the test-only fault plan
+    (train/resilience/faults.py)."""
     store = as_store(directory)
     name = checkpoint_name(step)
     try:
         with store.staging(name) as tmp:
-            with faults.checkpoint_write(step):
+            with faults.checkpoint_write(step) as budget:
                 write_payload(tmp)
                 files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
                 full = {"format": FORMAT, "version": VERSION, "step": step, "time": time.time(),
                         **meta, "files": files}
                 with open_for_write(tmp / META) as f:
                     f.write((json.dumps(full, indent=1) + "\n").encode())
-                store.upload(name, tmp)
+                store.upload(name, tmp, budget.uploaded if budget is not None else None)
             store.commit(name, tmp)
     except OSError as e:
         store.discard(name)
@@ -131,15 +133,18 @@ def write_checkpoint(directory: Location, step: int, meta: dict[str, Any],
 class _CheckpointFile:
     """A binary file being written into a checkpoint. Keeps the OSError that a framework may
     wrap in its own exception (torch.save reports a full disk as an opaque RuntimeError), and
-    passes every write through the fault-injection hook."""
+    passes every write through the fault plan's byte budget when a checkpoint write armed one."""
 
-    def __init__(self, file: IO[bytes]):
+    def __init__(self, file: IO[bytes], budget: WriteBudget | None):
         self._file = file
+        self._budget = budget
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
-            return faults.write(self._file, data)
+            if self._budget is not None:
+                return self._budget.write(self._file, data)
+            return self._file.write(data)
         except OSError as e:
             self.error = e
             raise
@@ -152,7 +157,7 @@ class _CheckpointFile:
 def open_for_write(path: Path) -> Iterator[_CheckpointFile]:
     """Open a checkpoint file for writing; an I/O failure inside comes out as its OSError."""
     with open(path, "wb") as f:
-        tracked = _CheckpointFile(f)
+        tracked = _CheckpointFile(f, armed_budget())
         try:
             yield tracked
         except Exception as e:

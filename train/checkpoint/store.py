@@ -32,7 +32,6 @@ from typing import Any
 
 from ringfeed.fsutil import fsync_path
 from ringfeed.remote import RetryPolicy, retrying, with_timeouts
-from ringfeed.train.resilience import faults
 
 PREFIX = "ckpt-"
 META = "meta.json"
@@ -76,8 +75,10 @@ class CheckpointStore(ABC):
         """Context: a local, empty directory to write checkpoint `name` into (removed after)."""
 
     @abstractmethod
-    def upload(self, name: str, staged: Path) -> None:
-        """Make the payload files of `staged` (all but meta.json) durable in the store."""
+    def upload(self, name: str, staged: Path,
+               on_bytes: Callable[[int], None] | None = None) -> None:
+        """Make the payload files of `staged` (all but meta.json) durable in the store;
+        `on_bytes(n)` hears each n bytes uploaded (the fault plan's byte budget, in tests)."""
 
     @abstractmethod
     def commit(self, name: str, staged: Path) -> None:
@@ -148,7 +149,8 @@ class LocalStore(CheckpointStore):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def upload(self, name: str, staged: Path) -> None:
+    def upload(self, name: str, staged: Path,
+               on_bytes: Callable[[int], None] | None = None) -> None:
         # the files and their directory reach the disk before the rename publishes them
         for p in staged.rglob("*"):
             if p.is_file():
@@ -260,12 +262,14 @@ class RemoteStore(CheckpointStore):
 
         self._call(rm, "delete", *parts)
 
-    def upload(self, name: str, staged: Path) -> None:
+    def upload(self, name: str, staged: Path,
+               on_bytes: Callable[[int], None] | None = None) -> None:
         self._remove(name, META)  # the same step saved twice: no longer complete from here
         for file in sorted(p for p in staged.iterdir() if p.is_file() and p.name != META):
             target = self._path(name, file.name)
             self._call(lambda f=file, t=target: self.fs.put_file(
-                str(f), t, callback=_upload_progress()), "upload checkpoint", name, file.name)
+                str(f), t, callback=_upload_progress(on_bytes)), "upload checkpoint", name,
+                file.name)
 
     def commit(self, name: str, staged: Path) -> None:
         target = self._path(name, META)
@@ -334,14 +338,17 @@ class RemoteStore(CheckpointStore):
         self._remove(name)
 
 
-def _upload_progress() -> Any:
-    """An fsspec callback that hands each uploaded part's bytes to the fault-injection hook
-    (train/resilience/faults.py: a kill mid-upload in tests; nothing otherwise)."""
-    from fsspec.callbacks import Callback
+def _upload_progress(on_bytes: Callable[[int], None] | None) -> Any:
+    """An fsspec callback that hands each uploaded part's bytes to `on_bytes` (the fault
+    plan's byte budget: a kill mid-upload in tests); fsspec's no-op when nothing listens."""
+    from fsspec.callbacks import Callback, NoOpCallback
+
+    if on_bytes is None:
+        return NoOpCallback()
 
     class Progress(Callback):
         def relative_update(self, inc: int = 1) -> None:
-            faults.uploaded(inc)
+            on_bytes(inc)
 
     return Progress()
 

@@ -15,7 +15,7 @@ steps, plus Horovod's timeline of the same steps.
   and Horovod's allreduces (asynchronous kernels) are the `ExecutorState::ProcessAsync` events
   whose `kernel_type` is HorovodGroupedAllreduce / HorovodAllreduce.
 - Horovod's timeline (`hvd.start_timeline` / `hvd.stop_timeline`, which need HOROVOD_TIMELINE=
-  DYNAMIC at hvd.init(): the trainer sets it when profiling is asked for) into
+  DYNAMIC at hvd.init(): `ringfeed train` sets it when profiling is asked for) into
   `<output.dir>/profile/horovod_timeline.json`, written by rank 0 (Horovod's coordinator) for
   every rank's collectives. Not when `horovod.timeline` already records the whole run.
 
@@ -40,11 +40,13 @@ def no_span(name: str) -> contextlib.AbstractContextManager:
     return NO_SPAN
 
 
-def want_dynamic_timeline(cfg: Any) -> None:
-    """Before hvd.init(): let Horovod's timeline be started and stopped at run time, unless the
-    config or the environment already records one for the whole run."""
+def dynamic_timeline_env(cfg: Any) -> dict[str, str]:
+    """What the environment needs before Horovod loads for its timeline to be started and
+    stopped at run time, when profiling: HOROVOD_TIMELINE=DYNAMIC, unless horovod.timeline
+    records one for the whole run (the entry point sets it where the environment has none)."""
     if cfg.train.profile is not None and cfg.horovod.timeline is None:
-        os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
+        return {"HOROVOD_TIMELINE": "DYNAMIC"}
+    return {}
 
 
 class StepProfiler:

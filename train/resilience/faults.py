@@ -21,8 +21,11 @@
         held for 1 s after it: with checkpoint.async the signal's save meets that write still
         in flight.
 
-Unset (always, outside tests) every hook is a no-op. The kill is a real SIGKILL: no handler,
-no `finally`, no flush runs, exactly like the OOM killer or a lost node.
+The plan is read once, by the entry point (`ringfeed train`: `FaultPlan.from_env`), and handed
+to what it hooks: the loop (`before_step`) and the checkpoint writer (`checkpoint_write`, whose
+`WriteBudget` counts the write's bytes). Unset (always, outside tests) every hook is a no-op. The
+kill is a real SIGKILL: no handler, no `finally`, no flush runs, exactly like the OOM killer or a
+lost node.
 """
 
 from __future__ import annotations
@@ -30,13 +33,17 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import IO, Any
 
 from ringfeed.errors import UserError
 
 ENV = "RINGFEED_FAULT"
+SLOW_ENV = "RINGFEED_SLOW_RANK"
+HOST_ENV = "HOROVOD_HOSTNAME"  # set by horovodrun for each process it starts
 
 
 @dataclass(frozen=True)
@@ -63,10 +70,6 @@ def parse(text: str | None) -> Fault | None:
     return Fault(kind, int(parts[0]), int(parts[1]) if len(parts) == 2 else 0, host)
 
 
-ACTIVE = parse(os.environ.get(ENV))
-SLOW_ENV = "RINGFEED_SLOW_RANK"
-
-
 def parse_slow(text: str | None) -> tuple[int, float] | None:
     """RINGFEED_SLOW_RANK's (rank, seconds per step), or None when unset."""
     if not text:
@@ -78,70 +81,92 @@ def parse_slow(text: str | None) -> tuple[int, float] | None:
         raise UserError(f"{SLOW_ENV}={text!r}: expected <rank>:<seconds>") from None
 
 
-SLOW = parse_slow(os.environ.get(SLOW_ENV))
-
-
-def arm(text: str | None) -> None:
-    """Set the fault after import (a forked test child that changed RINGFEED_FAULT)."""
-    global ACTIVE
-    ACTIVE = parse(text)
-
-_write_budget: list[int] = []  # bytes left before the kill, while a doomed checkpoint is written
-
-
 def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def before_step(step: int, rank: int) -> None:
-    """Called as optimizer step `step` (1-based) starts."""
-    if SLOW is not None and SLOW[0] == rank:
-        time.sleep(SLOW[1])
-    if ACTIVE and ACTIVE.kind == "kill-at-step" and ACTIVE.step == step:
-        if (os.environ.get("HOROVOD_HOSTNAME") == ACTIVE.host if ACTIVE.host
-                else ACTIVE.arg == rank):
+class WriteBudget:
+    """The bytes the checkpoint being written may still put on disk or upload before the
+    process is SIGKILLed (kill-in-checkpoint-write)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.left = nbytes
+
+    def uploaded(self, nbytes: int) -> None:
+        """`nbytes` more of the checkpoint reached object storage: the budget running out
+        SIGKILLs the process (the objects uploaded so far stay, meta.json is not among them)."""
+        if nbytes >= self.left:
             kill_self()
+        self.left -= nbytes
 
-
-@contextmanager
-def checkpoint_write(step: int):
-    """Around the write of ckpt-`step`: arms the byte budget; the block ends just before the
-    rename, where a budget larger than the files kills."""
-    if ACTIVE is not None and ACTIVE.kind == "sigterm-in-checkpoint-write" \
-            and ACTIVE.step == step:
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(1.0)
-    armed = ACTIVE is not None and ACTIVE.kind == "kill-in-checkpoint-write" \
-        and ACTIVE.step == step
-    if armed:
-        _write_budget.append(ACTIVE.arg)
-    try:
-        yield
-    finally:
-        if armed:
-            _write_budget.clear()
-    if armed:
-        kill_self()
-
-
-def uploaded(nbytes: int) -> None:
-    """`nbytes` more of the checkpoint reached object storage: an armed byte budget running
-    out SIGKILLs the process (the objects uploaded so far stay, meta.json is not among them)."""
-    if _write_budget:
-        if nbytes >= _write_budget[0]:
-            kill_self()
-        _write_budget[0] -= nbytes
-
-
-def write(file: IO[bytes], data: Any) -> int:
-    """`file.write(data)`, except that an armed byte budget running out writes the part that
-    fits, makes it durable and SIGKILLs the process."""
-    if _write_budget:
+    def write(self, file: IO[bytes], data: Any) -> int:
+        """`file.write(data)`, except that the budget running out writes the part that fits,
+        makes it durable and SIGKILLs the process."""
         view = memoryview(data).cast("B")
-        if len(view) >= _write_budget[0]:
-            file.write(view[:_write_budget[0]])
+        if len(view) >= self.left:
+            file.write(view[:self.left])
             file.flush()
             os.fsync(file.fileno())
             kill_self()
-        _write_budget[0] -= len(view)
-    return file.write(data)
+        self.left -= len(view)
+        return file.write(data)
+
+
+# The budget of the checkpoint write this thread is inside (None: no write armed). A backend
+# writes its payload through checkpoint/files.py's open_for_write without knowing of faults: the
+# budget reaches it through the write's own context, set and reset by `checkpoint_write` (and
+# handed explicitly to the upload, whose callbacks run on fsspec's thread).
+_armed: ContextVar[WriteBudget | None] = ContextVar("ringfeed_write_budget", default=None)
+
+
+def armed_budget() -> WriteBudget | None:
+    """The byte budget of the checkpoint write this thread is inside, if one is armed."""
+    return _armed.get()
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """The faults to inject into this process: RINGFEED_FAULT's, RINGFEED_SLOW_RANK's, and the
+    Horovod host it runs on. `FaultPlan()` (NO_FAULTS) injects none."""
+
+    fault: Fault | None = None
+    slow: tuple[int, float] | None = None  # (rank, seconds it sleeps before every step)
+    host: str | None = None  # this process's HOROVOD_HOSTNAME
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> FaultPlan:
+        """The plan the environment asks for; a malformed value is one UserError line."""
+        return cls(parse(environ.get(ENV)), parse_slow(environ.get(SLOW_ENV)),
+                   environ.get(HOST_ENV))
+
+    def before_step(self, step: int, rank: int) -> None:
+        """Called as optimizer step `step` (1-based) starts."""
+        if self.slow is not None and self.slow[0] == rank:
+            time.sleep(self.slow[1])
+        fault = self.fault
+        if fault and fault.kind == "kill-at-step" and fault.step == step:
+            if self.host == fault.host if fault.host else fault.arg == rank:
+                kill_self()
+
+    @contextmanager
+    def checkpoint_write(self, step: int) -> Iterator[WriteBudget | None]:
+        """Around the write of ckpt-`step`: arms the byte budget (yielded, and the write's
+        `armed_budget()`); the block ends just before the rename, where a budget larger than
+        the files kills."""
+        fault = self.fault
+        if fault is not None and fault.kind == "sigterm-in-checkpoint-write" \
+                and fault.step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)
+        budget = (WriteBudget(fault.arg) if fault is not None
+                  and fault.kind == "kill-in-checkpoint-write" and fault.step == step else None)
+        token = _armed.set(budget)
+        try:
+            yield budget
+        finally:
+            _armed.reset(token)
+        if budget is not None:
+            kill_self()
+
+
+NO_FAULTS = FaultPlan()
