@@ -20,7 +20,7 @@ from typing import Any
 import braceexpand
 import numpy as np
 
-from ringfeed.formats.manifest import Manifest, ManifestError
+from ringfeed.formats.manifest import MANIFEST_NAME, Manifest, ManifestError
 from ringfeed.formats.manifest_index import SplitIndex, index_of_bytes, load_index
 from ringfeed.formats.tarread import TAR_SUFFIXES
 from ringfeed.pipeline.errors import PipelineError
@@ -96,10 +96,10 @@ def manifest_refs(location: str, split: str, storage_options: dict[str, Any],
     every JSON entry on every rank: the index beside a local manifest.json, else one built once
     into `cache_dir` (keyed by the JSON's path, size and mtime; for a remote manifest, by the
     sha256 of the JSON downloaded)."""
-    if location.endswith("manifest.json"):
-        manifest_url, base = location, location[: -len("manifest.json")].rstrip("/") or "."
+    if location.endswith(MANIFEST_NAME):
+        manifest_url, base = location, location[: -len(MANIFEST_NAME)].rstrip("/") or "."
     else:
-        manifest_url, base = _join(location, "manifest.json"), location.rstrip("/") or "/"
+        manifest_url, base = _join(location, MANIFEST_NAME), location.rstrip("/") or "/"
     if is_local_url(manifest_url):
         try:
             index = load_index(local_path(manifest_url), cache_dir)

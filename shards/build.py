@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ringfeed.errors import UserError
-from ringfeed.formats.manifest import Manifest, ShardInfo, Split
+from ringfeed.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo, Split
 from ringfeed.formats.tarindex import build_index
 from ringfeed.formats.tarwrite import index_name
 from ringfeed.fsutil import atomic_write_bytes, sha256_file
@@ -117,7 +117,7 @@ def check_out_dir(out: Path, overwrite: bool, src: Path) -> None:
     leftovers = {WORK_DIR}  # an interrupted scan leaves only this
     entries = sorted(p.name for p in out.iterdir()
                      if p.name not in leftovers and not TEMP_FILE.match(p.name))
-    if "manifest.json" in entries:
+    if MANIFEST_NAME in entries:
         raise UserError(f"{out} already holds shards (manifest.json); pass --overwrite to "
                         "replace them, or choose another OUT")
     if entries:
@@ -168,7 +168,7 @@ def _clean_out_dir(out: Path, fresh: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for p in out.iterdir():
         if TEMP_FILE.match(p.name) or (fresh and (SHARD_FILE.match(p.name)
-                                                   or p.name in ("manifest.json", JOURNAL))):
+                                                   or p.name in (MANIFEST_NAME, JOURNAL))):
             p.unlink(missing_ok=True)
 
 

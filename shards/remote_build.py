@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from ringfeed.errors import UserError
-from ringfeed.formats.manifest import ShardInfo
+from ringfeed.formats.manifest import MANIFEST_NAME, ShardInfo
 from ringfeed.formats.manifest_format import INDEX_NAME
 from ringfeed.shards.build import (
     SHARD_FILE,
@@ -137,11 +137,11 @@ def _shard_to_store(opts: ShardOptions, store: Store, start: float) -> ShardRun:
         manifest.save(staging)
         _check_uploaded(store, infos, versions)
         store.upload(staging / INDEX_NAME, INDEX_NAME)
-        store.upload(staging / "manifest.json", "manifest.json")  # last: the run is complete
+        store.upload(staging / MANIFEST_NAME, MANIFEST_NAME)  # last: the run is complete
         journal.remove()
     finally:
         source.close()
-    for name in ("manifest.json", INDEX_NAME):
+    for name in (MANIFEST_NAME, INDEX_NAME):
         (staging / name).unlink(missing_ok=True)
     remove_staging(opts)
     return ShardRun(manifest, staging, time.monotonic() - start,
@@ -152,7 +152,7 @@ def check_out_store(store: Store, listing: dict[str, Any], overwrite: bool) -> N
     """OUT must hold no objects, an unfinished run of ours (to resume), or --overwrite."""
     if overwrite or JOURNAL in listing:
         return
-    if "manifest.json" in listing:
+    if MANIFEST_NAME in listing:
         raise UserError(f"{store.url} already holds shards (manifest.json); pass --overwrite to "
                         "replace them, or choose another OUT")
     if listing:
@@ -163,8 +163,8 @@ def check_out_store(store: Store, listing: dict[str, Any], overwrite: bool) -> N
 
 def _clear(store: Store, listing: dict[str, Any]) -> None:
     """--overwrite: the old manifest goes first (no reader may see it without its shards)."""
-    if "manifest.json" in listing:
-        store.remove(["manifest.json"])
+    if MANIFEST_NAME in listing:
+        store.remove([MANIFEST_NAME])
     store.remove(sorted(name for name in listing
                         if SHARD_FILE.match(name) or name in (INDEX_NAME, JOURNAL)))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ringfeed.errors import UserError
-from ringfeed.formats.manifest import Manifest, ManifestError, ShardInfo
+from ringfeed.formats.manifest import MANIFEST_NAME, Manifest, ManifestError, ShardInfo
 from ringfeed.formats.tarindex import TarIndex, build_index
 from ringfeed.formats.tarread import TAR_SUFFIXES, TarReadError, open_shard, scan_tar, shard_url
 from ringfeed.shards.parallel import parallel_map
@@ -44,9 +44,9 @@ def load_manifest(out: str | Path, storage_options: dict[str, Any] | None = None
     try:
         if not is_url(out):
             return Manifest.load(Path(out))
-        url = f"{str(out).rstrip('/')}/manifest.json"
+        url = f"{str(out).rstrip('/')}/{MANIFEST_NAME}"
         try:
-            data = Store(str(out), storage_options or {}).read("manifest.json")
+            data = Store(str(out), storage_options or {}).read(MANIFEST_NAME)
         except FileNotFoundError:
             raise UserError(f"{url}: no manifest.json (run `ringfeed shard` first, or let it "
                             "finish: the manifest is uploaded last)") from None

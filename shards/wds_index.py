@@ -36,7 +36,7 @@ import braceexpand
 
 from ringfeed.errors import UserError
 from ringfeed.formats.kinds import kind_of
-from ringfeed.formats.manifest import INDEX_SUFFIX, Manifest, ShardInfo, Split
+from ringfeed.formats.manifest import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo, Split
 from ringfeed.formats.manifest_format import INDEX_NAME
 from ringfeed.formats.tarindex import build_index
 from ringfeed.formats.tarread import (
@@ -157,12 +157,12 @@ def index_shards(opts: ShardOptions) -> ShardRun:
         out = opts.out_url or opts.out
         store = Store(out, opts.storage_options) if isinstance(out, str) else None
         if store is not None:
-            if "manifest.json" in store.list() and not opts.overwrite:
+            if MANIFEST_NAME in store.list() and not opts.overwrite:
                 raise UserError(f"{out}/manifest.json exists; pass --overwrite to replace it")
         else:
             if out.exists() and not out.is_dir():
                 raise UserError(f"{out}: exists and is not a folder")
-            if (out / "manifest.json").exists() and not opts.overwrite:
+            if (out / MANIFEST_NAME).exists() and not opts.overwrite:
                 raise UserError(f"{out}/manifest.json exists; pass --overwrite to replace it")
         scans = list(parallel_map(_scan, tars, opts.workers, None, 1))
     splits: dict[str, Split] = {}
@@ -206,7 +206,7 @@ def index_shards(opts: ShardOptions) -> ShardRun:
     except OSError as e:  # no permission (OUT defaults to SRC), disk full: one line
         raise UserError(f"{e.filename or out}: {e.strerror or e}") from e
     return ShardRun(manifest, opts.out, time.monotonic() - start,
-                    written=[*sidecars, "manifest.json"])
+                    written=[*sidecars, MANIFEST_NAME])
 
 
 def _relative(path: Path | str, out: Path | str) -> str:
@@ -227,4 +227,4 @@ def _upload(store: Store, sidecars: dict[str, bytes], manifest: Manifest) -> Non
     with tempfile.TemporaryDirectory(prefix="ringfeed-manifest-") as tmp:
         manifest.save(tmp)
         store.write(INDEX_NAME, (Path(tmp) / INDEX_NAME).read_bytes())
-        store.write("manifest.json", (Path(tmp) / "manifest.json").read_bytes())
+        store.write(MANIFEST_NAME, (Path(tmp) / MANIFEST_NAME).read_bytes())

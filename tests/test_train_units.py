@@ -155,7 +155,7 @@ def test_logger_writes_jsonl_and_tensorboard_and_a_resume_rewrites_history(tmp_p
 
     tensorboard = TensorBoardSink(tmp_path / "tensorboard").start()
     logger = RunLogger(tmp_path, True, total_steps=6, global_batch=8, log_every=2,
-                       sinks=[tensorboard])
+                       sinks=[tensorboard]).open()
     for step in range(1, 7):
         logger.train_step(step, 0, loss=1.0 / step, lr=0.1, step_s=0.1, data_wait_s=0.025)
     logger.validation(6, 0, {"accuracy": 0.5})
@@ -170,7 +170,8 @@ def test_logger_writes_jsonl_and_tensorboard_and_a_resume_rewrites_history(tmp_p
     assert scalars[(4, "loss")] == pytest.approx((1 / 3 + 1 / 4) / 2)
     assert scalars[(6, "val_accuracy")] == 0.5
 
-    RunLogger(tmp_path, True, total_steps=6, global_batch=8, log_every=2, start_step=4).close()
+    RunLogger(tmp_path, True, total_steps=6, global_batch=8, log_every=2,
+              start_step=4).open().close()
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").open()] == [2, 4]
 
 
@@ -180,7 +181,7 @@ def test_logger_asks_for_per_step_extras_only_on_log_steps(tmp_path):
     def extras(step: int):
         return lambda: asked.append(step) or {"grad_norm": 0.5}
 
-    logger = RunLogger(tmp_path, True, total_steps=5, global_batch=8, log_every=2)
+    logger = RunLogger(tmp_path, True, total_steps=5, global_batch=8, log_every=2).open()
     for step in range(1, 6):
         logger.train_step(step, 0, loss=1.0, lr=0.1, step_s=0.1, data_wait_s=0.0,
                           extra=extras(step))

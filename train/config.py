@@ -34,7 +34,7 @@ from pydantic import (
 )
 
 from ringfeed.errors import UserError
-from ringfeed.formats.manifest import ManifestError
+from ringfeed.formats.manifest import MANIFEST_NAME, ManifestError
 from ringfeed.formats.manifest_index import ManifestIndex, load_index
 from ringfeed.pipeline.config import (
     PipelineConfig,
@@ -46,6 +46,7 @@ from ringfeed.pipeline.config import (
 from ringfeed.train.backends.horovod_env import launch_problem
 from ringfeed.train.checkpoint.files import refuse_earlier_run
 from ringfeed.train.checkpoint.store import is_remote
+from ringfeed.train.observe.runfiles import checkpoint_dir
 from ringfeed.userhooks import IMPORT_PATH
 
 BUILTIN_MODELS = ("mlp", "cnn", "gpt")
@@ -358,7 +359,7 @@ class RunConfig(_Section):
     @property
     def checkpoint_dir(self) -> str:
         """checkpoint.dir: a local path or a URL (train/checkpoint/store.py)."""
-        return self.checkpoint.dir or str(Path(self.output.dir) / "checkpoints")
+        return checkpoint_dir(self.output.dir, self.checkpoint.dir)
 
     @property
     def val_source(self) -> str | list[WeightedSource] | None:
@@ -634,7 +635,7 @@ def _no_default_val_split(cfg: RunConfig) -> bool:
     if d.val is not None or "val_split" in d.model_fields_set or d.val_split is None:
         return False
     for _, source, _ in _paths("data.train", d.train, None):
-        manifest_file = Path(source) / "manifest.json"
+        manifest_file = Path(source) / MANIFEST_NAME
         try:
             if manifest_file.is_file() and d.val_split not in manifest_index(
                     source).split_names:
@@ -647,4 +648,4 @@ def _no_default_val_split(cfg: RunConfig) -> bool:
 def manifest_index(source: str) -> ManifestIndex:
     """The local manifest's binary index (beside it, else built once in memory)."""
     path = Path(source)
-    return load_index(path / "manifest.json" if path.is_dir() else path, None)
+    return load_index(path / MANIFEST_NAME if path.is_dir() else path, None)

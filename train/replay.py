@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ringfeed.errors import UserError
+from ringfeed.train.observe.runfiles import CONFIG_FILE, METRICS_FILE, checkpoint_dir
 from ringfeed.userhooks import UserCode
 
 
@@ -69,18 +70,18 @@ def run(args: argparse.Namespace) -> int:
 
     first, last = parse_steps(args.steps)
     run_dir = Path(args.run_dir)
-    config = run_dir / "config.yaml"
+    config = run_dir / CONFIG_FILE
     if not config.is_file():
         raise UserError(f"{run_dir}: no config.yaml here (give the output.dir of a ringfeed "
                         "train run)")
     original = load_config(config, args.overrides, check_paths=False)
-    checkpoints = Path(original.checkpoint.dir or run_dir / "checkpoints")
+    checkpoints = Path(checkpoint_dir(run_dir, original.checkpoint.dir))
     start, at = checkpoint_before(checkpoints, first - 1)
     if start is None and first > 1:
         raise UserError(f"{checkpoints}: no checkpoint at or before step {first - 1} (the "
                         "replay starts from one; keep more with checkpoint.every_steps/keep)")
     out = Path(args.out or run_dir / f"replay-{first}-{last}")
-    overrides = [*args.overrides, f"output.dir={out}", f"checkpoint.dir={out / 'checkpoints'}",
+    overrides = [*args.overrides, f"output.dir={out}", f"checkpoint.dir={checkpoint_dir(out)}",
                  f"checkpoint.resume={start or 'none'}", "train.log_every=1",
                  f"train.stop_after_step={last}"]
     code = _train(config, overrides, args.user_code)
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
               "at any)")
     print(f"ringfeed replay: steps {at + 1}-{last} from {start.name if start else 'scratch'}, "
           f"log in {out}")
-    print(compare(read_losses(run_dir / "metrics.jsonl"), read_losses(out / "metrics.jsonl"),
+    print(compare(read_losses(run_dir / METRICS_FILE), read_losses(out / METRICS_FILE),
                   first, last, original.train.log_every))
     return 0
 

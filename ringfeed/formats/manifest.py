@@ -58,6 +58,9 @@ FORMAT = "ringfeed-shards"
 VERSION = 1
 FIELD_KINDS = ("image", "int", "npy", "json", "text", "bytes")
 INDEX_SUFFIX = ".idx"  # a shard's tar index sidecar: `train-000000.tar` -> `train-000000.tar.idx`
+# A shard set's files beside its shards: this manifest, and its binary index (INDEX_NAME,
+# manifest_format.py), written after it.
+MANIFEST_NAME = "manifest.json"
 
 
 class ManifestError(ValueError):
@@ -107,14 +110,14 @@ class Manifest:
         """Write `directory/manifest.json` atomically (temp file + rename), then its compact
         binary index `manifest.bin` (manifest_format.py's layout; manifest_index.py maps it
         instead of parsing the JSON)."""
-        path = Path(directory) / "manifest.json"
+        path = Path(directory) / MANIFEST_NAME
         text = self.to_json().encode()
         atomic_write_bytes(path, text)
         write_manifest_index(self, text, path.with_name(INDEX_NAME))
         return path
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], origin: str = "manifest.json") -> Manifest:
+    def from_dict(cls, data: dict[str, Any], origin: str = MANIFEST_NAME) -> Manifest:
         if not isinstance(data, dict):
             raise ManifestError(f"{origin}: not a ringfeed manifest (a JSON "
                                 f"{type(data).__name__}, not an object)")
@@ -140,7 +143,7 @@ class Manifest:
         """Load from a local path (a file or the shard directory)."""
         path = Path(path_or_dir)
         if path.is_dir():
-            path = path / "manifest.json"
+            path = path / MANIFEST_NAME
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from ringfeed.fsutil import atomic_write_text
-from ringfeed.train.observe.runfiles import AppendFile, output_dir_error, output_write_error
+from ringfeed.train.observe.runfiles import (
+    METRICS_FILE,
+    SAMPLES_FILE,
+    SUMMARY_FILE,
+    AppendFile,
+    output_dir_error,
+    output_write_error,
+)
 from ringfeed.train.observe.throughput import Accounting, summary_lines
 from ringfeed.train.observe.trackers import ScalarSink, finite_scalars
 
@@ -81,9 +88,13 @@ class RunLogger:
         self._window_loss = 0.0
         self._bar = None
         self._jsonl: AppendFile | None = None
+        self.metrics_path = self.out_dir / METRICS_FILE
+
+    def open(self) -> RunLogger:
+        """Rank 0: metrics.jsonl opened (the records after start_step, an interrupted run's,
+        dropped) and, on a terminal, the progress bar; returns the logger."""
         if not self.enabled:
-            return
-        self.metrics_path = self.out_dir / "metrics.jsonl"
+            return self
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             _truncate_after(self.metrics_path, self.start_step)
@@ -95,6 +106,7 @@ class RunLogger:
 
             self._bar = tqdm(total=self.total_steps, initial=self.start_step, unit="step",
                              dynamic_ncols=True, file=sys.stderr)
+        return self
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -163,7 +175,7 @@ class RunLogger:
         """Print the end-of-run summary and write it to `summary.json`."""
         if not self.enabled:
             return
-        path = self.out_dir / "summary.json"
+        path = self.out_dir / SUMMARY_FILE
         try:
             atomic_write_text(path, json.dumps(summary, indent=2, default=str) + "\n")
         except OSError as e:
@@ -221,14 +233,20 @@ class SampleLog:
     exactly the steps that made the current weights."""
 
     def __init__(self, out_dir: Path, enabled: bool, start_step: int = 0):
+        self.out_dir, self.enabled, self.start_step = Path(out_dir), enabled, start_step
         self._file: AppendFile | None = None
-        if enabled:
-            path = Path(out_dir) / "samples.jsonl"
+
+    def open(self) -> SampleLog:
+        """Rank 0: samples.jsonl opened (the records after start_step dropped); returns the
+        log."""
+        if self.enabled:
+            path = self.out_dir / SAMPLES_FILE
             try:
-                _truncate_after(path, start_step)
+                _truncate_after(path, self.start_step)
                 self._file = AppendFile(path)
             except OSError as e:
-                raise output_dir_error(Path(out_dir), e) from None
+                raise output_dir_error(self.out_dir, e) from None
+        return self
 
     def step(self, step: int, epoch: int, ids_per_rank: list[list[int]]) -> None:
         if self._file is not None:

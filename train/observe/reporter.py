@@ -40,7 +40,7 @@ from ringfeed.train.data import LM, DataSpec
 from ringfeed.train.observe.metrics import RunLogger, SampleLog, Throughput
 from ringfeed.train.observe.profiler import StepProfiler
 from ringfeed.train.observe.ranks import RankFigures
-from ringfeed.train.observe.runfiles import output_dir_error
+from ringfeed.train.observe.runfiles import CONFIG_FILE, output_dir_error
 from ringfeed.train.observe.throughput import Accounting, FlopCount, resolve_peak
 from ringfeed.train.observe.trackers import ScalarSink, close_sinks, open_sinks
 from ringfeed.train.runstate import Recovery, TrainState
@@ -118,7 +118,7 @@ class Reporter:
         if dist.is_root:
             try:
                 out.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(out / "config.yaml", cfg.to_yaml())
+                atomic_write_text(out / CONFIG_FILE, cfg.to_yaml())
             except OSError as e:
                 raise output_dir_error(out, e) from None
         if dist.is_root and self.accounting is None:
@@ -130,11 +130,11 @@ class Reporter:
                                     config=cfg.model_dump(mode="json"))
         self.logger = RunLogger(out, dist.is_root, total_steps, global_batch,
                                 cfg.train.log_every, sinks=self.sinks or (),
-                                start_step=step, accounting=self.accounting)
+                                start_step=step, accounting=self.accounting).open()
         self._open_profiler()
         self.pending_ids = []
         if cfg.output.sample_log:
-            self.sample_log = SampleLog(out, dist.is_root, start_step=step)
+            self.sample_log = SampleLog(out, dist.is_root, start_step=step).open()
 
     def start_timing(self, step: int) -> None:
         """Training starts (again) after `step`: its next step is the untimed warm-up."""

@@ -1,7 +1,7 @@
-"""The files rank 0 appends to under output.dir during a run (metrics.jsonl, samples.jsonl,
-TensorBoard's event file), written whole record by whole record, and the exit-4 errors that name
-output.dir or the file when the file system refuses. Imported by metrics.py (the logs) and
-trackers.py (the TensorBoard sink)."""
+"""The run's files under output.dir: their names (one declaration each, for the trainer that
+writes them and for replay and tune, which read them back), the files rank 0 appends to during a
+run (metrics.jsonl, samples.jsonl, TensorBoard's event file), written whole record by whole
+record, and the exit-4 errors that name output.dir or the file when the file system refuses."""
 
 from __future__ import annotations
 
@@ -13,6 +13,18 @@ from pathlib import Path
 from typing import IO
 
 from ringfeed.errors import EXIT_WRITE, UserError
+
+METRICS_FILE = "metrics.jsonl"  # a record per log step, validation and event
+SAMPLES_FILE = "samples.jsonl"  # output.sample_log: the sample ids of every step
+SUMMARY_FILE = "summary.json"  # written at the end
+CONFIG_FILE = "config.yaml"  # the resolved config the run was started with
+CHECKPOINTS_DIR = "checkpoints"  # checkpoint.dir unless the config names one
+
+
+def checkpoint_dir(output_dir: str | os.PathLike, configured: str | None = None) -> str:
+    """A run's checkpoint.dir: the `configured` one (a path or URL), else
+    <output_dir>/checkpoints."""
+    return configured or str(Path(output_dir) / CHECKPOINTS_DIR)
 
 
 def output_dir_error(out_dir: Path, error: OSError) -> UserError:

@@ -13,6 +13,7 @@ from typing import Any
 
 from ringfeed.errors import UserError
 from ringfeed.train.config import load_config
+from ringfeed.train.observe.runfiles import METRICS_FILE
 from ringfeed.train.tune.spec import Search
 from ringfeed.train.tune.study import TrialFailed, say
 from ringfeed.train.tune.trial import Outcome, metric_value, owner, read_records, run_job
@@ -55,7 +56,7 @@ def launch_trial(search: Search, trial, config: Path, run_dir: Path, stop: threa
     env = {"RINGFEED_TUNE_STUDY": search.study_name, "RINGFEED_TUNE_TRIAL": str(trial.number),
            "RINGFEED_TUNE_RUN_DIR": str(run_dir)}
     outcome = run_job(search.command(config, run_dir, trial.number), log,
-                      run_dir / "metrics.jsonl", env, on_start, on_records, stop,
+                      run_dir / METRICS_FILE, env, on_start, on_records, stop,
                       search.spec.trial_timeout_s)
     trial.set_user_attr("wall_s", round(outcome.wall_s, 3))
     if outcome.stopped == "pruned":
@@ -72,7 +73,7 @@ def outcome_value(search: Search, trial, outcome: Outcome, run_dir: Path,
                   at_step: int | None = None) -> float:
     """The trial's result: the last value of the metric (at `at_step`) in its metrics.jsonl."""
     metric = search.spec.metric
-    records = read_records(run_dir / "metrics.jsonl")  # the final file, after any rewrites
+    records = read_records(run_dir / METRICS_FILE)  # the final file, after any rewrites
     value = metric_value(records, metric, at_step)
     if value is None:
         keys = sorted({k for r in records for k in r if k not in ("step", "epoch", "time")})

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ringfeed.errors import UserError
+from ringfeed.train.observe.runfiles import METRICS_FILE
 from ringfeed.train.tune.launch import launch_trial, outcome_value
 from ringfeed.train.tune.report import trial_line, write_tables
 from ringfeed.train.tune.spec import Search, get_dotted
@@ -211,8 +212,8 @@ class PBT:
                 raise UserError(f"pbt: member {donor} has no complete checkpoint of step {step} "
                                 f"in {donor_dir}/checkpoints to hand to member {m}", exit_code=1)
             member_dir = self.member_dir(int(m))
-            copied = adopt_checkpoint(ckpt, member_dir, metrics_from=donor_dir / "metrics.jsonl")
-            with open(member_dir / "metrics.jsonl", "a") as f:
+            copied = adopt_checkpoint(ckpt, member_dir, metrics_from=donor_dir / METRICS_FILE)
+            with open(member_dir / METRICS_FILE, "a") as f:
                 f.write(json.dumps({"step": step, "event": "pbt_exploit", "from_member": donor,
                                     "from_trial": entry["parent_trial"],
                                     "time": round(time.time(), 3)}) + "\n")

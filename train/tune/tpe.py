@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ringfeed.train.observe.runfiles import METRICS_FILE
 from ringfeed.train.tune.launch import launch_trial, outcome_value
 from ringfeed.train.tune.report import trial_line, write_tables
 from ringfeed.train.tune.spec import Search
@@ -153,7 +154,7 @@ def run_tpe_trial(search: Search, study, trial, stop: threading.Event) -> float:
         ckpt, old_dir = found
         resume = "auto"
         trial.set_user_attr("resumed_from", str(adopt_checkpoint(
-            ckpt, run_dir, metrics_from=old_dir / "metrics.jsonl")))
+            ckpt, run_dir, metrics_from=old_dir / METRICS_FILE)))
     raw = search.trial_config(params, run_dir, resume)
     header = f"# ringfeed tune: trial {trial.number} of study {search.study_name}\n"
     config = search.write_trial_config(run_dir / "trial.yaml", raw, header)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ringfeed.train.checkpoint.files import PREFIX, CheckpointError, list_checkpoints, verify
+from ringfeed.train.observe.runfiles import METRICS_FILE, checkpoint_dir
 from ringfeed.train.resilience.supervise import die_with_parent
 
 POLL_S = 0.25
@@ -224,7 +225,7 @@ def read_records(metrics_path: Path) -> list[dict[str, Any]]:
 
 def newest_checkpoint(run_dir: Path, step: int | None = None) -> Path | None:
     """The newest complete checkpoint of a run dir (the one at `step`, if given)."""
-    for path in reversed(list_checkpoints(run_dir / "checkpoints")):
+    for path in reversed(list_checkpoints(Path(checkpoint_dir(run_dir)))):
         if step is not None and int(path.name[len(PREFIX):]) != step:
             continue
         try:
@@ -241,7 +242,7 @@ def adopt_checkpoint(source: Path, run_dir: Path, metrics_from: Path | None = No
     cleans up, then renamed (a copy killed halfway is never taken for a checkpoint). With
     `metrics_from`, that run's metrics.jsonl comes along, so the run's history is the history
     of the weights it continues (the trainer drops records after the checkpoint's step)."""
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = Path(checkpoint_dir(run_dir))
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     for old in list_checkpoints(ckpt_dir):
         shutil.rmtree(old)
@@ -251,6 +252,7 @@ def adopt_checkpoint(source: Path, run_dir: Path, metrics_from: Path | None = No
     final = ckpt_dir / source.name
     os.replace(tmp, final)
     if metrics_from is not None and metrics_from.is_file():
-        shutil.copyfile(metrics_from, run_dir / "metrics.jsonl.tmp-tune")
-        os.replace(run_dir / "metrics.jsonl.tmp-tune", run_dir / "metrics.jsonl")
+        staged = run_dir / f"{METRICS_FILE}.tmp-tune"
+        shutil.copyfile(metrics_from, staged)
+        os.replace(staged, run_dir / METRICS_FILE)
     return final
