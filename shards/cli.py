@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from pathlib import Path
 
 from ringfeed.errors import UserError
@@ -182,6 +183,10 @@ def _name_ext(spec: str, flag: str, example: str, last: bool = False) -> tuple[s
 
 
 def run_shard(args: argparse.Namespace) -> int:
+    from ringfeed.shards.sources.parquet import PYARROW_ENV
+
+    for name, value in PYARROW_ENV:  # before anything loads pyarrow (the parquet reader)
+        os.environ.setdefault(name, value)
     from ringfeed.shards.progress import human_bytes, rate
 
     opts = options_from_args(args)

@@ -1,7 +1,8 @@
 """Fork-based process pools that hand their workers one large read-only object.
 
-The object (a scanned source with its sample tables) is set as a module global before the pool
-forks, so each worker inherits it instead of receiving a pickled copy with every task.
+The object (a scanned source with its sample tables) reaches each worker through the pool's
+initializer, whose arguments a forked worker inherits (never pickled), instead of a pickled copy
+with every task. The parent keeps nothing: two pools in one process each hand over their own.
 """
 
 from __future__ import annotations
@@ -18,12 +19,19 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
-_shared: Any = None
 PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
+_worker_shared: Any = None  # set only in a forked worker, by _start_worker: the worker's own
 
 
 def _call(fn: Callable[[Any, T], R], item: T) -> R:
-    return fn(_shared, item)
+    return fn(_worker_shared, item)
+
+
+def _start_worker(parent: int, shared: Any) -> None:
+    """A forked worker's start: die with the parent, keep the pool's shared object."""
+    global _worker_shared
+    _worker_shared = shared
+    die_with_parent(parent)
 
 
 def die_with_parent(parent: int) -> None:
@@ -41,11 +49,8 @@ def die_with_parent(parent: int) -> None:
 
 def fork_pool(workers: int, shared: Any) -> ProcessPoolExecutor:
     """A pool of `workers` forked processes; `pool_task(fn)` runs `fn(shared, item)` in them."""
-    global _shared
-    _shared = shared
-    # Python 3.11 forks every worker when the first task is submitted, after `_shared` is set.
     return ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"),
-                               initializer=die_with_parent, initargs=(os.getpid(),))
+                               initializer=_start_worker, initargs=(os.getpid(), shared))
 
 
 def pool_task(fn: Callable[[Any, T], R]) -> Callable[[T], R]:

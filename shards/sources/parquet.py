@@ -20,7 +20,6 @@ the manifest's class_names when that column is the `cls` field.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -33,10 +32,10 @@ from ringfeed.shards.sources.tabular import TableSource
 
 # pyarrow's default memory pool (mimalloc) keeps freed pages for a while; a scan frees a batch of
 # rows every few milliseconds: reading a 300 MB table batch by batch peaked at 245 MB RSS with
-# the default delay and at 116 MB with none (measured). mimalloc reads it when pyarrow loads,
-# so it is set before this module imports pyarrow (a process that already has pyarrow keeps its
-# own setting).
-os.environ.setdefault("MIMALLOC_PURGE_DELAY", "0")
+# the default delay and at 116 MB with none (measured). mimalloc reads it when pyarrow loads, so
+# `ringfeed shard` (shards/cli.py) sets it before anything imports pyarrow (a process that
+# already has pyarrow keeps its own setting).
+PYARROW_ENV = (("MIMALLOC_PURGE_DELAY", "0"),)
 
 BATCH_ROWS = 1024  # rows per record batch read, at most
 BATCH_BYTES = 16 << 20  # and about this many bytes of (uncompressed) data
