@@ -120,13 +120,33 @@ def make_decoder(c: PipelineConfig, kinds: dict[str, str]) -> Decoder:
                    augment=augment, seed=c.seed, channels=channels, source_side=source_side)
 
 
+def position_of(c: PipelineConfig, layout: Layout, mixture: Mixture | None, rank: int,
+                world_size: int) -> tuple[PipelineState, RankStreams]:
+    """The plan's state (epoch, segments, what each rank consumed) and this rank's loader
+    streams, in the order `c.order` says: rank (the plan's segments at this world size and
+    worker count) or global (the canonical streams dealt over the ranks, a skip list left out)."""
+    if c.order == "global":
+        skip = load_skip(c.skip, layout.num_samples)
+        config = canonical_config(c, world_size)
+        return (PipelineState(layout, c.seed, c.shuffle, config, mixture, "global",
+                              leave_out_for(skip, mixture)),
+                RankStreams(rank, world_size, c.num_workers, "global", skip))
+    if c.skip is not None:
+        raise PipelineError("skip: a skip list needs order: global (set order: global and "
+                            "global_batch_size)")
+    config = SegmentConfig(world_size, c.num_workers, c.batch_size,
+                           c.shuffle_buffer if c.shuffle else 0, c.balance)
+    return (PipelineState(layout, c.seed, c.shuffle, config, mixture),
+            RankStreams(rank, world_size, c.num_workers))
+
+
 class ShardPipeline:
     """Batches for this rank. `iter(pipe)` yields dicts: one stacked array (or list) per field,
     plus `__key__` (list of str), `__index__` (int64 global sample ids) and `__valid__` (bool;
     False for `pad` repeats and for repeats standing in for skipped bad samples).
 
     Composed of small stages: the source (`resolve_sources`: shard refs and counts, a value),
-    the position (state.py over plan.py), the reader of one shard (shardread.py: indexed reads),
+    the position (`position_of`: state.py over plan.py), the reader of one shard (shardread.py: indexed reads),
     the decoded-sample cache (decoded_cache.py, chosen by `prepare`), the decoder (decode.py),
     the worker streams that batch (stream.py) and the background threads that run them
     (StreamReader over background.py)."""
@@ -150,7 +170,8 @@ class ShardPipeline:
         self.indexes = (IndexStore(self.cache.cache_dir, c.storage_options, self.cache.policy)
                         if c.indexed else None)
         self.sources = resolve_sources(source, c, self.cache, self.indexes)
-        self.progress, self.streams = self._position(c)
+        self.progress, self.streams = position_of(c, self.layout, self.mixture, self.rank,
+                                                  self.world_size)
         if self.batches_per_epoch == 0:
             raise PipelineError(
                 f"{self.layout.num_samples} samples over {self.world_size} ranks give no full "
@@ -162,22 +183,6 @@ class ShardPipeline:
         self._context: StreamContext | None = None  # made by prepare()
         self._stats = PipelineStats()
         self._passes = PassReaders(self)
-
-    def _position(self, c: PipelineConfig) -> tuple[PipelineState, RankStreams]:
-        """The plan's state and this rank's loader streams, in the order `c.order` says."""
-        if c.order == "global":
-            skip = load_skip(c.skip, self.layout.num_samples)
-            config = canonical_config(c, self.world_size)
-            return (PipelineState(self.layout, c.seed, c.shuffle, config, self.mixture,
-                                  "global", leave_out_for(skip, self.mixture)),
-                    RankStreams(self.rank, self.world_size, c.num_workers, "global", skip))
-        if c.skip is not None:
-            raise PipelineError("skip: a skip list needs order: global (set order: global and "
-                                "global_batch_size)")
-        config = SegmentConfig(self.world_size, c.num_workers, c.batch_size,
-                               c.shuffle_buffer if c.shuffle else 0, c.balance)
-        return (PipelineState(self.layout, c.seed, c.shuffle, config, self.mixture),
-                RankStreams(self.rank, self.world_size, c.num_workers))
 
     @property
     def skip_listed(self) -> int:
