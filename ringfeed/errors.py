@@ -62,6 +62,16 @@ EXIT_STATUSES: tuple[ExitStatus, ...] = (
 )
 
 
+def exit_codes_help() -> str:
+    """The table as one paragraph of a command's help (`ringfeed train --help`): each code with
+    what it means, and which of them `ringfeed run` relaunches."""
+    meanings: dict[int, list[str]] = {}
+    for s in EXIT_STATUSES:
+        meanings.setdefault(s.code, []).append(s.meaning + ("*" if s.relaunch else ""))
+    return "Exit codes (*: `ringfeed run` relaunches): " + " | ".join(
+        f"{code}: {' / '.join(texts)}" for code, texts in meanings.items())
+
+
 class UserError(Exception):
     """Bad input (config, path, data) the user can fix. The CLI prints it on one line and exits
     with `exit_code` (2 by default), without a traceback."""

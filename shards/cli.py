@@ -7,7 +7,8 @@ import math
 import os
 from pathlib import Path
 
-from ringfeed.errors import UserError
+from ringfeed.errors import EXIT_STORAGE_UNAVAILABLE, UserError
+from ringfeed.remote import RetryPolicy
 from ringfeed.shards.options import DEFAULT_MAX_SIZE, FORMATS, TABLE_FORMATS, ShardOptions
 
 
@@ -107,8 +108,8 @@ def _storage_option(parser: argparse.ArgumentParser) -> None:
                              "(a JSON VALUE is taken as such); the pipeline's storage_options")
     parser.add_argument("--retry-budget", type=float, metavar="SECONDS",
                         help="how long one call to storage may keep failing (connection "
-                             "errors, 5xx, throttling) before the command stops with exit 75 "
-                             "(default 600)")
+                             "errors, 5xx, throttling) before the command stops with exit "
+                             f"{EXIT_STORAGE_UNAVAILABLE} (default {RetryPolicy.budget_s:g})")
 
 
 def options_from_args(args: argparse.Namespace) -> ShardOptions:

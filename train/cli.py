@@ -15,6 +15,7 @@ import traceback
 from typing import IO, NoReturn
 
 from ringfeed.errors import (
+    EXIT_CONFIG,
     EXIT_CRASH,
     EXIT_INTERRUPTED,
     EXIT_WRITE,
@@ -41,7 +42,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
+        self.exit(EXIT_CONFIG, f"{self.prog}: error: {one_line(message)}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ringfeed.errors import UserError
+from ringfeed.errors import EXIT_DIVERGED, UserError
 from ringfeed.train.backends.base import Backend, Dist
 from ringfeed.train.backends.select import make_backend
 from ringfeed.train.checkpoint.checkpointer import Checkpointer, Saved
@@ -67,7 +67,7 @@ from ringfeed.userhooks import UserCode
 class TrainingDiverged(UserError):
     """The loss became NaN/inf: stop before the update is applied (exit 3)."""
 
-    exit_code = 3
+    exit_code = EXIT_DIVERGED
 
     @classmethod
     def at(cls, loss: float, state: TrainState) -> TrainingDiverged:

@@ -2,14 +2,13 @@
 [--profile] [--print-config]`.
 
 The config is loaded and validated here, before torch, TensorFlow or Horovod is imported, so a
-bad config fails in about a second with one line and exit 2 on every rank.
+bad config fails in about a second with one line on every rank.
 
-An error is one line on stderr, `ringfeed: error: <why>` (train/cli.py prints it). Every such
-error is one a relaunch cannot fix (bad config or data, NaN loss, a checkpoint that cannot be
-written: exit 2-4), so that line is also what `ringfeed run` stops relaunching on (launchers
-such as horovodrun do not pass a rank's exit code on): nothing else is printed for it.
-Storage that stays unreachable for the retry budget is `ringfeed: storage unavailable: <why>`,
-exit 75: a restart can help, and `ringfeed run` relaunches it.
+An error is one line on stderr (train/cli.py prints it) and an exit code, both from the one
+table in ringfeed/errors.py (EXIT_STATUSES), which `--help` shows: the line is also what
+`ringfeed run` decides a relaunch on (launchers such as horovodrun do not pass a rank's exit
+code on). This is also the entry point that prepares the process for a run: the environment
+Horovod reads when it loads, the user code the config names, the test-only fault plan.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import argparse
 import os
 from typing import Any
 
-from ringfeed.errors import UserError
+from ringfeed.errors import UserError, exit_codes_help
 from ringfeed.userhooks import IMPORT_PATH
 
 
@@ -28,13 +27,7 @@ def register(subparsers) -> None:
         help="train a model on shards with Horovod (PyTorch or TensorFlow)",
         description="Train on 1 process, or on N under `horovodrun -np N` / `mpirun`. "
                     "One YAML config drives either framework (framework: torch|tensorflow).",
-        epilog="Exit codes: 0 done, 1 a crash or your code raised (its traceback, then "
-               "`ringfeed: error in your code (...)`), 2 bad config or data, 3 loss became "
-               "NaN/inf, 4 a checkpoint or a file under output.dir could not be written, 75 "
-               "storage unavailable for the whole "
-               "data.retry_budget_s (restart it), 76 a hang: no rank progressed for "
-               "train.hang_timeout_s (restart it), 143 stopped by SIGTERM after saving a "
-               "checkpoint. Recovery (restarts, elastic): train/RECOVERY.md.",
+        epilog=f"{exit_codes_help()}. Recovery (restarts, elastic): train/RECOVERY.md.",
     )
     p.add_argument("config", nargs="?", help="YAML config (see --print-config for all keys)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

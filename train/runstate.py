@@ -79,8 +79,8 @@ class StartupSignals:
 
     @staticmethod
     def _on_term(signum, frame) -> None:
-        print("ringfeed train: SIGTERM before the first step: stopping (exit 143; a relaunch "
-              "resumes from the newest checkpoint)", flush=True)
+        print(f"ringfeed train: SIGTERM before the first step: stopping (exit {EXIT_PREEMPTED}; "
+              "a relaunch resumes from the newest checkpoint)", flush=True)
         raise SystemExit(EXIT_PREEMPTED)
 
     def _on_usr1(self, signum, frame) -> None:

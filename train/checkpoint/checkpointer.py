@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ringfeed.errors import EXIT_STORAGE_UNAVAILABLE, EXIT_WRITE, UserError
+from ringfeed.errors import EXIT_CONFIG, EXIT_STORAGE_UNAVAILABLE, EXIT_WRITE, UserError
 from ringfeed.remote import RetryPolicy, StorageUnavailable
 from ringfeed.train.backends.base import Backend, StepResult
 from ringfeed.train.checkpoint.files import (
@@ -205,7 +205,7 @@ class Checkpointer:
                 hit.store.release(hit.path)
             return {"path": hit.location, "meta": hit.meta}
         except Exception as e:  # noqa: BLE001 - re-raised on every rank by restore()
-            return {"error": f"{e}", "exit_code": getattr(e, "exit_code", 2)}
+            return {"error": f"{e}", "exit_code": getattr(e, "exit_code", EXIT_CONFIG)}
 
     def _probe(self) -> None:
         """Fail before training when checkpoint.dir cannot hold files (on_error: warn says so

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ringfeed.errors import UserError
+from ringfeed.errors import EXIT_WRITE, UserError
 from ringfeed.fsutil import sha256_file
 from ringfeed.remote import StorageUnavailable
 from ringfeed.train.checkpoint.store import (
@@ -56,7 +56,7 @@ class CheckpointError(Exception):
 class CheckpointWriteError(UserError):
     """A checkpoint could not be written (no space, no permission, not a directory)."""
 
-    exit_code = 4
+    exit_code = EXIT_WRITE
 
 
 @dataclass(frozen=True)

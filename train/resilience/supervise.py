@@ -162,10 +162,10 @@ def _at_least_zero(kind: type) -> Callable[[str], int | float]:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="supervise a launch: relaunch with --resume auto after a crash")
     p.add_argument("--max-restarts", type=_at_least_zero(int), default=3,
-                   help="relaunches before giving up (3)")
+                   help="relaunches before giving up (%(default)d)")
     p.add_argument("--backoff", type=_at_least_zero(float), default=5.0,
-                   help="first wait before a relaunch, s (5)")
+                   help="first wait before a relaunch, s (%(default)g)")
     p.add_argument("--backoff-max", type=_at_least_zero(float), default=300.0,
-                   help="longest wait, s (300)")
+                   help="longest wait, s (%(default)g)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- LAUNCHER ARGS...")
     p.set_defaults(func=run)

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ringfeed.errors import UserError
+from ringfeed.errors import EXIT_CRASH, UserError
 from ringfeed.train.observe.runfiles import METRICS_FILE
 from ringfeed.train.tune.launch import launch_trial, outcome_value
 from ringfeed.train.tune.report import trial_line, write_tables
@@ -105,7 +105,7 @@ class PBT:
                 return
             if not any(t.value is not None for t in self.finished(g).values()):
                 raise UserError(f"pbt: every member failed in interval {g}; see "
-                                f"{self.member_dir(0)}/gen-{g:03d}.log", exit_code=1)
+                                f"{self.member_dir(0)}/gen-{g:03d}.log", exit_code=EXIT_CRASH)
             if g + 1 < len(self.ends):
                 self.prepare(g + 1)
 
@@ -210,7 +210,8 @@ class PBT:
             ckpt = newest_checkpoint(donor_dir, step=step)
             if ckpt is None:
                 raise UserError(f"pbt: member {donor} has no complete checkpoint of step {step} "
-                                f"in {donor_dir}/checkpoints to hand to member {m}", exit_code=1)
+                                f"in {donor_dir}/checkpoints to hand to member {m}",
+                                exit_code=EXIT_CRASH)
             member_dir = self.member_dir(int(m))
             copied = adopt_checkpoint(ckpt, member_dir, metrics_from=donor_dir / METRICS_FILE)
             with open(member_dir / METRICS_FILE, "a") as f:

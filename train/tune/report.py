@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from ringfeed.errors import EXIT_CRASH
 from ringfeed.fsutil import atomic_write_text
 from ringfeed.train.tune.spec import Search
 
@@ -255,7 +256,7 @@ def report(search: Search, study) -> int:
     if best is None:
         print("ringfeed tune: no trial has finished yet (see the logs of the failed ones)",
               flush=True)
-        return 1
+        return EXIT_CRASH
     return 0
 
 
