@@ -555,6 +555,13 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
             and not Path(cfg.checkpoint.resume).exists():  # (a URL is looked at on rank 0)
         raise UserError(f"{path}: checkpoint.resume: {cfg.checkpoint.resume} does not exist "
                         "(use auto, none or a checkpoint directory)")
+    _check_user_modules(cfg, path)
+    return settled
+
+
+def _check_user_modules(cfg: RunConfig, path: str | Path) -> None:
+    """Every "module:function" of the config names a module Python finds (on PYTHONPATH)."""
+    t, d = cfg.train, cfg.data
     for field, value in (("model.name", cfg.model.name if ":" in cfg.model.name else None),
                          ("data.decode", d.decode), ("data.transform", d.transform),
                          ("train.loss", t.loss), ("train.metrics", t.metrics)):
@@ -567,7 +574,6 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
             if not found:
                 raise UserError(f"{path}: {field}: module {module!r} not found "
                                 "(is it on PYTHONPATH?)")
-    return settled
 
 
 def _check_local_sgd(cfg: RunConfig, path: str | Path) -> None:

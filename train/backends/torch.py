@@ -238,7 +238,35 @@ class TorchCheckpoints:
                 torch.cuda.set_rng_state(rng[self.dist.rank]["cuda"], self.device)
 
 
-class TorchBackend(TorchCheckpoints, HorovodBackend):
+class TorchElastic:
+    """Horovod Elastic for TorchBackend (ElasticBackend, train/backends/base.py): the model,
+    optimizer and GradScaler in Horovod's TorchState, each synced by a handler below."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+
+    def elastic_state(self, **values: Any) -> hvd.elastic.TorchState:
+        """Horovod's TorchState over the model, the optimizer and the GradScaler, plus plain
+        `values`."""
+        ours = {torch.nn.Module: _ModelHandler, torch.amp.GradScaler: _StateDictHandler,
+                torch.optim.Optimizer: _StateDictHandler}
+        set_handler_registry(list(ours.items()) +
+                             [(t, h) for t, h in get_handler_registry() if t not in ours])
+        return hvd.elastic.TorchState(model=self.model, optimizer=self.optimizer,
+                                      scaler=self.scaler, **values)
+
+    def elastic_run(self, fn: Callable) -> Callable:
+        return hvd.elastic.run(fn)
+
+    def after_rollback(self) -> None:
+        # A step cut short by the failure leaves partial gradients behind (restoring the
+        # optimizer already dropped Horovod's pending allreduce handles).
+        for p in self.model.parameters():
+            p.grad = None
+
+
+class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
     name, hvd, sep = "torch", hvd, "."
 
     def __init__(self, cfg):
@@ -472,26 +500,6 @@ class TorchBackend(TorchCheckpoints, HorovodBackend):
 
     def weights(self) -> list[Any]:
         return [v.detach().cpu().numpy().copy() for v in self.model.state_dict().values()]
-
-    # -- elastic ------------------------------------------------------------------------------
-    def elastic_state(self, **values: Any) -> hvd.elastic.TorchState:
-        """Horovod's TorchState over the model, the optimizer and the GradScaler, plus plain
-        `values`, each synced by a handler below."""
-        ours = {torch.nn.Module: _ModelHandler, torch.amp.GradScaler: _StateDictHandler,
-                torch.optim.Optimizer: _StateDictHandler}
-        set_handler_registry(list(ours.items()) +
-                             [(t, h) for t, h in get_handler_registry() if t not in ours])
-        return hvd.elastic.TorchState(model=self.model, optimizer=self.optimizer,
-                                      scaler=self.scaler, **values)
-
-    def elastic_run(self, fn: Callable) -> Callable:
-        return hvd.elastic.run(fn)
-
-    def after_rollback(self) -> None:
-        # A step cut short by the failure leaves partial gradients behind (restoring the
-        # optimizer already dropped Horovod's pending allreduce handles).
-        for p in self.model.parameters():
-            p.grad = None
 
 
 class _StateDictHandler(StateHandler):
