@@ -226,7 +226,7 @@ class Trainer:
             self.val_loader = self.backend.loader(self.val_pipe) if self.val_pipe else None
         self.reporter.start_timing(self.state.step)
         if self.watchdog is not None:
-            self.watchdog.first_step = self.state.step  # its first step gets hang_grace_s
+            self.watchdog.begin_training(self.state.step)
         while self.state.step < self.total_steps:
             if self.epoch(signals):
                 return True

@@ -247,8 +247,8 @@ class Position:
 
 class Watchdog:
     """One rank's watchdog (and, on rank 0, the hub). The loop calls `at(step, phase)` as it
-    moves; `start(broadcast)` is collective (the hub's addresses), `stop()` ends it quietly.
-    Constructing it does no I/O."""
+    moves and `begin_training(step)` when training (re)starts; `start(broadcast)` is collective
+    (the hub's addresses), `stop()` ends it quietly. Constructing it does no I/O."""
 
     def __init__(self, rank: int, size: int, limits: Limits, out_dir: str | Path,
                  say: Callable[[str], None] | None = None):
@@ -257,14 +257,11 @@ class Watchdog:
         self.beat_s = interval_for(limits.timeout)
         self.say = say or say_on_stderr
         self.pos = Position()
-        self.first_step = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._sock: socket.socket | None = None  # this rank's socket to the hub
-        self._hub_sock: socket.socket | None = None  # rank 0: the hub's
-        self._hub: tuple[str, int] | None = None
-        self.seen: dict[int, Seen] = {}
-        self.verdict: Verdict | None = None
+        self._hub_address: tuple[str, int] | None = None  # the hub's address
+        self.hub: Hub | None = None  # rank 0: the hub itself
         self.fired = False  # this rank acted on a verdict: its stacks are written
         # (tests replace these two: they leave the test process as it is)
         self.exit: Callable[[int], None] = os._exit
@@ -278,22 +275,22 @@ class Watchdog:
             pos.moved_at = time.monotonic()
             pos.step, pos.phase = step, phase
 
+    def begin_training(self, step: int) -> None:
+        """Training (re)starts after `step` optimizer steps: its first step (tracing,
+        compiling) gets train.hang_grace_s (rank 0's hub judges; the same on every rank)."""
+        if self.hub is not None:
+            self.hub.first_step = step
+
     def start(self, broadcast: Callable[[Any], Any], first_step: int = 0) -> None:
         """Collective: rank 0 opens the hub and broadcasts its addresses; every rank starts
         its heartbeat thread. `first_step`: the steps done when training (re)starts."""
-        self.first_step = first_step
         self.at(first_step, "start")
         addresses = None
         if self.rank == 0:
-            self._hub_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            self._hub_sock.bind(("0.0.0.0", 0))
-            self._hub_sock.settimeout(self.beat_s)
-            port = self._hub_sock.getsockname()[1]
-            addresses = [(h, port) for h in candidate_hosts()]
-            now = time.monotonic()
-            self.seen = {r: Seen(heard_at=now, step=first_step, moved_at=now, heard=False)
-                         for r in range(self.size)}
-            self._spawn(self._serve, "ringfeed-watchdog-hub")
+            self.hub = Hub(self.size, self.limits, self.beat_s, self.out_dir, self._stop,
+                           report=self._report, exit=lambda code: self.exit(code))
+            addresses = self.hub.open(first_step)
+            self._spawn(self.hub.serve, "ringfeed-watchdog-hub")
         addresses = [tuple(a) for a in broadcast(addresses)]
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.settimeout(min(0.5, self.beat_s))
@@ -305,17 +302,20 @@ class Watchdog:
         if self.fired:
             self.exit(EXIT_HANG)
         self._stop.set()
-        for s in (self._sock, self._hub_sock):  # wake the threads out of their recvfrom
+        hub_sock = self.hub.sock if self.hub is not None else None
+        for s in (self._sock, hub_sock):  # wake the threads out of their recvfrom
             if s is not None:
                 with contextlib.suppress(OSError):
                     s.sendto(b"{}", ("127.0.0.1", s.getsockname()[1]))
         for t in self._threads:
             t.join(timeout=1.0)
         self._threads = []
-        for s in (self._sock, self._hub_sock):
+        for s in (self._sock, hub_sock):
             if s is not None:
                 s.close()
-        self._sock = self._hub_sock = None
+        self._sock = None
+        if self.hub is not None:
+            self.hub.sock = None
 
     # -- heartbeats -----------------------------------------------------------------------
     def _spawn(self, target: Callable[[], None], name: str) -> None:
@@ -353,8 +353,8 @@ class Watchdog:
     def _beat(self, addresses: list[tuple[str, int]]) -> None:
         """Every beat_s: tell the hub where this rank is; act on its verdict. Without replies
         from the hub for hang_timeout_s while this rank is stuck too, decide alone."""
-        self._hub = self._reach(addresses)
-        if self._hub is None:
+        self._hub_address = self._reach(addresses)
+        if self._hub_address is None:
             return
         assert self._sock is not None
         replied_at = last = time.monotonic()
@@ -368,7 +368,7 @@ class Watchdog:
             last = sent
             reply = None
             with contextlib.suppress(OSError, ValueError):
-                self._sock.sendto(self._message(dumped), self._hub)
+                self._sock.sendto(self._message(dumped), self._hub_address)
                 while reply is None and time.monotonic() - sent < self.beat_s \
                         and not self._stop.is_set():
                     data, _ = self._sock.recvfrom(65536)
@@ -413,11 +413,76 @@ class Watchdog:
         self._stop.wait(SILENT_BEATS * self.beat_s)
         self.exit(EXIT_HANG)
 
-    # -- the hub (rank 0) -----------------------------------------------------------------
-    def _serve(self) -> None:
+    def _report(self, line: str, record: dict[str, Any]) -> None:
+        """Rank 0's part once the hub has a verdict: its stacks, hang.json (`record`), the
+        line; then its output is silenced."""
+        self.dump_stacks(line)
+        self.fired = True
+        with contextlib.suppress(OSError):
+            from ringfeed.fsutil import atomic_write_text
+
+            atomic_write_text(Path(self.out_dir) / "hang" / "hang.json",
+                              json.dumps(record, indent=2) + "\n")
+        self.say(line)
+        self.silence()
+
+    # -- leaving --------------------------------------------------------------------------
+    def dump_stacks(self, why: str) -> Path | None:
+        """Every thread's Python stack of this process into hang/rank-<r>.stacks (written
+        beside, then renamed); None when the directory cannot be written."""
+        directory = Path(self.out_dir) / "hang"
+        path = directory / f"rank-{self.rank}.stacks"
+        tmp = directory / f".rank-{self.rank}.stacks.tmp-{os.getpid()}"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "w") as f:
+                pos = self.pos
+                f.write(f"rank {self.rank} of {self.size}, host {socket.gethostname()}, pid "
+                        f"{os.getpid()}, {place(pos.step, pos.phase)}, no progress for "
+                        f"{time.monotonic() - pos.moved_at:.1f} s\n{why}\n\n")
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            return path
+        except OSError:
+            return None
+
+
+class Hub:
+    """Rank 0's heartbeat hub (the module docstring): every rank's last heartbeat, answered
+    with the verdict, judged every beat (`judge`); after a verdict, once the live ranks have
+    written their stacks, rank 0's part (`report`: its stacks, hang.json, the line), then every
+    live rank is told to go and rank 0 leaves (`exit`)."""
+
+    def __init__(self, size: int, limits: Limits, beat_s: float, out_dir: str,
+                 stop: threading.Event, report: Callable[[str, dict[str, Any]], None],
+                 exit: Callable[[int], None]):
+        self.size, self.limits, self.beat_s, self.out_dir = size, limits, beat_s, out_dir
+        self._stop, self.report, self.exit = stop, report, exit
+        self.first_step = 0  # where training (re)started: its first step gets the grace
+        self.sock: socket.socket | None = None
+        self.seen: dict[int, Seen] = {}
+        self.verdict: Verdict | None = None
+
+    def open(self, first_step: int) -> list[tuple[str, int]]:
+        """The hub's socket bound (any port) with every rank not yet heard from at
+        `first_step`: the addresses the other ranks may reach it at."""
+        self.first_step = first_step
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.settimeout(self.beat_s)
+        port = self.sock.getsockname()[1]
+        now = time.monotonic()
+        self.seen = {r: Seen(heard_at=now, step=first_step, moved_at=now, heard=False)
+                     for r in range(self.size)}
+        return [(h, port) for h in candidate_hosts()]
+
+    def serve(self) -> None:
         """Record heartbeats, answer each with the verdict (None while the job moves), and
         judge every beat; after a verdict, end the job."""
-        sock = self._hub_sock
+        sock = self.sock
         assert sock is not None
         fired_at = leave_at = None
         told: set[int] = set()  # ranks told to go, after rank 0 reported
@@ -445,7 +510,7 @@ class Watchdog:
                     fired_at = now
             elif leave_at is None and fired_at is not None \
                     and self._acknowledged(now - fired_at):
-                self._report()
+                self.report(self.verdict.line, self._hang_record())
                 # the others leave when told (their next heartbeat), then rank 0
                 leave_at = time.monotonic() + (SILENT_BEATS + 2) * self.beat_s
             elif leave_at is not None and (now > leave_at or told >= self._live()):
@@ -472,51 +537,18 @@ class Watchdog:
         return all(self.seen[r].dumped for r in self._live()) \
             or since > (SILENT_BEATS + 2) * self.beat_s
 
-    def _report(self) -> None:
-        """Rank 0's part: its stacks, hang.json, the line; then its output is silenced."""
+    def _hang_record(self) -> dict[str, Any]:
+        """hang.json: the verdict and every rank's last position."""
         assert self.verdict is not None
         now = time.monotonic()
-        record = {"line": self.verdict.line, "named": list(self.verdict.named),
-                  "silent": list(self.verdict.silent), "stalled_s": round(self.verdict.stalled_s, 3),
-                  "timeout_s": self.limits.timeout,
-                  "ranks": {str(r): {"step": s.step, "phase": s.phase,
-                                     "since_progress_s": round(now - s.moved_at, 3),
-                                     "since_heartbeat_s": round(now - s.heard_at, 3),
-                                     "stacks_written": s.dumped or r == 0}
-                            for r, s in sorted(self.seen.items())}}
-        self.dump_stacks(self.verdict.line)
-        self.fired = True
-        with contextlib.suppress(OSError):
-            from ringfeed.fsutil import atomic_write_text
-
-            atomic_write_text(Path(self.out_dir) / "hang" / "hang.json",
-                              json.dumps(record, indent=2) + "\n")
-        self.say(self.verdict.line)
-        self.silence()
-
-    # -- leaving --------------------------------------------------------------------------
-    def dump_stacks(self, why: str) -> Path | None:
-        """Every thread's Python stack of this process into hang/rank-<r>.stacks (written
-        beside, then renamed); None when the directory cannot be written."""
-        directory = Path(self.out_dir) / "hang"
-        path = directory / f"rank-{self.rank}.stacks"
-        tmp = directory / f".rank-{self.rank}.stacks.tmp-{os.getpid()}"
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "w") as f:
-                pos = self.pos
-                f.write(f"rank {self.rank} of {self.size}, host {socket.gethostname()}, pid "
-                        f"{os.getpid()}, {place(pos.step, pos.phase)}, no progress for "
-                        f"{time.monotonic() - pos.moved_at:.1f} s\n{why}\n\n")
-                f.flush()
-                faulthandler.dump_traceback(f, all_threads=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            return path
-        except OSError:
-            return None
-
+        return {"line": self.verdict.line, "named": list(self.verdict.named),
+                "silent": list(self.verdict.silent), "stalled_s": round(self.verdict.stalled_s, 3),
+                "timeout_s": self.limits.timeout,
+                "ranks": {str(r): {"step": s.step, "phase": s.phase,
+                                   "since_progress_s": round(now - s.moved_at, 3),
+                                   "since_heartbeat_s": round(now - s.heard_at, 3),
+                                   "stacks_written": s.dumped or r == 0}
+                          for r, s in sorted(self.seen.items())}}
 
 
 def say_on_stderr(line: str) -> None:
