@@ -11,7 +11,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -224,7 +224,10 @@ class ShardPipeline:
             store = decoded_store(
                 c.decoded_cache, c.cache_limit, Path(self.cache.cache_dir), self.decoder,
                 self.layout.num_samples, lambda: first_raw(self.refs, self.cache, self.indexes))
-            self._context = StreamContext(self.refs, self.layout, self.decoder, self.cache,
+            decoder = self.decoder
+            if store is not None and decoder.augments_per_epoch:
+                decoder = replace(decoder, via_source=True)  # (Decoder.via_source)
+            self._context = StreamContext(self.refs, self.layout, decoder, self.cache,
                                           c.on_error, c.prefetch, self.indexes, store)
         return self._context
 

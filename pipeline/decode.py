@@ -82,6 +82,10 @@ class Decoder:
     seed: int = 0  # with the epoch and the key, decides a sample's augmentation
     channels: int | None = None  # 3 or 1: every image converted; None: as decoded
     source_side: int | None = None  # random augment: cached images' shorter side at most this
+    # random augment with the decoded cache on: a sample missing from the cache is cropped from
+    # the same reduced copy the cache keeps, so its pixels do not depend on which process
+    # wrote the entry (loader workers race for it) or on whether it was written yet
+    via_source: bool = False
 
     def __post_init__(self) -> None:
         self.image_size = as_pair(self.image_size)
@@ -202,9 +206,12 @@ class Decoder:
             return lambda data, key: decode_image(data, size, channels=channels)
         if not augment.random:  # the same every epoch: decoded once, cached as it is
             return lambda data, key: decode_augmented(data, augment, seed, 0, key, channels)
+        side = self.source_side
         if epoch is None:
-            side = self.source_side
             return lambda data, key: decode_source(data, side, channels)
+        if self.via_source:
+            return lambda data, key: augment_source(decode_source(data, side, channels), augment,
+                                                    seed, epoch, key)
         return lambda data, key: decode_augmented(data, augment, seed, epoch, key, channels)
 
     def finish(self, sample: dict[str, Any], normalize: bool | None = None) -> dict[str, Any]:

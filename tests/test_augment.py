@@ -348,6 +348,26 @@ def test_cached_epochs_crop_the_bounded_copy(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("workers, limit", [(0, 1), (2, None)])
+def test_with_the_decoded_cache_on_a_miss_crops_the_same_copy(tmp_path, workers, limit):
+    """A shard not served from the cache (no room for its entry: cache_limit 1 byte; or
+    another loader worker is writing it) is cropped from the same bounded copy as a cached
+    one, so a sample's pixels do not depend on who wrote the entry (Decoder.via_source)."""
+    images = [jpeg(photo(40 + 4 * g, 56, g)) for g in range(16)]
+    shards = write_images(tmp_path / "shards", images, per_shard=4)
+    stages = parse_augment(TRAIN, (12, 12))
+    for epoch in range(2):
+        pipe = pipe_of(shards, tmp_path, decoded_cache=True, cache_short_side=20,
+                       cache_limit=limit, num_workers=workers)
+        pipe.set_epoch(epoch)
+        got = by_key(pipe)
+        for g, data in enumerate(images):
+            key = f"img{g:04d}"
+            expected = augment_source(decode_source(data, 20, 3), stages, 3, epoch, key)
+            assert np.array_equal(got[key], expected), (epoch, key)
+
+
+@pytest.mark.integration
 def test_grey_cmyk_and_png_named_jpeg_come_out_as_colour(tmp_path):
     pixels = photo(20, 24)
     images = [jpeg(pixels), jpeg(pixels, "L"), jpeg(pixels, "CMYK"), png(pixels)] * 2
