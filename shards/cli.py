@@ -147,7 +147,7 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
             raise UserError(f"{flag} {value}: must be at least {low}")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val-fraction {args.val_fraction}: must be in [0, 1)")
-    storage_options = _storage_options(args)
+    storage_options, policy = _storage(args)
     out_arg = args.out if args.out else args.src
     src_url = args.src if is_url(args.src) else None
     out_url = out_arg.rstrip("/") if is_url(out_arg) else None
@@ -171,7 +171,7 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
         strict=args.strict, overwrite=args.overwrite, seq_len=args.seq_len,
         tokenizer=args.tokenizer, text_field=args.text_field, glob=args.glob, split=args.split,
         progress=args.progress, out_url=out_url, src_url=src_url,
-        storage_options=storage_options, staging=staging)
+        storage_options=storage_options, staging=staging, policy=policy)
 
 
 def _name_ext(spec: str, flag: str, example: str, last: bool = False) -> tuple[str, str]:
@@ -222,7 +222,7 @@ def run_verify(args: argparse.Namespace) -> int:
     from ringfeed.shards.progress import human_bytes
     from ringfeed.shards.verify import verify
 
-    result = verify(args.out, args.workers, _storage_options(args))
+    result = verify(args.out, args.workers, *_storage(args))
     for check in result.bad:
         print(f"BAD {check.split}/{check.name}: {'; '.join(check.problems)}")
     if result.unlisted:
@@ -245,15 +245,14 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     from ringfeed.shards.inspection import inspect_dataset
 
-    print(inspect_dataset(args.out, args.samples, args.workers, _storage_options(args)))
+    print(inspect_dataset(args.out, args.samples, args.workers, *_storage(args)))
     return 0
 
 
-def _storage_options(args: argparse.Namespace) -> dict:
-    """--storage-option's dictionary; --retry-budget set for this command's storage calls."""
-    from ringfeed.shards.remote import parse_storage_options, set_retry_budget
+def _storage(args: argparse.Namespace) -> tuple[dict, RetryPolicy]:
+    """--storage-option's dictionary, and --retry-budget's policy for this command's storage
+    calls."""
+    from ringfeed.shards.remote import parse_storage_options, retry_policy
 
-    if args.retry_budget is not None and args.retry_budget <= 0:
-        raise UserError(f"--retry-budget {args.retry_budget}: must be more than 0 seconds")
-    set_retry_budget(args.retry_budget)
-    return parse_storage_options(args.storage_option)
+    policy = retry_policy(args.retry_budget)
+    return parse_storage_options(args.storage_option), policy

@@ -16,6 +16,7 @@ from ringfeed.errors import UserError
 from ringfeed.formats.kinds import kind_of
 from ringfeed.formats.manifest import Manifest
 from ringfeed.formats.tarread import TarReadError, read_ints, scan_tar, shard_url
+from ringfeed.remote import RetryPolicy
 from ringfeed.shards.parallel import parallel_map
 from ringfeed.shards.progress import human_bytes
 from ringfeed.shards.remote import is_url, storage_call, storage_defaults
@@ -25,16 +26,20 @@ PREVIEW_CHARS = 60
 
 
 def inspect_dataset(out: str | Path, samples: int = 3, workers: int = 1,
-                    storage_options: dict[str, Any] | None = None) -> str:
-    """The report, as text. OUT is a folder or a URL (`s3://bucket/prefix`)."""
-    m = load_manifest(out, storage_options)
+                    storage_options: dict[str, Any] | None = None,
+                    policy: RetryPolicy | None = None) -> str:
+    """The report, as text. OUT is a folder or a URL (`s3://bucket/prefix`); storage calls are
+    retried under `policy` (default: ringfeed/remote.py's)."""
+    policy = policy or RetryPolicy()
+    m = load_manifest(out, storage_options, policy)
     out = str(out).rstrip("/") if is_url(out) else out
     names = [str(out), *(s.name for split in m.splits.values() for s in split.shards)]
     with storage_defaults(names, storage_options or {}):
-        return _report(m, out, samples, workers)
+        return _report(m, out, samples, workers, policy)
 
 
-def _report(m: Manifest, out: str | Path, samples: int, workers: int) -> str:
+def _report(m: Manifest, out: str | Path, samples: int, workers: int,
+            policy: RetryPolicy) -> str:
     lines = [f"{out}/manifest.json: {m.source.get('format')} from {m.source.get('path')} "
              f"({m.created_by or 'unknown writer'})"]
     lines.append("fields: " + ", ".join(f"{ext} ({kind})" for ext, kind in m.fields.items()))
@@ -56,8 +61,8 @@ def _report(m: Manifest, out: str | Path, samples: int, workers: int) -> str:
         lines.append(f"skipped {len(m.skipped)} input file(s), e.g. {m.skipped[0]['path']}: "
                      f"{m.skipped[0]['reason']}")
     if "cls" in m.fields:
-        lines.extend(_class_balance(m, out, workers))
-    lines.extend(_samples(m, out, samples))
+        lines.extend(_class_balance(m, out, workers, policy))
+    lines.extend(_samples(m, out, samples, policy))
     return "\n".join(lines)
 
 
@@ -67,10 +72,11 @@ def _spread(values: list[int], fmt: Any) -> str:
     return "/".join(fmt(int(v)) for v in (min(values), np.median(values), max(values)))
 
 
-def _count_classes(out: str, name: str) -> Counter:
+def _count_classes(shared: tuple[str, RetryPolicy], name: str) -> Counter:
+    out, policy = shared
     url = shard_url(out, name)
     try:
-        return storage_call(lambda: read_ints(url, "cls"), url, "count its classes")
+        return storage_call(lambda: read_ints(url, "cls"), url, "count its classes", policy)
     except (TarReadError, OSError) as e:
         raise _unreadable(out, url, e) from None
     except ValueError as e:  # int() of a cls member
@@ -84,11 +90,12 @@ def _unreadable(out: str, url: str, e: Exception) -> UserError:
                      "checks every shard)")
 
 
-def _class_balance(m: Manifest, out: str | Path, workers: int) -> list[str]:
+def _class_balance(m: Manifest, out: str | Path, workers: int,
+                   policy: RetryPolicy) -> list[str]:
     lines, warnings = [], []
     for split_name, split in m.splits.items():
         names = [s.name for s in split.shards]
-        per_shard = list(parallel_map(_count_classes, names, workers, str(out), 1))
+        per_shard = list(parallel_map(_count_classes, names, workers, (str(out), policy), 1))
         counts = sum(per_shard, Counter())
         total = sum(counts.values()) or 1
         labels = m.class_names or []
@@ -119,7 +126,7 @@ def _count_mismatches(out: str | Path, split_name: str, shards: list[Any],
             f"{out}` checks every shard)"]
 
 
-def _samples(m: Manifest, out: str | Path, count: int) -> list[str]:
+def _samples(m: Manifest, out: str | Path, count: int, policy: RetryPolicy) -> list[str]:
     lines = []
     for split_name, split in m.splits.items():
         if not split.shards or count <= 0:
@@ -129,7 +136,7 @@ def _samples(m: Manifest, out: str | Path, count: int) -> list[str]:
         url = shard_url(str(out), first)
         try:
             shown = storage_call(partial(scan_tar, url, keep_first=count), url,
-                                 "read its first samples").first
+                                 "read its first samples", policy).first
         except (TarReadError, OSError) as e:
             raise _unreadable(str(out), url, e) from None
         for sample in shown:

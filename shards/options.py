@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ringfeed.remote import RetryPolicy
+
 FORMATS = ("imagefolder", "jsonl", "csv", "parquet", "npz", "npy", "text", "wds-index")
 TABLE_FORMATS = ("jsonl", "csv", "parquet")  # one sample per row of typed columns
 DEFAULT_MAX_SIZE = 256_000_000  # used when neither --max-size nor --max-count is given
@@ -42,6 +44,7 @@ class ShardOptions:
     src_url: str | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec's, as the pipeline's
     staging: Path | None = None
+    policy: RetryPolicy = field(default_factory=RetryPolicy)  # --retry-budget's, for every call
 
     def limits(self) -> tuple[int | None, int | None]:
         """(max bytes, max samples) per shard; None = no limit."""

@@ -3,7 +3,7 @@
 (the pipeline's `storage_options`: endpoint_url, key, secret, anon, ...).
 
 Every call to storage goes through `remote_call`, which retries transient failures under the
-shared policy (ringfeed/remote.py: backoff within a time budget, `--retry-budget`, then
+command's policy (ringfeed/remote.py: backoff within a time budget, `--retry-budget`, then
 `StorageUnavailable`, exit 75, "run again"); permanent ones (no such bucket, no access) are one
 line naming the URL. S3 requests get the shared bounded timeouts (`with_timeouts`).
 
@@ -60,27 +60,27 @@ def parse_storage_options(specs: list[str]) -> dict[str, Any]:
     return options
 
 
-_policy = RetryPolicy()
+def retry_policy(budget_s: float | None) -> RetryPolicy:
+    """`--retry-budget`: how long one storage call of the command may keep failing transiently
+    before it stops with exit 75 (None: ringfeed/remote.py's default)."""
+    if budget_s is None:
+        return RetryPolicy()
+    if budget_s <= 0:
+        raise UserError(f"--retry-budget {budget_s}: must be more than 0 seconds")
+    return RetryPolicy(budget_s=budget_s)
 
 
-def set_retry_budget(seconds: float | None) -> None:
-    """`--retry-budget`: how long one storage call of this command may keep failing
-    transiently before the run stops with exit 75 (default: the shared policy's)."""
-    global _policy
-    _policy = RetryPolicy() if seconds is None else RetryPolicy(budget_s=seconds)
-
-
-def remote_call(fn: Callable[[], T], url: str, what: str) -> T:
+def remote_call(fn: Callable[[], T], url: str, what: str, policy: RetryPolicy) -> T:
     """`fn()`, a call to storage about `url` (`what`: "upload", "list", ...), retried while it
-    fails transiently (ringfeed/remote.py's policy; StorageUnavailable, exit 75, once the budget
-    is spent). The one place this package calls storage through."""
-    return retrying(fn, url, what, _policy)
+    fails transiently under the command's `policy` (StorageUnavailable, exit 75, once its
+    budget is spent). The one place this package calls storage through."""
+    return retrying(fn, url, what, policy)
 
 
-def storage_call(fn: Callable[[], T], url: str, what: str) -> T:
+def storage_call(fn: Callable[[], T], url: str, what: str, policy: RetryPolicy) -> T:
     """`remote_call` for a URL; a local path's call runs once (a local error is not
     transient)."""
-    return remote_call(fn, url, what) if is_url(url) else fn()
+    return remote_call(fn, url, what, policy) if is_url(url) else fn()
 
 
 @contextmanager
@@ -179,10 +179,13 @@ def expected_etag(path: Path, etag: str) -> str | None:
 
 
 class Store:
-    """The objects under one URL (a bucket prefix), named relative to it."""
+    """The objects under one URL (a bucket prefix), named relative to it; every call retried
+    under `policy` (default: ringfeed/remote.py's)."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any]):
+    def __init__(self, url: str, storage_options: dict[str, Any],
+                 policy: RetryPolicy | None = None):
         self.url = url.rstrip("/")
+        self.policy = policy or RetryPolicy()
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url,
                                                   **with_timeouts(self.url, storage_options))
@@ -201,7 +204,7 @@ class Store:
         """`fn()` through the retry policy; a permanent failure is one line naming the URL."""
         url = self.url_of(name) if name else self.url
         try:
-            return remote_call(fn, url, what)
+            return remote_call(fn, url, what, self.policy)
         except UserError:
             raise
         except FileNotFoundError as e:
@@ -351,13 +354,14 @@ class RemoteJournal:
         self.store.remove([JOURNAL])
 
 
-def fetch_source(url: str, storage_options: dict[str, Any], into: Path) -> Path:
+def fetch_source(url: str, storage_options: dict[str, Any], into: Path,
+                 policy: RetryPolicy | None = None) -> Path:
     """Bring SRC `url` (an object or a prefix of objects) into local folder `into`, as
     `into/<its last name>`; an object already there with the remote size and modification time
     is not fetched again, so a rerun after a kill fetches only what it lacks. Each local copy
     gets its object's modification time, so the plan (keyed by sizes and mtimes) is the same
     for every rerun while the source is unchanged. Hidden objects (`.name`) are skipped."""
-    store = Store(url, storage_options)
+    store = Store(url, storage_options, policy)
     target = into / (posixpath.basename(store.root) or "src")
     if store.is_file():
         objects = {"": store.info("")}

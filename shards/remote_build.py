@@ -64,7 +64,8 @@ def fetch_src(opts: ShardOptions) -> None:
         return
     assert opts.staging is not None
     try:
-        opts.src = fetch_source(opts.src_url, opts.storage_options, opts.staging / "src")
+        opts.src = fetch_source(opts.src_url, opts.storage_options, opts.staging / "src",
+                                opts.policy)
     except OSError as e:
         raise UserError(f"{failure(e, opts.src_url)}; fix that and run the same command "
                         "again") from e
@@ -72,7 +73,7 @@ def fetch_src(opts: ShardOptions) -> None:
 
 def shard_to_store(opts: ShardOptions, start: float) -> ShardRun:
     assert opts.out_url is not None
-    store = Store(opts.out_url, opts.storage_options)
+    store = Store(opts.out_url, opts.storage_options, opts.policy)
     try:
         return _shard_to_store(opts, store, start)
     except OSError as e:  # the staging disk full, a bucket that is not there: one line

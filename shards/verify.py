@@ -14,6 +14,7 @@ from ringfeed.errors import UserError
 from ringfeed.formats.manifest import MANIFEST_NAME, Manifest, ManifestError, ShardInfo
 from ringfeed.formats.tarindex import TarIndex, build_index
 from ringfeed.formats.tarread import TAR_SUFFIXES, TarReadError, open_shard, scan_tar, shard_url
+from ringfeed.remote import RetryPolicy
 from ringfeed.shards.parallel import parallel_map
 from ringfeed.shards.remote import Store, is_url, storage_call, storage_defaults
 
@@ -38,7 +39,8 @@ class Verification:
         return [c for c in self.checks if c.problems]
 
 
-def load_manifest(out: str | Path, storage_options: dict[str, Any] | None = None) -> Manifest:
+def load_manifest(out: str | Path, storage_options: dict[str, Any] | None = None,
+                  policy: RetryPolicy | None = None) -> Manifest:
     """OUT's manifest: a local folder's, or a URL's (`s3://bucket/prefix`: its manifest.json
     object, whose presence says the dataset is complete)."""
     try:
@@ -46,7 +48,7 @@ def load_manifest(out: str | Path, storage_options: dict[str, Any] | None = None
             return Manifest.load(Path(out))
         url = f"{str(out).rstrip('/')}/{MANIFEST_NAME}"
         try:
-            data = Store(str(out), storage_options or {}).read(MANIFEST_NAME)
+            data = Store(str(out), storage_options or {}, policy).read(MANIFEST_NAME)
         except FileNotFoundError:
             raise UserError(f"{url}: no manifest.json (run `ringfeed shard` first, or let it "
                             "finish: the manifest is uploaded last)") from None
@@ -59,16 +61,19 @@ def load_manifest(out: str | Path, storage_options: dict[str, Any] | None = None
         raise UserError(str(e)) from None
 
 
-def verify(out: str | Path, workers: int = 1,
-           storage_options: dict[str, Any] | None = None) -> Verification:
-    manifest = load_manifest(out, storage_options)
+def verify(out: str | Path, workers: int = 1, storage_options: dict[str, Any] | None = None,
+           policy: RetryPolicy | None = None) -> Verification:
+    """Every shard of OUT checked against its manifest; storage calls retried under `policy`
+    (default: ringfeed/remote.py's)."""
+    policy = policy or RetryPolicy()
+    manifest = load_manifest(out, storage_options, policy)
     tasks = [(split, info) for split, s in manifest.splits.items() for info in s.shards]
     out = str(out).rstrip("/") if is_url(out) else str(out)
     with storage_defaults([out, *(info.name for _, info in tasks)], storage_options or {}):
-        checks = list(parallel_map(_check, tasks, workers, out, 1))
+        checks = list(parallel_map(_check, tasks, workers, (out, policy), 1))
     if is_url(out):
         listed = {info.name for _, info in tasks}
-        unlisted = sorted(name for name in Store(out, storage_options or {}).list()
+        unlisted = sorted(name for name in Store(out, storage_options or {}, policy).list()
                           if "/" not in name and name.endswith(TAR_SUFFIXES)
                           and name not in listed)
     else:
@@ -78,12 +83,13 @@ def verify(out: str | Path, workers: int = 1,
     return Verification(manifest, checks, unlisted)
 
 
-def _check(out: str, task: tuple[str, ShardInfo]) -> ShardCheck:
+def _check(shared: tuple[str, RetryPolicy], task: tuple[str, ShardInfo]) -> ShardCheck:
+    out, policy = shared
     split, info = task
     check = ShardCheck(split, info.name)
     url = shard_url(out, info.name)
     try:
-        scan = storage_call(lambda: scan_tar(url), url, "verify")
+        scan = storage_call(lambda: scan_tar(url), url, "verify", policy)
     except FileNotFoundError:
         check.problems.append("missing")
         return check
@@ -103,20 +109,21 @@ def _check(out: str, task: tuple[str, ShardInfo]) -> ShardCheck:
     if scan.duplicate_keys:
         check.problems.append(f"sample key {scan.duplicate_keys[0]!r} appears more than once")
     if info.index is not None:
-        problem = _check_index(out, info.name, info.index)
+        problem = _check_index(out, info.name, info.index, policy)
         if problem:
             check.problems.append(problem)
     return check
 
 
-def _check_index(out: str, name: str, index: str) -> str | None:
+def _check_index(out: str, name: str, index: str, policy: RetryPolicy) -> str | None:
     """What is wrong with shard `name`'s index sidecar `index`, or None when it is the shard's
     index."""
     def read() -> bytes:
         with open_shard(shard_url(out, index)) as f:
             return f.read()
     try:
-        recorded = TarIndex.from_bytes(storage_call(read, shard_url(out, index), "verify"))
+        recorded = TarIndex.from_bytes(storage_call(read, shard_url(out, index), "verify",
+                                                    policy))
     except FileNotFoundError:
         return f"index sidecar {index} is missing"
     except ValueError as e:
@@ -127,7 +134,7 @@ def _check_index(out: str, name: str, index: str) -> str | None:
         with open_shard(shard_url(out, name)) as f:
             return build_index(f)[0]
     try:
-        actual = storage_call(index_of_shard, shard_url(out, name), "verify")
+        actual = storage_call(index_of_shard, shard_url(out, name), "verify", policy)
     except OSError as e:
         return f"index sidecar {index} cannot be checked: the shard is unreadable ({e})"
     if actual != recorded:

@@ -49,6 +49,7 @@ from ringfeed.formats.tarread import (
     scan_tar,
 )
 from ringfeed.fsutil import atomic_write_bytes
+from ringfeed.remote import RetryPolicy
 from ringfeed.shards.build import ShardRun, created_by
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.packing import SPLIT_ORDER
@@ -59,12 +60,13 @@ from ringfeed.shards.sources.base import SPLIT_NAMES, class_record
 _SPLIT_PREFIX = re.compile(r"^([a-z]+)[-_.]", re.IGNORECASE)
 
 
-def find_tars(src: str, storage_options: dict[str, Any] | None = None) -> list[Path] | list[str]:
+def find_tars(src: str, storage_options: dict[str, Any] | None = None,
+              policy: RetryPolicy | None = None) -> list[Path] | list[str]:
     """SRC is a folder of tar shards (.tar, or compressed: .tar.gz, .tgz, ...), one of them, or
     a brace/glob pattern of them; or the same in object storage (`s3://bucket/wds`: the
     objects directly under that prefix), as URLs."""
     if is_url(src):
-        return _find_remote_tars(src, storage_options or {})
+        return _find_remote_tars(src, storage_options or {}, policy)
     path = Path(src)
     if path.is_dir():
         files = [p for p in path.iterdir()
@@ -80,8 +82,9 @@ def find_tars(src: str, storage_options: dict[str, Any] | None = None) -> list[P
     return sorted(set(files), key=_natural)
 
 
-def _find_remote_tars(src: str, storage_options: dict[str, Any]) -> list[str]:
-    store = Store(src, storage_options)
+def _find_remote_tars(src: str, storage_options: dict[str, Any],
+                      policy: RetryPolicy | None) -> list[str]:
+    store = Store(src, storage_options, policy)
     protocol = src.split("://", 1)[0]
     if any(c in src for c in "*?[{"):
         paths = [p for pattern in braceexpand.braceexpand(src)
@@ -109,7 +112,7 @@ def split_of(path: Path) -> str:
     return SPLIT_NAMES.get(m.group(1).lower(), "train") if m else "train"
 
 
-def _scan(_shared: None, path: Path | str) -> tuple[TarScan, bytes | None, Counter] | str:
+def _scan(policy: RetryPolicy, path: Path | str) -> tuple[TarScan, bytes | None, Counter] | str:
     """(the shard's scan, its index as bytes (None: compressed), counts of its class ids), or
     what is wrong. A remote shard is read again while storage fails transiently."""
     compressed = str(path).endswith(COMPRESSED_TAR_SUFFIXES)
@@ -123,7 +126,7 @@ def _scan(_shared: None, path: Path | str) -> tuple[TarScan, bytes | None, Count
         with open_shard(str(path)) as f:
             return scan, classes, build_index(f)
     try:
-        scan, classes, built = storage_call(read, str(path), "index")
+        scan, classes, built = storage_call(read, str(path), "index", policy)
     except (TarReadError, OSError) as e:
         return str(e)
     except tarfile.TarError as e:
@@ -153,9 +156,9 @@ def index_shards(opts: ShardOptions) -> ShardRun:
     start = time.monotonic()
     src = opts.src_url or str(opts.src)
     with storage_defaults(src, opts.storage_options):
-        tars = find_tars(src, opts.storage_options)
+        tars = find_tars(src, opts.storage_options, opts.policy)
         out = opts.out_url or opts.out
-        store = Store(out, opts.storage_options) if isinstance(out, str) else None
+        store = Store(out, opts.storage_options, opts.policy) if isinstance(out, str) else None
         if store is not None:
             if MANIFEST_NAME in store.list() and not opts.overwrite:
                 raise UserError(f"{out}/manifest.json exists; pass --overwrite to replace it")
@@ -164,7 +167,7 @@ def index_shards(opts: ShardOptions) -> ShardRun:
                 raise UserError(f"{out}: exists and is not a folder")
             if (out / MANIFEST_NAME).exists() and not opts.overwrite:
                 raise UserError(f"{out}/manifest.json exists; pass --overwrite to replace it")
-        scans = list(parallel_map(_scan, tars, opts.workers, None, 1))
+        scans = list(parallel_map(_scan, tars, opts.workers, opts.policy, 1))
     splits: dict[str, Split] = {}
     fields: dict[str, str] = {}
     sidecars: dict[str, bytes] = {}
