@@ -19,7 +19,7 @@ import pytest
 from fault_util import assert_same_torch_state, read_jsonl, ringfeed_forked, torch_final
 from helpers import BIN, horovodrun, test_env
 from s3_proxy import AWS_ENV, moto_for_module
-from test_checkpointing import OneRank, Pipe
+from test_checkpointing import OneRank, Pipe, checkpointer_of
 from train_util import toy_config, write_config, write_toy_shards
 
 from ringfeed.errors import UserError
@@ -171,8 +171,8 @@ def checkpointer(tmp_path: Path, **checkpoint: Any) -> tuple[Checkpointer, list[
                                     "checkpoint": checkpoint})
     lines: list[str] = []
     recorded: list = []
-    return Checkpointer(cfg, OneRank(), lines.append, lines.append, recorded.append), lines, \
-        recorded
+    return checkpointer_of(cfg, OneRank(), lines.append, lines.append, recorded.append), \
+        lines, recorded
 
 
 def test_an_async_write_is_collected_by_the_next_save_and_a_failure_agreed_there(tmp_path):

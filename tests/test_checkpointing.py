@@ -56,12 +56,21 @@ class Pipe:
         self.loaded.append(state)
 
 
+def checkpointer_of(cfg: RunConfig, backend: Any, say: Any, log: Any,
+                    record: Any = None) -> Checkpointer:
+    """The Checkpointer of a run of `cfg`, built as train/loop.py builds it."""
+    return Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, backend, framework=cfg.framework,
+                        config=cfg.model_dump(mode="json"),
+                        staging=Path(cfg.output.dir) / ".checkpoint-staging",
+                        retry_budget_s=cfg.data.retry_budget_s, say=say, log=log, record=record)
+
+
 def make(tmp_path: Path, **checkpoint: Any) -> tuple[Checkpointer, OneRank, list[str]]:
     cfg = RunConfig.model_validate({"framework": "torch", "data": {"train": "unused"},
                                     "output": {"dir": str(tmp_path / "run")},
                                     "checkpoint": checkpoint})
     backend, lines = OneRank(), []
-    return Checkpointer(cfg, backend, lines.append, lines.append), backend, lines
+    return checkpointer_of(cfg, backend, lines.append, lines.append), backend, lines
 
 
 def test_a_fresh_dir_starts_at_step_0_and_a_saved_step_is_resumed(tmp_path):

@@ -70,7 +70,17 @@ def reporter(tmp_path: Path, **train: Any) -> Reporter:
         "framework": "torch", "data": {"train": "unused"},
         "train": {"log_every": 2, **train},
         "output": {"dir": str(tmp_path), "tensorboard": False, "sample_log": True}})
-    return Reporter(cfg, OneRank())
+    return Reporter(cfg.output, cfg.train, OneRank(), framework=cfg.framework,
+                    config=cfg.model_dump(mode="json"), config_yaml=cfg.to_yaml(),
+                    resuming=cfg.checkpoint.resume != "none")
+
+
+def report_step(r: Reporter, state: TrainState, result: StepResult, micro: list[Any],
+                lr: float, waited: float) -> None:
+    """What the loop calls after an optimizer step (train/loop.py Trainer.step)."""
+    r.on_step(state, result, micro, waited)
+    figures = r.gather_rank_figures(state.step) if r.log_due(state.step) else {}
+    r.log_step(state, result, lr, waited, figures)
 
 
 def test_the_hooks_write_the_logs_and_the_summary(tmp_path):
@@ -80,9 +90,9 @@ def test_the_hooks_write_the_logs_and_the_summary(tmp_path):
     state = TrainState()
     for step in range(1, 5):
         state.step = step
-        r.on_step(state, StepResult(float(step)), [batch([2 * step, 2 * step + 1], [True, False])],
-                  0.1, 0.0)
-        r.on_step_end(step)
+        report_step(r, state, StepResult(float(step)),
+                    [batch([2 * step, 2 * step + 1], [True, False])], 0.1, 0.0)
+        r.restart_clock()
     r.on_validate(state, {"loss": 0.5})
     r.finish("finished", state, Recovery(), steps_per_epoch=4)
     r.close()
@@ -103,7 +113,7 @@ def test_a_mixture_counts_its_samples_per_source(tmp_path):
     r.open(0, 2, 8, SPEC, Pipe(mixture=True))
     r.start_timing(0)
     state = TrainState(step=1)
-    r.on_step(state, StepResult(1.0), [batch([0, 2, 4, 1], [True, True, True, True])], 0.1, 0.0)
+    r.on_step(state, StepResult(1.0), [batch([0, 2, 4, 1], [True, True, True, True])], 0.0)
     assert r.mixture.shares() == {"share/a": 0.75, "share/b": 0.25}
     r.close()
 

@@ -13,14 +13,46 @@ standardises tabular inputs), so it works on numpy arrays, torch tensors and tf 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ringfeed.errors import UserError
 
+if TYPE_CHECKING:  # (type hints only: the pipeline is imported when one is made)
+    from ringfeed.formats.manifest import Manifest
+    from ringfeed.pipeline.mixture import Mixture
+
 CLASSIFY, LM, REGRESS = "classify", "lm", "regress"
 TARGET_NAMES = ("y", "label", "labels", "target", "targets", "cls")
+
+
+class TrainPipeline(Protocol):
+    """What the trainer needs of a pipeline (ringfeed.pipeline.ShardPipeline is one): the loop
+    its epochs and position, the checkpointer and elastic commits its state, the reporter its
+    mixture, example batch and counters, the backends a source for their loaders."""
+
+    @property
+    def manifest(self) -> Manifest | None: ...  # fields, classes, text: infer_spec()
+    @property
+    def mixture(self) -> Mixture | None: ...  # a weighted mixture's sources and weights
+    @property
+    def source_names(self) -> list[str]: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def batches_per_epoch(self) -> int: ...
+    @property
+    def batches_remaining(self) -> int: ...  # of the current epoch, on this rank
+
+    def set_epoch(self, epoch: int) -> None: ...
+    def expect_next_epoch(self, expected: bool) -> None: ...  # read it ahead, or not
+    def source_of(self, ids: Any) -> tuple[np.ndarray, np.ndarray]: ...  # (source, local id)
+    def state_dict(self) -> dict[str, Any]: ...  # its position, for checkpoints and commits
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def stats(self) -> dict[str, Any]: ...  # counters: storage retries and waits, ...
+    def example_batch(self) -> dict[str, Any]: ...  # a batch of the real shapes
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -97,7 +129,7 @@ def run_channels(cfg) -> int | None:
     return counts.pop() if len(counts) == 1 and counts <= {1, 3} else None
 
 
-def infer_spec(cfg, pipe) -> DataSpec:
+def infer_spec(cfg, pipe: TrainPipeline) -> DataSpec:
     """Fields from the config or the manifest; shapes from the pipeline's first sample."""
     manifest = pipe.manifest
     batch = pipe.example_batch()

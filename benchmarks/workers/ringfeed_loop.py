@@ -29,20 +29,21 @@ class InMemoryTrainer(Trainer):
     warmup = 0
 
     def train(self, signals: SignalRequests) -> bool:
-        loader = self.backend.loader(self.train_pipe)
+        feed = self.feed
+        loader = self.backend.loader(feed.train_pipe)
         iterator = iter(loader)
         batch = next(iterator)
         del iterator
         if hasattr(loader, "close"):
             loader.close()
-        self.train_pipe.close()
+        feed.train_pipe.close()
 
         class Repeat:
             def __iter__(self):
                 while True:
                     yield batch
 
-        self.loader, self.val_loader = Repeat(), None
+        feed.loader, feed.val_loader = Repeat(), None
         self.ends: list[float] = []
         return super().train(signals)
 
@@ -54,7 +55,7 @@ class InMemoryTrainer(Trainer):
             self._profiler.enable()
         stop = super().step(micro, waited, signals)
         self.ends.append(time.perf_counter())
-        if self.state.step >= self.total_steps and getattr(self, "_profiler", None):
+        if self.state.step >= self.feed.total_steps and getattr(self, "_profiler", None):
             self._profiler.disable()  # the final checkpoint and summary are not steps
         return stop
 
@@ -92,7 +93,7 @@ def main() -> None:
         ends = trainer.ends
         times = [b - a for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:], strict=False)]
         report(args, trainer.dist.size, times, ends[-1] - ends[args.warmup - 1],
-               trainer.recent_losses[-1], peer=f"ringfeed {own.framework} (in-memory batch)")
+               trainer.reporter.recent_losses[-1], peer=f"ringfeed {own.framework} (in-memory batch)")
     sys.exit(code)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,7 +22,7 @@ import numpy as np
 
 from ringfeed.errors import UserError
 from ringfeed.train.backends.horovod_env import apply_horovod_env, check_controller
-from ringfeed.train.data import REGRESS, DataSpec
+from ringfeed.train.data import REGRESS, DataSpec, TrainPipeline
 from ringfeed.train.losses import regression_fns
 from ringfeed.train.observe.profiler import no_span
 from ringfeed.train.resilience.watchdog import hang_timeout_s
@@ -33,6 +34,8 @@ from ringfeed.userhooks import load_callable
 # the last micro-batch's backward pass; TensorFlow: in the same tf.function), so it costs no
 # negotiation cycle of its own.
 STATS_LOSS, STATS_SAVE, STATS_STOP = 0, 1, 2
+
+Span = Callable[[str], AbstractContextManager]  # a named range of a profiler trace
 
 
 @dataclass(frozen=True)
@@ -53,16 +56,22 @@ class StepResult:
     numbers: the loop decides on them every step. `applied`, `grad_norm` and `loss_scale` may be
     handed over as framework scalars (a device tensor, a 0-d array): they are turned into Python
     numbers only when read, which the loop does on log steps, so an ordinary step pays no host
-    synchronisation for them."""
+    synchronisation for them. `collective_s` is what this rank measured itself: the seconds it
+    was blocked in the step's collectives (the per-rank figures take its own work as the step
+    time less this, train/observe/ranks.py)."""
 
-    __slots__ = ("loss", "save_requested", "stop_requested", "_applied", "_grad_norm",
-                 "_loss_scale")
+    __slots__ = ("loss", "save_requested", "stop_requested", "collective_s", "_applied",
+                 "_grad_norm", "_loss_scale")
 
     def __init__(self, loss: float, applied: Any = True, save_requested: bool = False,
-                 stop_requested: bool = False, grad_norm: Any = None, loss_scale: Any = None):
+                 stop_requested: bool = False, grad_norm: Any = None, loss_scale: Any = None,
+                 collective_s: float = 0.0):
         self.loss = loss  # mean over all ranks and micro-batches of this step
         self.save_requested = save_requested
         self.stop_requested = stop_requested
+        # torch: the wait for the gradient and agreement allreduces; TensorFlow: the whole
+        # step, one compiled function around its collectives
+        self.collective_s = collective_s
         # False: the update was skipped (fp16 overflow, or a non-finite loss)
         self._applied = applied
         self._grad_norm = grad_norm
@@ -107,13 +116,16 @@ class StepBackend(Protocol):
         """Create model, optimizer, loss scaler for steps of `accumulate` micro-batches (None:
         train.accumulate); nothing collective."""
 
-    def loader(self, pipe) -> Any:
+    def loader(self, pipe: TrainPipeline) -> Any:
         """An iterable over `pipe`'s batches as framework tensors; iter() once per epoch."""
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
-                   requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
+                   requests: tuple[float, float] = (0.0, 0.0), span: Span = no_span
+                   ) -> StepResult:
         """One optimizer step over the `accumulate` micro-batches given to build() (asserted),
-        one gradient allreduce. `requests` = (save, stop) flags of this rank, agreed across ranks."""
+        one gradient allreduce. `requests` = (save, stop) flags of this rank, agreed across ranks;
+        `span(name)`: a named range of the profiler's trace (torch: forward, backward,
+        allreduce, optimizer_step; TensorFlow names them inside its graph instead)."""
 
     def eval_batch(self, batch: dict[str, Any], groups: Groups | None = None
                    ) -> dict[str, float]:
@@ -216,10 +228,9 @@ class HorovodBackend:
     _grad_bytes: int  # one gradient allreduce's payload
 
     def start(self, cfg: Any) -> None:
-        """hvd.init() with the config's knobs; the profiler's named ranges are off."""
+        """hvd.init() with the config's knobs."""
         self.dist = start_horovod(self.hvd, cfg)
         self.cfg = cfg
-        self.span = no_span  # named profiler ranges: observe/profiler.py sets them while tracing
 
     def gpu_gather(self) -> Callable[[GpuView], list[GpuView]] | None:
         """The gather choose_gpu() needs: every rank's view (None in elastic runs)."""

@@ -22,6 +22,7 @@ sync_optimizer_state, the optimizer's per-variable slots in one grouped allreduc
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,13 +39,15 @@ from ringfeed.train.backends.base import (
     STATS_LOSS,
     Groups,
     HorovodBackend,
+    Span,
     StepResult,
     choose_gpu,
     metric_sums,
 )
-from ringfeed.train.data import REGRESS, DataSpec, split_batch
+from ringfeed.train.data import REGRESS, DataSpec, TrainPipeline, split_batch
 from ringfeed.train.models import build_model, channels_first
 from ringfeed.train.models.outputs import on_logits
+from ringfeed.train.observe.profiler import no_span
 from ringfeed.train.observe.throughput import FlopCount, count_tf_flops
 
 CHECKPOINT_PREFIX = "tf_checkpoint"
@@ -234,7 +237,7 @@ class TFBackend(TFCheckpoints, HorovodBackend):
         if not t.metrics:
             self.metrics_fn = on_logits(self.metrics_fn, tf.is_tensor, cfg.model.name)
 
-    def loader(self, pipe):
+    def loader(self, pipe: TrainPipeline) -> Any:
         from ringfeed.pipeline.tf import TensorLoader
 
         return TensorLoader(pipe)
@@ -303,7 +306,10 @@ class TFBackend(TFCheckpoints, HorovodBackend):
         return tf.concat([stats, [tf.cast(applied, tf.float32), norm, scale]], 0)
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
-                   requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
+                   requests: tuple[float, float] = (0.0, 0.0), span: Span = no_span
+                   ) -> StepResult:
+        # (`span`: the step's named ranges are name scopes inside its graph)
+        started = time.perf_counter()
         keys, k = self._step_keys, self.check_accumulate(micro_batches)
         micro = [{k: tf.convert_to_tensor(b[k]) for k in keys} for b in micro_batches]
         out = self._step(micro, tf.constant((*requests, lr), tf.float32)).numpy().tolist()
@@ -312,10 +318,12 @@ class TFBackend(TFCheckpoints, HorovodBackend):
             return StepResult.from_stats(stats, applied=False)
         self._count_step(int(micro[0][keys[0]].shape[0]) * k)
         fp16 = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        # the collectives run inside the one compiled step: its time is counted as theirs, so
+        # this rank's own work is what happens outside it
         return StepResult.from_stats(
             stats, applied=applied > 0 or not fp16,
             grad_norm=norm / scale if self.cfg.train.grad_clip else None,
-            loss_scale=scale if fp16 else None)
+            loss_scale=scale if fp16 else None, collective_s=time.perf_counter() - started)
 
     # -- throughput accounting (train/observe/throughput.py) ---------------------------------------
     def count_flops(self, batch: dict[str, Any]) -> FlopCount:

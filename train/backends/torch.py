@@ -32,15 +32,17 @@ from ringfeed.train.backends.base import (
     Dist,
     Groups,
     HorovodBackend,
+    Span,
     StepResult,
     choose_gpu,
     cpu_threads_per_rank,
     metric_sums,
 )
 from ringfeed.train.checkpoint.files import open_for_write
-from ringfeed.train.data import DataSpec, split_batch
+from ringfeed.train.data import DataSpec, TrainPipeline, split_batch
 from ringfeed.train.models import build_model, channels_first
 from ringfeed.train.models.outputs import on_logits
+from ringfeed.train.observe.profiler import no_span
 from ringfeed.train.observe.throughput import FlopCount, count_torch_flops
 
 STATE_FILE = "state.pt"
@@ -324,7 +326,7 @@ class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
         torch.manual_seed(self.rank_seed())
 
-    def loader(self, pipe):
+    def loader(self, pipe: TrainPipeline) -> Any:
         from ringfeed.pipeline.torch import make_loader
 
         return make_loader(pipe)
@@ -361,7 +363,8 @@ class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
         return hvd.allreduce_async_(stats, op=hvd.Average, name="ringfeed.step_stats")
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
-                   requests: tuple[float, float] = (0.0, 0.0)) -> StepResult:
+                   requests: tuple[float, float] = (0.0, 0.0), span: Span = no_span
+                   ) -> StepResult:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         local = self.sync_every > 1
@@ -369,36 +372,19 @@ class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
         # moments yet (an fp16 overflow skipping a rank's first steps leaves them uncreated),
         # so every rank averages the same list of tensors.
         extra = (float(self._has_moments()),) if local else ()
-        k = self.check_accumulate(micro_batches)
-        loss_sum = stats = None
-        samples = 0
-        for i, batch in enumerate(micro_batches):
-            x, y, _ = split_batch(batch, self.spec)  # (the valid mask only matters to eval)
-            x, y = self._inputs(x), torch.as_tensor(y).to(self.device, non_blocking=True)
-            samples += len(y)
-            with self.span("ringfeed.forward"), self._autocast():
-                loss = self.loss_fn(self.forward(x), y).float().mean()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-            if i == k - 1:
-                stats = self._submit_stats(loss_sum / k, requests, extra)
-            # The k-th backward triggers Horovod's allreduce (backward_passes_per_step=k);
-            # dividing by k makes the accumulated gradient the mean over k micro-batches.
-            # (Local SGD: plain accumulation in .grad, no allreduce.)
-            with self.span("ringfeed.backward"):
-                self.scaler.scale(loss / k).backward()
+        stats, samples = self._accumulate(micro_batches, requests, extra, span)
         synced = time.perf_counter()
-        with self.span("ringfeed.allreduce"):
+        with span("ringfeed.allreduce"):
             if not local:
                 self.optimizer.synchronize()
             # The one host synchronisation of a step: every rank decides on the same numbers.
             stats = hvd.synchronize(stats).tolist()
-        # blocked here: the allreduce's own time and the wait for the slowest rank (the loop's
-        # per-rank figures: this rank's own work is the step time less this)
-        self.collective_s = time.perf_counter() - synced
+        # blocked here: the allreduce's own time and the wait for the slowest rank
+        collective_s = time.perf_counter() - synced
         if not math.isfinite(stats[0]):
             # Nothing is applied: the loop stops the run on every rank (exit 3).
             self.optimizer.zero_grad()
-            return StepResult.from_stats(stats, applied=False)
+            return StepResult.from_stats(stats, applied=False, collective_s=collective_s)
         if local:
             self._moments_everywhere = stats[-1] == 1.0
         self.scaler.unscale_(self.optimizer)
@@ -412,7 +398,7 @@ class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
             scale = self.scaler.get_scale()
         # Local SGD: each rank's GradScaler decides on its own gradients (a rank may skip a
         # step the others apply); the sync below averages the replicas again.
-        with self.span("ringfeed.optimizer_step"), \
+        with span("ringfeed.optimizer_step"), \
                 contextlib.nullcontext() if local else self.optimizer.skip_synchronize():
             self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -421,7 +407,32 @@ class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
         self.optimizer.zero_grad()
         self._count_step(samples)
         return StepResult.from_stats(stats, applied=True if applied is None else applied,
-                                     grad_norm=grad_norm, loss_scale=scale)
+                                     grad_norm=grad_norm, loss_scale=scale,
+                                     collective_s=collective_s)
+
+    def _accumulate(self, micro_batches: list[dict[str, Any]], requests: tuple[float, float],
+                    extra: tuple[float, ...], span: Span) -> tuple[Any, int]:
+        """Forward and backward over the k micro-batches, their gradients summed in .grad
+        (and allreduced by Horovod's hooks as the last backward pass runs); the agreement
+        allreduce submitted just before that pass. (its handle, the samples trained on)"""
+        k = self.check_accumulate(micro_batches)
+        loss_sum = stats = None
+        samples = 0
+        for i, batch in enumerate(micro_batches):
+            x, y, _ = split_batch(batch, self.spec)  # (the valid mask only matters to eval)
+            x, y = self._inputs(x), torch.as_tensor(y).to(self.device, non_blocking=True)
+            samples += len(y)
+            with span("ringfeed.forward"), self._autocast():
+                loss = self.loss_fn(self.forward(x), y).float().mean()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            if i == k - 1:
+                stats = self._submit_stats(loss_sum / k, requests, extra)
+            # The k-th backward triggers Horovod's allreduce (backward_passes_per_step=k);
+            # dividing by k makes the accumulated gradient the mean over k micro-batches.
+            # (Local SGD: plain accumulation in .grad, no allreduce.)
+            with span("ringfeed.backward"):
+                self.scaler.scale(loss / k).backward()
+        return stats, samples
 
     def _applied(self, scale: Any) -> Any:
         """Whether the fp16 step just taken was applied: update() lowers the loss scale exactly

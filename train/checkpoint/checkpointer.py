@@ -26,7 +26,9 @@ checkpoint.on_error (fail: all stop; warn: all go on). So a background write tha
 reported up to checkpoint.every_steps steps later, never by one rank alone.
 
 Every outcome is a `Saved`: the seconds training was blocked by the save and the seconds the
-write took, logged ("saved checkpoint ...") and handed to `record` (metrics.jsonl, summary.json).
+write took, logged ("saved checkpoint ...") and handed once to `record`, the one place the run
+records it (train/loop.py: the newest checkpoint, the failures, the costs), before a failure
+is raised.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from ringfeed.train.checkpoint.files import (
     write_checkpoint,
 )
 from ringfeed.train.checkpoint.store import CheckpointStore, open_store
-from ringfeed.train.config import RunConfig
+from ringfeed.train.config import CheckpointSection
+from ringfeed.train.data import TrainPipeline
 from ringfeed.train.resilience.faults import NO_FAULTS, FaultPlan
 from ringfeed.train.runstate import TrainState
 
@@ -125,21 +128,25 @@ class Checkpointer:
     """Restores, saves and keeps the run's checkpoints. Its own state: the step whose save
     failed under on_error: warn (not retried at the end), and rank 0's writer thread."""
 
-    cfg: RunConfig
+    section: CheckpointSection
     backend: Backend
     store: CheckpointStore
     failed_step: int
 
-    def __init__(self, cfg: RunConfig, backend: Backend, say: Callable[[str], None],
-                 log: Callable[[str], None], record: Callable[[Saved], None] | None = None,
-                 faults: FaultPlan = NO_FAULTS):
-        """`say`: a line on rank 0 before the logs open; `log`: a line of the run's log;
-        `record`: each agreed outcome, for metrics.jsonl and summary.json (rank 0); `faults`:
-        the test-only fault plan (train/resilience/faults.py)."""
-        self.cfg, self.backend, self.faults = cfg, backend, faults
-        self.section = cfg.checkpoint
-        self.policy = RetryPolicy(budget_s=cfg.data.retry_budget_s)
-        self.store = self.open(cfg.checkpoint_dir)
+    def __init__(self, section: CheckpointSection, directory: str, backend: Backend, *,
+                 framework: str, config: dict[str, Any], staging: Path, retry_budget_s: float,
+                 say: Callable[[str], None], log: Callable[[str], None],
+                 record: Callable[[Saved], None] | None = None, faults: FaultPlan = NO_FAULTS):
+        """`directory`: checkpoint.dir resolved (a path or URL); `framework` and `config`
+        (the resolved config as plain values) go into every meta.json, and a checkpoint of
+        another framework is refused; `staging`: where remote checkpoints are staged;
+        `retry_budget_s`: how long storage may fail before a write or read gives up. `say`: a
+        line on rank 0 before the logs open; `log`: a line of the run's log; `record`: each
+        agreed outcome, once; `faults`: the test-only fault plan (train/resilience/faults.py)."""
+        self.section, self.backend, self.faults = section, backend, faults
+        self.framework, self.config, self.staging = framework, config, staging
+        self.policy = RetryPolicy(budget_s=retry_budget_s)
+        self.store = self.open(directory)
         self.directory = self.store.url
         self.say, self.log, self.record = say, log, record or (lambda saved: None)
         self.failed_step = -1
@@ -147,12 +154,11 @@ class Checkpointer:
 
     def open(self, location: str) -> CheckpointStore:
         """The store of a checkpoint path or URL, with checkpoint.storage_options; remote
-        checkpoints are staged under <output.dir>/.checkpoint-staging."""
-        return open_store(location, self.section.storage_options,
-                          Path(self.cfg.output.dir) / ".checkpoint-staging", self.policy)
+        checkpoints are staged under `staging`."""
+        return open_store(location, self.section.storage_options, self.staging, self.policy)
 
     # -- restore ------------------------------------------------------------------------------
-    def restore(self, pipe: Any, restarts: int) -> TrainState | None:
+    def restore(self, pipe: TrainPipeline, restarts: int) -> TrainState | None:
         """Collective: the progress of the checkpoint resumed from (its model state and
         `pipe`'s position loaded), or None when starting at step 0. Errors are decided on
         rank 0 and raised on every rank (a lone raise would hang the others)."""
@@ -197,9 +203,9 @@ class Checkpointer:
             if hit is None:
                 return None
             try:
-                if hit.meta.get("framework") != self.cfg.framework:
+                if hit.meta.get("framework") != self.framework:
                     raise UserError(f"checkpoint {hit.location} was written by "
-                                    f"{hit.meta.get('framework')}, not {self.cfg.framework}")
+                                    f"{hit.meta.get('framework')}, not {self.framework}")
                 self.backend.read_payload(hit.path)
             finally:
                 hit.store.release(hit.path)
@@ -231,7 +237,7 @@ class Checkpointer:
         """The end saves unless this step is saved already, or its save failed (warn)."""
         return state.saved_step != state.step and self.failed_step != state.step
 
-    def save(self, state: TrainState, pipe: Any, reason: str) -> list[Saved]:
+    def save(self, state: TrainState, pipe: TrainPipeline, reason: str) -> list[Saved]:
         """Collective: a checkpoint of `state.step`. Returns the writes this call saw finish,
         agreed on every rank (a failed one has no location under on_error: warn; under fail
         CheckpointWriteError, or StorageUnavailable, is raised on every rank): the one just
@@ -263,7 +269,7 @@ class Checkpointer:
         outcome = self.backend.broadcast_object(outcome if self.backend.dist.is_root else None)
         return [] if outcome is None else [self._settle(outcome)]
 
-    def snapshot(self, state: TrainState, pipe: Any, reason: str, copy: bool = False
+    def snapshot(self, state: TrainState, pipe: TrainPipeline, reason: str, copy: bool = False
                  ) -> Snapshot:
         """Collective: local SGD's replicas averaged (a checkpoint holds one model), every
         rank's RNG state gathered on rank 0, and rank 0's meta; with `copy`, rank 0's payload
@@ -273,10 +279,9 @@ class Checkpointer:
         rng = backend.rng_states()
         meta, write_payload = None, _nothing
         if dist.is_root:
-            meta = {"framework": self.cfg.framework, "epoch": state.epoch,
+            meta = {"framework": self.framework, "epoch": state.epoch,
                     "world_size": dist.size, "reason": reason,
-                    "pipeline": copy_module.deepcopy(pipe.state_dict()),
-                    "config": self.cfg.model_dump(mode="json")}
+                    "pipeline": copy_module.deepcopy(pipe.state_dict()), "config": self.config}
             write_payload = backend.payload(rng, copy)
         return Snapshot(state.step, reason, meta, write_payload)
 

@@ -21,7 +21,7 @@ steps, plus Horovod's timeline of the same steps.
 
 Steps are those `start_step .. start_step + steps - 1`; the window opens before the data wait
 of its first step and closes after its last step (or when the run ends inside it). Off (the
-default), no profiler object exists: the loop and the backends check one attribute per step.
+default), the window never opens: a span is the reusable NO_SPAN, one attribute checked.
 """
 
 from __future__ import annotations
@@ -50,24 +50,26 @@ def dynamic_timeline_env(cfg: Any) -> dict[str, str]:
 
 
 class StepProfiler:
-    """The profile window of one rank. Every rank has one when profiling is on (rank 0 starts
-    Horovod's timeline even when only other ranks are traced); ranks not in `ranks` trace
-    nothing themselves."""
+    """The profile window of one rank (train.profile; None: off, the window never opens).
+    Every rank has one (rank 0 starts Horovod's timeline even when only other ranks are
+    traced); ranks not in `ranks` trace nothing themselves."""
 
-    def __init__(self, framework: str, section: Any, rank: int, world_size: int,
+    def __init__(self, framework: str, section: Any | None, rank: int, world_size: int,
                  out_dir: Path, say: Callable[[str], None]):
         self.framework = framework
-        self.first, self.last = section.start_step, section.start_step + section.steps - 1
+        first, steps, ranks = ((section.start_step, section.steps, section.ranks)
+                               if section is not None else (0, 0, []))
+        self.first, self.last = first, first + steps - 1
         self.rank = rank
-        self.traced = rank in section.ranks
+        self.traced = rank in ranks
         self.dir = Path(out_dir) / "profile"
         self.say = say
         self.active = False
-        self.done = False
+        self.done = section is None
         self._next = self.first  # the step about to run
         self._profiler: Any = None
         self._timeline = False
-        missing = [r for r in section.ranks if r >= world_size]
+        missing = [r for r in ranks if r >= world_size]
         if missing:
             say(f"warning: train.profile.ranks {missing}: no such rank ({world_size} ranks)")
 

@@ -2,29 +2,30 @@
 
     open()           at every start (and again after an elastic reset): rank 0's config.yaml,
                      metrics.jsonl (and TensorBoard), samples.jsonl, each rewound to the step;
-                     the FLOP/peak accounting (rank 0, once) and the profiler (once)
+                     the FLOP/peak accounting (rank 0, once)
     start_timing()   training starts: the first step of a stretch is the warm-up, not timed
-    on_step()        after every optimizer step: the step's time, loss, lr, data wait, the
-                     sample ids and mixture counts; a log line every train.log_every steps,
-                     with every rank's figures (ranks.py: one small allreduce) and the
-                     straggler named
-    on_step_end()    after the step's validation and checkpoint: the profiler's window moves
-                     on and the clock restarts (validation and checkpoints are not step time)
+    on_step()        after every optimizer step, this rank's own: the step's time, loss, data
+                     wait and time in its collective, the sample ids and mixture counts
+    gather_rank_figures()  collective, on log steps (log_due(): every train.log_every steps
+                     and the last): every rank's figures and the straggler (ranks.py), the
+                     mixture's shares, the sample ids since the last gather (samples.jsonl)
+    log_step()       the step's record (a log line on log steps, with those figures)
+    restart_clock()  after the step's validation and checkpoint, and an epoch's validation
+                     (neither is step time)
     on_validate()    validation metrics
-    on_checkpoint()  before a checkpoint or an elastic commit: samples.jsonl is flushed, so
-                     it covers every step the checkpoint or commit holds
+    flush_samples()  collective: before a checkpoint or an elastic commit, samples.jsonl
+                     catches up, so it covers every step the checkpoint or commit holds
     finish()         summary.json (collective: the data-wait share is averaged over ranks;
                      each rank's percentiles gathered in one allreduce, train/observe/ranks.py)
 
 Rules: rank 0 writes every file; every method is called on every rank in the same order, and
-those marked collective talk to all ranks (the sample log's allgather every log_every steps,
-the mixture shares' allreduce on log steps). Rank 0's trackers (output.loggers: TensorBoard,
-MLflow, W&B; train/observe/trackers.py) are opened at the first open() and closed by close().
+those marked collective talk to all ranks: the loop calls each of them by name. Rank 0's
+trackers (output.loggers: TensorBoard, MLflow, W&B; train/observe/trackers.py) are opened at the
+first open() and closed by close().
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from dataclasses import asdict
@@ -35,10 +36,9 @@ import numpy as np
 
 from ringfeed.fsutil import atomic_write_text
 from ringfeed.train.backends.base import Backend, StepResult
-from ringfeed.train.config import RunConfig
-from ringfeed.train.data import LM, DataSpec
+from ringfeed.train.config import OutputSection, TrainSection
+from ringfeed.train.data import LM, DataSpec, TrainPipeline
 from ringfeed.train.observe.metrics import RunLogger, SampleLog, Throughput
-from ringfeed.train.observe.profiler import StepProfiler
 from ringfeed.train.observe.ranks import RankFigures
 from ringfeed.train.observe.runfiles import CONFIG_FILE, output_dir_error
 from ringfeed.train.observe.throughput import Accounting, FlopCount, resolve_peak
@@ -52,17 +52,17 @@ STORAGE_COUNTS = ("storage_retries", "storage_throttles", "storage_wait_s")
 
 
 class Reporter:
-    """The run's logs, summary, sample log, mixture shares, throughput and profiler."""
+    """The run's logs, summary, sample log, mixture shares and throughput."""
 
-    cfg: RunConfig
+    output: OutputSection  # dir, loggers, sample_log
+    train: TrainSection  # its log_every, straggler_margin, peak_tflops
     backend: Backend
     # the current start's train pipeline (a new one after an elastic reset) and step counts
-    pipe: Any
+    pipe: TrainPipeline | None
     total_steps: int
     global_batch: int
     logger: RunLogger | None
-    sample_log: SampleLog | None
-    pending_ids: list[tuple[int, int, list]]  # sample ids of steps not yet gathered
+    samples: SampleIds | None  # samples.jsonl: the sample ids not yet gathered
     mixture: MixtureShares | None  # a mixture's samples per source and their shares
     totals: Throughput
     recent_losses: deque[float]
@@ -70,26 +70,31 @@ class Reporter:
     first_step: int  # the step this stretch of training started at (its first is not timed)
     first_step_s: float | None  # how long that first step took: the warm-up
     t_last: float  # when the previous step ended
+    step_s: float  # the last step's time (data wait included)
     accounting: Accounting | None  # FLOPs per sample, peak (rank 0, once)
     ranks: RankFigures  # every rank's step, data-wait and own-work times; the straggler
-    profiler: StepProfiler | None  # train.profile's window; None when off
     checkpoint_costs: list[tuple[float, float]]  # (blocked s, write s) of each checkpoint
 
-    def __init__(self, cfg: RunConfig, backend: Backend):
-        self.cfg, self.backend = cfg, backend
+    def __init__(self, output: OutputSection, train: TrainSection, backend: Backend, *,
+                 framework: str, config: dict[str, Any], config_yaml: str, resuming: bool):
+        """`framework`, `config` (the resolved config as plain values, for the trackers) and
+        `config_yaml` (config.yaml) say what the run is; `resuming`: checkpoint.resume asks
+        for a checkpoint (the trackers continue their runs)."""
+        self.output, self.train, self.backend = output, train, backend
+        self.framework, self.config, self.config_yaml = framework, config, config_yaml
+        self.resuming = resuming
         self.pipe, self.total_steps, self.global_batch = None, 0, 0
-        self.logger = self.sample_log = None
-        self.pending_ids = []
+        self.logger = self.samples = None
         self.mixture = None
         self.totals = Throughput()
-        self.recent_losses = deque(maxlen=cfg.train.log_every)
+        self.recent_losses = deque(maxlen=train.log_every)
         self.last_val = {}
-        self.first_step, self.first_step_s = 0, None
+        self.first_step, self.first_step_s, self.step_s = 0, None, 0.0
         self.t_last = time.perf_counter()
-        self.accounting = self.profiler = None
+        self.accounting = None
         self.sinks: list[ScalarSink] | None = None  # rank 0's trackers, open for the whole run
         self.checkpoint_costs = []
-        self.ranks = RankFigures(cfg.train.straggler_margin, backend, self.info)
+        self.ranks = RankFigures(train.straggler_margin, backend, self.info)
 
     def say(self, message: str) -> None:
         """Print on rank 0."""
@@ -107,10 +112,10 @@ class Reporter:
 
     # -- hooks --------------------------------------------------------------------------------
     def open(self, step: int, total_steps: int, global_batch: int, spec: DataSpec,
-             pipe: Any) -> None:
-        """Rank 0's config.yaml, metrics and sample logs rewound to `step`; the accounting and
-        the profiler the first time."""
-        cfg, dist, out = self.cfg, self.backend.dist, Path(self.cfg.output.dir)
+             pipe: TrainPipeline) -> None:
+        """Rank 0's config.yaml, metrics and sample logs rewound to `step`; the accounting the
+        first time."""
+        dist, out = self.backend.dist, Path(self.output.dir)
         self._close_logs()
         self.pipe, self.total_steps, self.global_batch = pipe, total_steps, global_batch
         if pipe.mixture is not None and self.mixture is None:
@@ -118,63 +123,67 @@ class Reporter:
         if dist.is_root:
             try:
                 out.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(out / CONFIG_FILE, cfg.to_yaml())
+                atomic_write_text(out / CONFIG_FILE, self.config_yaml)
             except OSError as e:
                 raise output_dir_error(out, e) from None
         if dist.is_root and self.accounting is None:
-            self.accounting = count_throughput(self.backend, spec, pipe, cfg.train.peak_tflops)
+            self.accounting = count_throughput(self.backend, spec, pipe, self.train.peak_tflops)
         if dist.is_root and self.sinks is None:
             # a resumed run continues the tracker runs in output.dir/trackers.json
-            self.sinks = open_sinks(cfg.output.loggers, out,
-                                    resume=step > 0 or cfg.checkpoint.resume != "none",
-                                    config=cfg.model_dump(mode="json"))
+            self.sinks = open_sinks(self.output.loggers, out, resume=step > 0 or self.resuming,
+                                    config=self.config)
         self.logger = RunLogger(out, dist.is_root, total_steps, global_batch,
-                                cfg.train.log_every, sinks=self.sinks or (),
+                                self.train.log_every, sinks=self.sinks or (),
                                 start_step=step, accounting=self.accounting).open()
-        self._open_profiler()
-        self.pending_ids = []
-        if cfg.output.sample_log:
-            self.sample_log = SampleLog(out, dist.is_root, start_step=step).open()
+        if self.output.sample_log:
+            self.samples = SampleIds(SampleLog(out, dist.is_root, start_step=step).open(),
+                                     self.backend)
 
     def start_timing(self, step: int) -> None:
         """Training starts (again) after `step`: its next step is the untimed warm-up."""
         self.first_step = step
-        if self.profiler is not None:
-            self.profiler.at(step + 1)
         self.t_last = time.perf_counter()
 
-    def span(self, name: str, step: int | None = None) -> contextlib.AbstractContextManager:
-        """A named range of the profiler's trace (nothing when profiling is off)."""
-        if self.profiler is None:
-            return contextlib.nullcontext()
-        return self.profiler.span(name, step=step)
-
-    def on_step(self, state: TrainState, result: StepResult, micro: list[Any], lr: float,
-                waited: float, collective_s: float = 0.0) -> None:
-        """After optimizer step `state.step`, which spent `collective_s` in its collective
-        (ranks.py) (collective on log steps: the per-rank figures, mixture shares, and the
-        sample log's allgather)."""
+    def on_step(self, state: TrainState, result: StepResult, micro: list[Any],
+                waited: float) -> None:
+        """After optimizer step `state.step`, this rank's own figures (no collective): its
+        time, the `waited` for data and the time in its collective (result.collective_s),
+        its loss, its sample ids and mixture counts."""
         step, now = state.step, time.perf_counter()
+        self.step_s = now - self.t_last
         if step > self.first_step + 1:  # the first step traces/compiles: not timed
-            self.totals.add(self.global_batch, now - self.t_last, waited)
-            self.ranks.times.add(now - self.t_last, waited, collective_s)
+            self.totals.add(self.global_batch, self.step_s, waited)
+            self.ranks.times.add(self.step_s, waited, result.collective_s)
         else:  # its cost is reported instead: the warm-up (tf.function tracing, compiling)
-            self.first_step_s = now - self.t_last
+            self.first_step_s = self.step_s
         self.recent_losses.append(result.loss)
         ids = self._count_samples(micro)
-        log_step = step % self.cfg.train.log_every == 0
-        shares = (self.mixture.shares() if self.mixture is not None and (
-            log_step or step == self.total_steps) else {})  # (collective: steps every rank logs)
-        ranks = (self.ranks.window(step, self._storage_wait_s())
-                 if log_step or step == self.total_steps else {})
+        if self.samples is not None:
+            self.samples.add(step, state.epoch, ids)
+
+    def log_due(self, step: int) -> bool:
+        """Whether step `step` writes a log record (every train.log_every steps, and the
+        last), so every rank gathers the figures of its window (the same on every rank)."""
+        return step % self.train.log_every == 0 or step == self.total_steps
+
+    def gather_rank_figures(self, step: int) -> dict[str, Any]:
+        """Collective, on every rank at the steps log_due() names: every rank's figures of the
+        window (one small allreduce; the straggler named in the log), a mixture's shares (one
+        allreduce), and the sample ids since the last gather into samples.jsonl (one
+        allgather). The figures for log_step()."""
+        shares = self.mixture.shares() if self.mixture is not None else {}
+        figures = {**shares, **self.ranks.window(step, self._storage_wait_s())}
+        self.flush_samples()
+        return figures
+
+    def log_step(self, state: TrainState, result: StepResult, lr: float, waited: float,
+                 figures: dict[str, Any]) -> None:
+        """Step `state.step`'s record: added to the window, written on log steps with the
+        gathered `figures`."""
         # grad norm / loss scale are read (a device sync) only when a log line is written
-        self.logger.train_step(step, state.epoch, result.loss, lr, now - self.t_last, waited,
-                               lambda: {**step_extras(result), **shares,
-                                        **self._storage_waits(), **ranks})
-        if self.sample_log is not None:
-            self.pending_ids.append((step, state.epoch, ids))
-            if log_step:
-                self.flush_samples()
+        self.logger.train_step(state.step, state.epoch, result.loss, lr, self.step_s, waited,
+                               lambda: {**step_extras(result), **self._storage_waits(),
+                                        **figures})
 
     def _storage_waits(self) -> dict[str, float]:
         """This rank's storage retries so far, in a log record once there were any."""
@@ -186,15 +195,15 @@ class Reporter:
         """This rank's pipeline's seconds waiting out storage faults so far."""
         return float(self.pipe.stats().get("storage_wait_s", 0.0))
 
-    def on_step_end(self, step: int) -> None:
-        """Step `step` and what followed it (validation, checkpoint, commit) are done."""
-        if self.profiler is not None:
-            self.profiler.at(step + 1)
+    def restart_clock(self) -> None:
+        """What comes next is step time again: after a step's validation, checkpoint and
+        commit, and after an epoch's end-of-pass validation (neither is step time)."""
         self.t_last = time.perf_counter()
 
-    def on_epoch_end(self) -> None:
-        """The epoch's end-of-pass validation is not step time."""
-        self.t_last = time.perf_counter()
+    def on_skipped_step(self, step: int, samples: int) -> None:
+        """data.skip_steps: step `step`'s `samples` (all ranks) were read, not trained on."""
+        self.event(step, {"event": "skipped_step", "samples": samples})
+        self.say(f"step {step}: skipped (data.skip_steps), {samples} samples not trained on")
 
     def on_validate(self, state: TrainState, metrics: dict[str, float]) -> None:
         """Validation metrics at `state.step` (the summary's "val" is the last)."""
@@ -220,20 +229,11 @@ class Reporter:
                 "checkpoint_blocked_s": {"total": sum(blocked), "max": max(blocked, default=0.0)},
                 "checkpoint_write_s": {"total": sum(written), "max": max(written, default=0.0)}}
 
-    def on_checkpoint(self) -> None:
-        """Collective: before a checkpoint or a commit, samples.jsonl catches up."""
-        self.flush_samples()
-
     def flush_samples(self) -> None:
-        """Collective: the sample ids of the steps since the last flush, from every rank, into
-        samples.jsonl (one allgather per log_every steps, and before every checkpoint, commit
-        and the end). All ranks have the same steps pending, so all of them gather or none."""
-        if self.sample_log is None or not self.pending_ids:
-            return
-        pending, self.pending_ids = self.pending_ids, []
-        gathered = self.backend.gather_object([ids for _, _, ids in pending])
-        for i, (step, epoch, _) in enumerate(pending):
-            self.sample_log.step(step, epoch, [rank_ids[i] for rank_ids in gathered])
+        """Collective (when output.sample_log is on): the sample ids of the steps since the
+        last flush, from every rank, into samples.jsonl."""
+        if self.samples is not None:
+            self.samples.flush()
 
     def finish(self, status: str, state: TrainState, recovery: Recovery,
                steps_per_epoch: int) -> None:
@@ -246,7 +246,7 @@ class Reporter:
             **{k: float(stats.get(k, 0)) for k in STORAGE_COUNTS}})
         ranks = self.ranks.summary(self._storage_wait_s())
         summary = {
-            "status": status, "framework": self.cfg.framework, "world_size": backend.dist.size,
+            "status": status, "framework": self.framework, "world_size": backend.dist.size,
             "step": state.step, "epoch": state.epoch,
             "epochs_done": round(state.step / steps_per_epoch, 3),
             "final_loss": sum(losses) / len(losses) if losses else None,
@@ -271,9 +271,7 @@ class Reporter:
         self.logger.summary(summary)
 
     def close(self) -> None:
-        """The profiler's window, the logs and the trackers, closed (idempotent)."""
-        if self.profiler is not None:
-            self.profiler.close()
+        """The logs and the trackers, closed (idempotent)."""
         self._close_logs()
         sinks, self.sinks = self.sinks, None
         if sinks:
@@ -284,29 +282,44 @@ class Reporter:
         """The step's sample ids for the sample log (a mixture's as [source, id]); a mixture's
         samples are counted per source."""
         mixture = self.mixture is not None
-        ids = valid_sample_ids(micro) if self.sample_log is not None or mixture else []
+        ids = valid_sample_ids(micro) if self.samples is not None or mixture else []
         if mixture:
             pairs = self.mixture.count(self.pipe, ids)
-            if self.sample_log is not None:
+            if self.samples is not None:
                 ids = pairs
         return ids
 
-    def _open_profiler(self) -> None:
-        """train.profile: this rank's window (None when off), its named ranges handed to the
-        backend's step."""
-        section, dist = self.cfg.train.profile, self.backend.dist
-        if section is None or self.profiler is not None:
-            return
-        self.profiler = StepProfiler(self.cfg.framework, section, dist.rank, dist.size,
-                                     Path(self.cfg.output.dir), say_any)
-        if self.profiler.traced:
-            self.backend.span = self.profiler.span
-
     def _close_logs(self) -> None:
-        for log in (self.logger, self.sample_log):
-            if log is not None:
-                log.close()
-        self.logger = self.sample_log = None
+        if self.logger is not None:
+            self.logger.close()
+        if self.samples is not None:
+            self.samples.close()
+        self.logger = self.samples = None
+
+
+class SampleIds:
+    """samples.jsonl's part of the run: the sample ids of this rank's steps since the last
+    gather, and the collective that puts every rank's into the file (rank 0 writes)."""
+
+    def __init__(self, log: SampleLog, backend: Backend):
+        self.log, self.backend = log, backend
+        self.pending: list[tuple[int, int, list]] = []  # (step, epoch, ids)
+
+    def add(self, step: int, epoch: int, ids: list) -> None:
+        self.pending.append((step, epoch, ids))
+
+    def flush(self) -> None:
+        """Collective: every rank's pending ids into samples.jsonl, one allgather. All ranks
+        have the same steps pending, so all of them gather or none."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        gathered = self.backend.gather_object([ids for _, _, ids in pending])
+        for i, (step, epoch, _) in enumerate(pending):
+            self.log.step(step, epoch, [rank_ids[i] for rank_ids in gathered])
+
+    def close(self) -> None:
+        self.log.close()
 
 
 class MixtureShares:
@@ -317,7 +330,7 @@ class MixtureShares:
         self.names, self.backend = names, backend
         self.samples = np.zeros(len(names), dtype=np.int64)
 
-    def count(self, pipe: Any, ids: list[int]) -> list[list[int]]:
+    def count(self, pipe: TrainPipeline, ids: list[int]) -> list[list[int]]:
         """Count a step's global sample `ids` per source: the same ids as [source, id] pairs."""
         sources, local = pipe.source_of(ids)
         self.samples += np.bincount(sources, minlength=len(self.samples))
@@ -364,7 +377,7 @@ def valid_sample_ids(micro_batches: list[dict[str, Any]]) -> list[int]:
     return ids
 
 
-def count_throughput(backend: Backend, spec: DataSpec, pipe: Any,
+def count_throughput(backend: Backend, spec: DataSpec, pipe: TrainPipeline,
                      peak_tflops: float | None) -> Accounting:
     """The model's FLOPs per sample (at the real batch shape, outside the timed steps), the
     device's peak, tokens per sample. A failed count is reported as unknown, never raised."""
