@@ -383,6 +383,32 @@ def _litdata_loader(spec: ReadSpec):
                                        persistent_workers=True, prefetch_factor=2)
 
 
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and all its descendants, reaped or still
+    running (persistent loader workers), from /proc."""
+    import resource
+
+    tick = os.sysconf("SC_CLK_TCK")
+    kids: dict[int, list[tuple[int, float]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue   # exited meanwhile
+            kids.setdefault(int(fields[1]), []).append(
+                (int(entry), (int(fields[11]) + int(fields[12])) / tick))
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        for pid, cpu in kids.get(todo.pop(), []):
+            total += cpu
+            todo.append(pid)
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
 def read(args) -> dict:
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
@@ -394,7 +420,7 @@ def read(args) -> dict:
      "wds": lambda: __import__("webdataset"), "mds": lambda: __import__("streaming"),
      "litdata": lambda: __import__("litdata")}[args.tool]()
     imported = time.perf_counter() - start
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     epochs = make_loader(args.tool, args.decoder, args.data, cache, args.endpoint,
                          args.batch, args.workers, args.augment)
     built = time.perf_counter() - start
@@ -409,7 +435,9 @@ def read(args) -> dict:
                 first = time.perf_counter() - t + (built if epoch == 0 else 0.0)
             tally.add(images, labels, valid)
         seconds = time.perf_counter() - t + (built if epoch == 0 else 0.0)
-        out["epochs"].append({"seconds": seconds, "first_batch_s": first, **tally.result()})
+        cpu, cpu_before = cpu_seconds(), cpu
+        out["epochs"].append({"seconds": seconds, "first_batch_s": first,
+                              "cpu_s": cpu - cpu_before, **tally.result()})
         if args.mark:                     # the parent reads the proxy's counters per epoch
             print(json.dumps({"mark": epoch}), flush=True)
             sys.stdin.readline()
