@@ -177,9 +177,32 @@ class OptimSection(_Section):
     # Horovod's linear scaling rule (pytorch_imagenet_resnet50.py): the peak lr is
     # lr * world_size * accumulate, i.e. proportional to the global batch.
     scale_lr_with_world_size: bool = True
+    # Linear warmup to the peak over the first warmup_steps optimizer steps or warmup_epochs
+    # epochs (one of the two; epochs become steps at this world size's steps per epoch)
     warmup_steps: NonNegativeInt = 0
-    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_epochs: NonNegativeFloat = 0.0
+    # where the warmup starts: zero (nanoGPT, torchtitan), or one_rank: the rate before
+    # world-size scaling, lr x accumulate (Horovod's ImageNet examples: lr -> lr x ranks)
+    warmup_start: Literal["zero", "one_rank"] = "zero"
+    # after the warmup: constant; cosine down to min_lr_ratio x peak at the last step;
+    # multistep: x gamma at each of `milestones` (torch's MultiStepLR)
+    schedule: Literal["constant", "cosine", "multistep"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)  # cosine floor, as a fraction of the peak
+    # multistep: the epochs (counted from 0, as MultiStepLR's) from which the rate is x gamma
+    # once more, increasing: [30, 60, 80] decays in the 31st, 61st and 81st epochs
+    milestones: list[PositiveFloat] = Field(default_factory=list)
+    gamma: PositiveFloat = 0.1  # multistep's factor at each milestone
+
+    @model_validator(mode="after")
+    def _one_schedule(self) -> OptimSection:
+        if self.warmup_steps and self.warmup_epochs:
+            raise ValueError("set warmup_steps or warmup_epochs, not both")
+        if (self.schedule == "multistep") != bool(self.milestones):
+            raise ValueError("multistep needs optim.milestones (epochs, e.g. [30, 60, 80]); "
+                             "milestones are for schedule: multistep only")
+        if self.milestones != sorted(set(self.milestones)):
+            raise ValueError(f"milestones must increase, got {self.milestones}")
+        return self
 
 
 class ProfileSection(_Section):
