@@ -1,15 +1,21 @@
 """The recipe of Horovod's ImageNet examples as ringfeed keys (issue 46), in-process: the lr
 schedule (warmup in epochs from one rank's rate, multistep decay at epochs), checked against
-Horovod's own adjust_learning_rate written out here; the config keys and their errors."""
+Horovod's own adjust_learning_rate written out here; the config keys and their errors. The
+backends' parts (label smoothing, train accuracy and top-k, the Keras model's own losses) are
+checked in the step worker of test_train_equivalence.py, BatchNorm statistics over a resume in
+test_train.py."""
 
 from __future__ import annotations
 
+import io
+import json
 from types import SimpleNamespace
 
 import pytest
 
-from ringfeed.train.config import OptimSection
+from ringfeed.train.config import DataSection, OptimSection
 from ringfeed.train.feed import plan_steps
+from ringfeed.train.observe.metrics import RunLogger
 from ringfeed.train.schedule import LRSchedule, make_schedule
 
 
@@ -109,3 +115,23 @@ def test_schedule_keys_that_do_not_go_together(keys, message):
     with pytest.raises(ValueError, match=message):
         OptimSection(**keys)
 
+
+def test_val_batch_size_reaches_the_val_pipeline_only():
+    data = DataSection(train="shards", batch_size=4, val_batch_size=32)
+    assert data.to_pipeline_config("train").batch_size == 4
+    assert data.to_pipeline_config("val").batch_size == 32
+    assert DataSection(train="shards", batch_size=4).to_pipeline_config("val").batch_size == 4
+
+
+def test_training_metrics_are_logged_as_window_means_like_the_loss(tmp_path):
+    """StepResult.metrics go into metrics.jsonl as the mean over the log window (Horovod's
+    examples print the epoch's running mean), and the last window's into the summary."""
+    logger = RunLogger(tmp_path, True, total_steps=4, global_batch=8, log_every=2,
+                       stream=io.StringIO()).open()
+    for step, acc in enumerate([0.25, 0.75, 0.5, 1.0], 1):
+        logger.train_step(step, 0, 1.0, 0.1, 0.01, 0.0, means={"accuracy": acc, "top5": 1.0})
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["accuracy"], r["top5"]) for r in records] == [(2, 0.5, 1.0),
+                                                                       (4, 0.75, 1.0)]
+    assert logger.train_metrics == {"accuracy": 0.75, "top5": 1.0}
+    assert "accuracy 0.7500  top5 1.0000" in logger.stream.getvalue()

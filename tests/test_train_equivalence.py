@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pytest
 from helpers import BIN, REPO, horovodrun, run
-from train_util import INJECT_STEP, STEPS
+from train_util import FIXED_LOGITS, FIXED_TARGETS, INJECT_STEP, SMOOTHING, STEPS, TOPK
 
 WORKER = REPO / "tests" / "train_util.py"
 RTOL = 1e-6
@@ -194,3 +194,52 @@ def test_allreduce_bytes_per_sample(runs):
                           "lsgd_h2": sync,  # parameters + momentum, every 2nd step
                           "lsgd_h2_params": sync / 2, "lsgd_adam_h2": sync * 1.5}
     assert two["lsgd_h2"]["comm"]["syncs"] == STEPS / 2
+
+
+# -- the recipe's loss and metrics (issue 46) ------------------------------------------------
+def test_train_metrics_are_the_steps_own_averaged_over_ranks(runs):
+    """StepResult.metrics, the train accuracy and top-k of metrics.jsonl: on one rank those of
+    the step's own batch as the model was before it (its validation metrics, taken apart);
+    on 2 ranks x 8 the same numbers, on both ranks (averaged in the agreement allreduce)."""
+    ref = runs["one"]["ref"]["steps"]
+    for step in ref:
+        assert set(step["metrics"]) == {"accuracy", "top2"}  # (train.topk 2 of 3 classes)
+        assert step["metrics"] == pytest.approx(step["expected_metrics"], abs=1e-6)
+    assert len({tuple(step["metrics"].values()) for step in ref}) > 1  # they move
+    for rank in runs["two"]:
+        for mine, one_rank in zip(rank["dp"]["steps"], ref, strict=True):
+            assert mine["metrics"] == pytest.approx(one_rank["metrics"], abs=1e-6)
+
+
+def test_label_smoothing_and_top_k_are_the_formulas_on_fixed_logits(runs):
+    """train.label_smoothing s: (1 - s) x NLL + s x the mean over classes of -log p (torch's
+    CrossEntropyLoss and Keras' CategoricalCrossentropy with label_smoothing=s: both
+    frameworks are held to the same numbers); train.topk k: fewer than k classes score
+    higher than the target."""
+    got = runs["one"]["builtin_fns"]
+    logits, targets, rows = FIXED_LOGITS.astype(np.float64), FIXED_TARGETS, len(FIXED_TARGETS)
+    top = logits.max(1, keepdims=True)
+    log_p = logits - top - np.log(np.exp(logits - top).sum(1, keepdims=True))
+    nll = -log_p[np.arange(rows), targets]
+    assert got["loss"] == pytest.approx((1 - SMOOTHING) * nll - SMOOTHING * log_p.mean(1),
+                                        rel=1e-5)
+    higher = (logits > logits[np.arange(rows), targets][:, None]).sum(1)
+    assert got["accuracy"] == (higher == 0).astype(float).tolist()
+    assert got[f"top{TOPK}"] == (higher < TOPK).astype(float).tolist()
+    assert sum(got["accuracy"]) < sum(got[f"top{TOPK}"]) < rows  # neither trivial
+
+
+def test_the_keras_models_own_losses_are_part_of_its_training_loss(runs):
+    """A Keras model's kernel_regularizer and add_loss (an activity regularizer) are in the
+    loss it trains on and reports, as Keras' fit adds model.losses: the step's loss is the
+    data loss + sum(model.losses) of that forward, and L2 10 trains other weights than L2 0
+    from the same start."""
+    if runs["framework"] != "tensorflow":
+        pytest.skip("model.losses is Keras'")
+    strong, none = runs["one"]["own_losses"]["10.0"], runs["one"]["own_losses"]["0.0"]
+    assert strong["own"] > 10 * strong["data_loss"] and 0 < none["own"] < 0.1
+    for one_step in (strong, none):
+        assert one_step["loss"] == pytest.approx(one_step["data_loss"] + one_step["own"],
+                                                 rel=1e-5)
+    assert strong["data_loss"] == pytest.approx(none["data_loss"], rel=1e-6)  # the same start
+    assert rel_diff(strong, none) > 1e-2

@@ -262,6 +262,35 @@ def inf_mlp(spec, framework: str, hidden: int = 16):
     return (inf_mlp_torch if framework == "torch" else inf_mlp_keras)(spec, hidden)
 
 
+# -- user models for the recipe keys (issue 46) ---------------------------------------------
+def bn_mlp(spec, num_classes: int, hidden: int = 16, framework: str = "torch"):
+    """An MLP with a BatchNorm after its hidden layer: each rank's running statistics differ
+    (they follow that rank's batches) unless train.average_bn_stats averages them."""
+    if framework == "torch":
+        from torch import nn
+
+        return nn.Sequential(nn.Linear(spec.input_shape[0], hidden), nn.BatchNorm1d(hidden),
+                             nn.ReLU(), nn.Linear(hidden, num_classes))
+    import keras
+
+    inputs = keras.Input(spec.input_shape)
+    h = keras.layers.BatchNormalization()(keras.layers.Dense(hidden)(inputs))
+    h = keras.layers.Activation("relu")(h)
+    return keras.Model(inputs, keras.layers.Dense(num_classes, dtype="float32")(h))
+
+
+def regularized_mlp(spec, l2: float, activity: float, hidden: int = 16):
+    """A Keras MLP with the model's own losses: an L2 kernel_regularizer on both layers (the
+    Keras ImageNet example's weight decay) and an L1 activity regularizer (an add_loss)."""
+    import keras
+
+    reg = keras.regularizers.L2(l2)
+    inputs = keras.Input(spec.input_shape)
+    h = keras.layers.Dense(hidden, activation="relu", kernel_regularizer=reg,
+                           activity_regularizer=keras.regularizers.L1(activity))(inputs)
+    return keras.Model(inputs, keras.layers.Dense(spec.num_classes, kernel_regularizer=reg)(h))
+
+
 def _arm(backend, on: bool) -> None:
     if backend.name == "torch":
         backend.model.armed.fill_(1.0 if on else 0.0)
@@ -319,12 +348,14 @@ def optimizer_arrays(backend) -> list[np.ndarray]:
 
 def run_scenario(framework: str, accumulate: int, steps: int = STEPS, inject: bool = False,
                  image: bool = False, replica: int | None = None, trace: bool = False,
-                 **train: Any) -> dict[str, Any]:
+                 check_metrics: bool = False, **train: Any) -> dict[str, Any]:
     """`steps` optimizer steps on fixed global batches of GLOBAL_BATCH; rank r feeds rows
     [r*G/N, (r+1)*G/N) split into `accumulate` micro-batches. `image`: the built-in cnn on
     toy_images instead of the mlp on toy_arrays. `replica`: one process feeds the rows rank
     `replica` of 2 would (the reference for local SGD's replicas). `trace`: each step records
-    digests of the weights and of the optimizer state."""
+    digests of the weights and of the optimizer state. `check_metrics` (one rank): each step
+    also records the validation metrics of its own batch before it, the model as the step
+    sees it (no dropout or BatchNorm here)."""
     from ringfeed.train.data import CLASSIFY, DataSpec
 
     rank, size = _dist(framework)
@@ -348,11 +379,17 @@ def run_scenario(framework: str, accumulate: int, steps: int = STEPS, inject: bo
         if inject:
             _arm(backend, on=(s == INJECT_STEP and rank == 1))
         before = [w.copy() for w in backend.weights()]
+        expected = None
+        if check_metrics:
+            sums = backend.eval_batch({"x.npy": xs, "y.npy": ys})
+            expected = {k: v / sums["count"] for k, v in sums.items() if k not in ("count",
+                                                                                   "loss")}
         r = backend.train_step(batches, lr=0.1)
         changed = any(not np.array_equal(a, b) for a, b in zip(before, backend.weights(),
                                                                strict=True))
         results.append({"loss": r.loss, "applied": r.applied, "loss_scale": r.loss_scale,
-                        "weights_changed": changed})
+                        "weights_changed": changed, "metrics": r.metrics,
+                        "expected_metrics": expected})
         if trace:
             results[-1].update(weights_digest=_digest(backend.weights()),
                                optimizer_digest=_digest(optimizer_arrays(backend)))
@@ -390,17 +427,58 @@ def overfit_builtin(framework: str, name: str, steps: int = 8) -> list[float]:
     return [backend.train_step([batch], lr=lr).loss for _ in range(steps)]
 
 
+SMOOTHING, TOPK = 0.1, 3
+FIXED_LOGITS = np.random.default_rng(11).normal(size=(12, 7)).round(3).astype(np.float32)
+FIXED_TARGETS = np.random.default_rng(12).integers(0, 7, 12)
+
+
+def builtin_fns_on_fixed_logits(framework: str) -> dict[str, list[float]]:
+    """The built-in loss (train.label_smoothing SMOOTHING) and metrics (train.topk TOPK) of a
+    backend, per sample, on FIXED_LOGITS and FIXED_TARGETS."""
+    backend = _backend(framework, 1, 4, label_smoothing=SMOOTHING, topk=TOPK)
+    if framework == "torch":
+        import torch
+
+        logits, targets = torch.from_numpy(FIXED_LOGITS), torch.from_numpy(FIXED_TARGETS)
+    else:
+        import tensorflow as tf
+
+        logits, targets = tf.constant(FIXED_LOGITS), tf.constant(FIXED_TARGETS)
+    values = {"loss": backend.loss_fn(logits, targets), **backend.metrics_fn(logits, targets)}
+    return {k: np.asarray(v).astype(np.float64).tolist() for k, v in values.items()}
+
+
+def keras_own_losses(l2: float) -> dict[str, Any]:
+    """One step of regularized_mlp (L2 `l2` on its kernels, L1 1e-3 on its hidden activations)
+    on 16 fixed rows: the step's loss, the data loss and the model's own losses before it (the
+    same forward, eagerly), and the weights after it."""
+    import tensorflow as tf
+
+    backend = _backend("tensorflow", 1, 16, model={"name": "train_util:regularized_mlp",
+                                                   "args": {"l2": l2, "activity": 1e-3}})
+    x, y = toy_arrays(16, seed=3)
+    sums = backend.eval_batch({"x.npy": x, "y.npy": y})
+    backend.model(tf.constant(x), training=True)  # (eager: model.losses of this forward)
+    own = float(sum(tf.reduce_sum(v) for v in backend.model.losses))
+    result = backend.train_step([{"x.npy": x, "y.npy": y}], lr=0.1)
+    return {"loss": result.loss, "data_loss": sums["loss"] / sums["count"], "own": own,
+            "weights": [w.astype(np.float64).ravel().tolist() for w in backend.weights()]}
+
+
 def steps_main(framework: str, out: Path) -> None:
     """The scenarios for this world size; rank 0 writes `out` (every rank's results)."""
     rank, size = _dist(framework)
     scenarios: dict[str, Any] = {}
     if size == 1:
-        scenarios["ref"] = run_scenario(framework, 1)  # 1 rank x 16
+        scenarios["ref"] = run_scenario(framework, 1, topk=2, check_metrics=True)  # 1 x 16
         scenarios["acc2"] = run_scenario(framework, 2)  # 1 rank x 2 micro-batches of 8
         scenarios["acc4"] = run_scenario(framework, 4)  # 1 rank x 4 micro-batches of 4
         scenarios["bf16"] = run_scenario(framework, 1, precision="bf16")
         scenarios["adam_ref"] = run_scenario(framework, 1, optim="adam", grad_clip=0.5)
         scenarios["overfit"] = {name: overfit_builtin(framework, name) for name in ("cnn", "gpt")}
+        scenarios["builtin_fns"] = builtin_fns_on_fixed_logits(framework)
+        if framework == "tensorflow":
+            scenarios["own_losses"] = {str(l2): keras_own_losses(l2) for l2 in (10.0, 0.0)}
         if framework == "torch":
             scenarios["conv_ref"] = run_scenario(framework, 1, image=True)
             scenarios["cl_ref"] = run_scenario(framework, 1, image=True, channels_last=True)
@@ -414,7 +492,7 @@ def steps_main(framework: str, out: Path) -> None:
                 framework, 2, steps=LOCAL_STEPS, replica=r, sync_every=LOCAL_STEPS,
                 optim="adam", grad_clip=0.5)
     else:
-        scenarios["dp"] = run_scenario(framework, 1)  # 2 ranks x 8
+        scenarios["dp"] = run_scenario(framework, 1, topk=2)  # 2 ranks x 8
         scenarios["dp_acc2"] = run_scenario(framework, 2)  # 2 ranks x 2 micro-batches of 4
         scenarios["adam_dp"] = run_scenario(framework, 1, optim="adam", grad_clip=0.5)
         scenarios["dp_fp16_allreduce"] = run_scenario(framework, 1, fp16_allreduce=True)

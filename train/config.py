@@ -121,6 +121,8 @@ class DataSection(PipelineConfig):
     # optimizer steps whose batches are read but not trained on (the step counts, weights and
     # optimizer stay): a spike's steps left out on a rerun from the checkpoint before them
     skip_steps: list[PositiveInt] = Field(default_factory=list)
+    # samples per rank in each validation batch (no gradients: often larger); null: batch_size
+    val_batch_size: PositiveInt | None = None
     input_key: str | None = None  # default: inferred from the manifest's fields
     target_key: str | None = None
     # A run's defaults differ from a bare pipeline's for these two:
@@ -164,6 +166,7 @@ class DataSection(PipelineConfig):
             global_batch_size=(self.global_batch_size // accumulate
                                if training and self.global_batch_size else None),
             skip=self.skip if training else None,
+            batch_size=self.batch_size if training else self.val_batch_size or self.batch_size,
         )
         return pipeline_config(None, keys)
 
@@ -242,6 +245,18 @@ class TrainSection(_Section):
     # auto: regress (MSE loss; val mse/mae) when the target is a float, else classify (cross
     # entropy; val accuracy); an integer target can be regressed with `regress`
     task: Literal["auto", "classify", "regress"] = "auto"
+    # The built-in cross entropy against targets smoothed to (1 - s) on the class and s / C on
+    # every class (torch's CrossEntropyLoss(label_smoothing=s), Keras' CategoricalCrossentropy
+    # (label_smoothing=s)); training and validation loss alike
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    # top-k accuracy ("top5") beside accuracy, in training and validation, where the model has
+    # more than k classes; null: off
+    topk: PositiveInt | None = 5
+    # BatchNorm running statistics (torch running_mean/var, Keras moving_mean/variance)
+    # averaged over ranks, in place, before every validation and checkpoint (timm's --dist-bn
+    # reduce): all ranks validate with the statistics a checkpoint holds; false: each rank
+    # keeps its own and a checkpoint holds rank 0's
+    average_bn_stats: bool = True
     # Local SGD: each rank takes this many optimizer steps on its own gradients (no gradient
     # allreduce), then the parameters are averaged across ranks with one allreduce. 1: today's
     # synchronous training, one gradient allreduce per step, unchanged.
@@ -288,6 +303,9 @@ class CheckpointSection(_Section):
     # wait for it)
     async_write: bool = Field(False, alias="async")
     every_steps: PositiveInt | None = None  # plus one at the end of the run
+    # also at the end of every N-th epoch (after its validation), as Horovod's examples save
+    # one every epoch
+    every_epochs: PositiveInt | None = None
     keep: PositiveInt = 3
     save_on_signal: bool = True  # SIGTERM: save and exit 143; SIGUSR1: save and go on
     resume: str = "none"  # none | auto (newest complete checkpoint) | a checkpoint path/URL

@@ -257,6 +257,8 @@ class Trainer:
                 return False
         if self.cfg.train.val_every is None:  # the epoch's batches are exhausted
             self.validate()
+        if self.checkpointer.due_after_epoch(state):
+            self.save("every_epochs")
         self.reporter.restart_clock()
         return False
 

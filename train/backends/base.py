@@ -34,6 +34,7 @@ from ringfeed.userhooks import load_callable
 # the last micro-batch's backward pass; TensorFlow: in the same tf.function), so it costs no
 # negotiation cycle of its own.
 STATS_LOSS, STATS_SAVE, STATS_STOP = 0, 1, 2
+STATS_METRICS = 3  # the step's training metrics follow (StepResult.metrics)
 
 Span = Callable[[str], AbstractContextManager]  # a named range of a profiler trace
 
@@ -58,15 +59,18 @@ class StepResult:
     numbers only when read, which the loop does on log steps, so an ordinary step pays no host
     synchronisation for them. `collective_s` is what this rank measured itself: the seconds it
     was blocked in the step's collectives (the per-rank figures take its own work as the step
-    time less this, train/observe/ranks.py)."""
+    time less this, train/observe/ranks.py). `metrics`: the built-in metrics of the step's
+    training outputs (accuracy, top-k; mse, mae), averaged over ranks and micro-batches by the
+    agreement allreduce itself."""
 
-    __slots__ = ("loss", "save_requested", "stop_requested", "collective_s", "_applied",
-                 "_grad_norm", "_loss_scale")
+    __slots__ = ("loss", "save_requested", "stop_requested", "collective_s", "metrics",
+                 "_applied", "_grad_norm", "_loss_scale")
 
     def __init__(self, loss: float, applied: Any = True, save_requested: bool = False,
                  stop_requested: bool = False, grad_norm: Any = None, loss_scale: Any = None,
-                 collective_s: float = 0.0):
+                 collective_s: float = 0.0, metrics: dict[str, float] | None = None):
         self.loss = loss  # mean over all ranks and micro-batches of this step
+        self.metrics = metrics or {}
         self.save_requested = save_requested
         self.stop_requested = stop_requested
         # torch: the wait for the gradient and agreement allreduces; TensorFlow: the whole
@@ -78,9 +82,12 @@ class StepResult:
         self._loss_scale = loss_scale
 
     @classmethod
-    def from_stats(cls, stats: list[float], applied: Any, **extra: Any) -> StepResult:
+    def from_stats(cls, stats: list[float], applied: Any, metric_names: tuple[str, ...] = (),
+                   **extra: Any) -> StepResult:
+        """From the agreement vector: [loss, save, stop, *the metrics `metric_names`, ...]."""
+        metrics = dict(zip(metric_names, stats[STATS_METRICS:], strict=False))
         return cls(loss=stats[STATS_LOSS], applied=applied, save_requested=stats[STATS_SAVE] > 0,
-                   stop_requested=stats[STATS_STOP] > 0, **extra)
+                   stop_requested=stats[STATS_STOP] > 0, metrics=metrics, **extra)
 
     @property
     def applied(self) -> bool:
@@ -175,8 +182,10 @@ class ReplicaSync(Protocol):
 
     def sync_replicas(self) -> None:
         """Collective: average the replicas now if local SGD steps were taken since the last
-        sync (no-op for sync_every: 1, or right after a sync). Call before validation, every
-        checkpoint and the end of training, so they see one model, not rank 0's own."""
+        sync (no-op for sync_every: 1, or right after a sync), and the BatchNorm running
+        statistics if steps changed them since (train.average_bn_stats). Call before
+        validation, every checkpoint and the end of training, so they see one model, not rank
+        0's own: every rank validates with the statistics a checkpoint holds."""
 
     def comm_stats(self) -> dict[str, float]:
         """This rank's gradient/parameter allreduce payload so far: CommStats.as_dict()."""
@@ -242,7 +251,8 @@ class HorovodBackend:
                     default_fns: tuple[Callable, Callable]) -> None:
         """What a step needs besides the model: `accumulate` (None: train.accumulate), the
         sync period and its counters, the loss and metrics (train.loss/metrics, else MSE for
-        float targets, else `default_fns`)."""
+        float targets, else `default_fns`). The built-in metrics are also taken on every
+        training step (StepResult.metrics); a user's train.metrics only in validation."""
         t = self.cfg.train
         self.spec = spec
         self.accumulate = t.accumulate if accumulate is None else accumulate
@@ -264,6 +274,11 @@ class HorovodBackend:
         k = self.accumulate
         assert len(micro_batches) == k, f"{len(micro_batches)} micro-batches, accumulate={k}"
         return k
+
+    def train_metrics_fn(self) -> Callable | None:
+        """The metrics each training step takes from its outputs: the built-in ones (None
+        under a user's train.metrics, which may be costly or made for validation)."""
+        return None if self.cfg.train.metrics else self.metrics_fn
 
     def sync_replicas(self) -> None:
         raise NotImplementedError

@@ -21,6 +21,7 @@ sync_optimizer_state, the optimizer's per-variable slots in one grouped allreduc
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -54,19 +55,32 @@ CHECKPOINT_PREFIX = "tf_checkpoint"
 POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 
 
-def cross_entropy(logits: tf.Tensor, targets: tf.Tensor) -> tf.Tensor:
+def cross_entropy(logits: tf.Tensor, targets: tf.Tensor,
+                  label_smoothing: float = 0.0) -> tf.Tensor:
     """Per-sample cross entropy; for sequences (B, T, V) the mean over the T positions."""
-    losses = keras.losses.sparse_categorical_crossentropy(
-        targets, tf.cast(logits, tf.float32), from_logits=True)
-    return tf.reduce_mean(losses, axis=1) if losses.shape.rank == 2 else losses
+    return _crossentropy(tf.cast(logits, tf.float32), targets, True, label_smoothing)
 
 
-def probabilities_cross_entropy(probs: tf.Tensor, targets: tf.Tensor) -> tf.Tensor:
+def probabilities_cross_entropy(probs: tf.Tensor, targets: tf.Tensor,
+                                label_smoothing: float = 0.0) -> tf.Tensor:
     """cross_entropy for a model that ends in a softmax (outputs are probabilities, as
     keras.applications' classifiers give by default): Keras' from_logits=False loss, which
     for a softmax output of the TensorFlow backend reads the logits before it (numerically as
     stable as from_logits=True) and otherwise clips the probabilities."""
-    losses = keras.losses.sparse_categorical_crossentropy(targets, probs, from_logits=False)
+    return _crossentropy(probs, targets, False, label_smoothing)
+
+
+def _crossentropy(outputs: tf.Tensor, targets: tf.Tensor, from_logits: bool,
+                  label_smoothing: float) -> tf.Tensor:
+    """Keras' cross entropy of integer targets; smoothed, CategoricalCrossentropy's
+    (label_smoothing=s): the one-hot targets become (1 - s) x one-hot + s / classes."""
+    if label_smoothing:
+        onehot = tf.one_hot(tf.cast(targets, tf.int32), tf.shape(outputs)[-1], dtype=outputs.dtype)
+        losses = keras.losses.categorical_crossentropy(
+            onehot, outputs, from_logits=from_logits, label_smoothing=label_smoothing)
+    else:
+        losses = keras.losses.sparse_categorical_crossentropy(targets, outputs,
+                                                              from_logits=from_logits)
     losses = tf.cast(losses, tf.float32)
     return tf.reduce_mean(losses, axis=1) if losses.shape.rank == 2 else losses
 
@@ -83,10 +97,19 @@ def ends_in_softmax(model: keras.Model) -> bool:
     return getattr(activation, "__name__", None) == "softmax"
 
 
-def accuracy(logits: tf.Tensor, targets: tf.Tensor) -> dict[str, tf.Tensor]:
+def accuracy(logits: tf.Tensor, targets: tf.Tensor,
+             topk: int | None = None) -> dict[str, tf.Tensor]:
+    """Per-sample accuracy and, with more than `topk` classes, top-k accuracy ("top5",
+    tf.math.in_top_k: ties count in); for sequences the mean over the positions."""
     predicted = tf.argmax(logits, axis=-1, output_type=tf.int64)
     correct = tf.cast(tf.equal(predicted, tf.cast(targets, tf.int64)), tf.float32)
-    return {"accuracy": tf.reduce_mean(correct, axis=1) if correct.shape.rank == 2 else correct}
+    metrics = {"accuracy": correct}
+    if topk is not None and logits.shape[-1] > topk:
+        flat = tf.reshape(tf.cast(logits, tf.float32), [-1, logits.shape[-1]])
+        hit = tf.math.in_top_k(tf.reshape(tf.cast(targets, tf.int64), [-1]), flat, topk)
+        metrics[f"top{topk}"] = tf.reshape(tf.cast(hit, tf.float32), tf.shape(correct))
+    return {name: tf.reduce_mean(v, axis=1) if v.shape.rank == 2 else v
+            for name, v in metrics.items()}
 
 
 def make_optimizer(optim, grad_clip: float | None) -> keras.optimizers.Optimizer:
@@ -188,7 +211,11 @@ class TFBackend(TFCheckpoints, HorovodBackend):
     # -- setup --------------------------------------------------------------------------------
     def build(self, spec: DataSpec, accumulate: int | None = None) -> None:
         cfg, t = self.cfg, self.cfg.train
-        self.setup_steps(spec, accumulate, (cross_entropy, accuracy))
+        self.setup_steps(spec, accumulate, (
+            functools.partial(cross_entropy, label_smoothing=t.label_smoothing),
+            functools.partial(accuracy, topk=t.topk)))
+        self._metric_names: tuple[str, ...] = ()  # the step's training metrics (traced)
+        self._bn_stale = False  # BatchNorm statistics changed since they were last averaged
         keras.mixed_precision.set_dtype_policy(POLICIES[t.precision])
         keras.utils.set_random_seed(t.seed)
         self.model = build_model("tensorflow", cfg.model.name, dict(cfg.model.args), spec)
@@ -227,7 +254,8 @@ class TFBackend(TFCheckpoints, HorovodBackend):
         self.nchw = channels_first("tensorflow", cfg.model.input_layout, spec)
         t = cfg.train
         if not t.loss and spec.task != REGRESS and ends_in_softmax(self.model):
-            self.loss_fn = probabilities_cross_entropy
+            self.loss_fn = functools.partial(probabilities_cross_entropy,
+                                             label_smoothing=t.label_smoothing)
             if self.dist.is_root:
                 print(f"model.name {cfg.model.name}: the model ends in a softmax, so its outputs "
                       "are taken as probabilities (cross entropy with from_logits=False)",
@@ -257,21 +285,31 @@ class TFBackend(TFCheckpoints, HorovodBackend):
 
     def _step_fn(self, micro: list, settings: tf.Tensor) -> tf.Tensor:
         """The whole optimizer step in one graph: micro-batch gradients, one grouped allreduce
-        plus the agreement allreduce of [loss, save, stop] (negotiated together), and the update
-        applied only if the averaged loss is finite. Returns one small vector
-        [loss, save, stop, applied, grad norm, loss scale]: nothing else leaves the graph."""
+        plus the agreement allreduce of [loss, save, stop, *metrics] (negotiated together), and
+        the update applied only if the averaged loss is finite. The loss holds the model's own
+        losses (regularizers, add_loss), as Keras' fit adds them. Returns one small vector
+        [loss, save, stop, *metrics, applied, grad norm, loss scale]: nothing else leaves the
+        graph."""
         variables = self.model.trainable_variables
         self.inner_optimizer.learning_rate.assign(settings[2])
         total = None
         loss_sum = tf.constant(0.0)
+        metrics_fn, totals = self.train_metrics_fn(), {}
         for batch in micro:
             x, y, _ = split_batch(batch, self.spec)
             # (the name scope marks the forward ops in a profiler trace; their gradients are
             # named gradient_tape/ringfeed_forward/...)
             with tf.GradientTape() as tape, tf.name_scope("ringfeed_forward"):
-                loss = tf.reduce_mean(tf.cast(
-                    self.loss_fn(self.model(self._as_input(x), training=True), y), tf.float32))
+                out = self.model(self._as_input(x), training=True)
+                loss = tf.reduce_mean(tf.cast(self.loss_fn(out, y), tf.float32))
+                own = self.model.losses  # (weight regularizers are taken from the weights now)
+                if own:
+                    loss += tf.add_n([tf.reduce_sum(tf.cast(v, tf.float32)) for v in own])
                 scaled = self.optimizer.scale_loss(loss)  # identity unless fp16
+            if metrics_fn is not None:  # (from the outputs the step has: no second forward)
+                for name, values in metrics_fn(out, y).items():
+                    totals[name] = totals.get(name, 0.0) + tf.reduce_mean(
+                        tf.cast(values, tf.float32))
             grads = tape.gradient(scaled, [v.value for v in variables])
             # Unused variables get zeros; embedding gradients (IndexedSlices) are made dense,
             # Horovod's sparse_as_dense, so they can be summed and reduced with the rest.
@@ -284,8 +322,10 @@ class TFBackend(TFCheckpoints, HorovodBackend):
         if self.sync_every == 1:  # (local SGD: this rank's own gradients)
             reduced = hvd.grouped_allreduce(reduced, op=hvd.Average,
                                             compression=self.compression)
-        stats = hvd.allreduce(tf.concat([[loss_sum / k], settings[:2]], 0), op=hvd.Average,
-                              name="ringfeed_step_stats")
+        self._metric_names = tuple(totals)
+        stats = hvd.allreduce(tf.concat([[loss_sum / k], settings[:2],
+                                         [v / k for v in totals.values()]], 0),
+                              op=hvd.Average, name="ringfeed_step_stats")
         fp16 = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         # read before the update may change it (automatic control dependencies keep the order)
         scale = tf.identity(self.optimizer.dynamic_scale.value) if fp16 else tf.constant(1.0)
@@ -312,16 +352,17 @@ class TFBackend(TFCheckpoints, HorovodBackend):
         started = time.perf_counter()
         keys, k = self._step_keys, self.check_accumulate(micro_batches)
         micro = [{k: tf.convert_to_tensor(b[k]) for k in keys} for b in micro_batches]
+        self._bn_stale = True
         out = self._step(micro, tf.constant((*requests, lr), tf.float32)).numpy().tolist()
-        stats, (applied, norm, scale) = out[:3], out[3:]
+        stats, (applied, norm, scale) = out[:-3], out[-3:]
         if not np.isfinite(stats[STATS_LOSS]):
-            return StepResult.from_stats(stats, applied=False)
+            return StepResult.from_stats(stats, applied=False, metric_names=self._metric_names)
         self._count_step(int(micro[0][keys[0]].shape[0]) * k)
         fp16 = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         # the collectives run inside the one compiled step: its time is counted as theirs, so
         # this rank's own work is what happens outside it
         return StepResult.from_stats(
-            stats, applied=applied > 0 or not fp16,
+            stats, applied=applied > 0 or not fp16, metric_names=self._metric_names,
             grad_norm=norm / scale if self.cfg.train.grad_clip else None,
             loss_scale=scale if fp16 else None, collective_s=time.perf_counter() - started)
 
@@ -369,6 +410,15 @@ class TFBackend(TFCheckpoints, HorovodBackend):
             variable.assign(mean)
 
     def sync_replicas(self) -> None:
+        if self._bn_stale and self.cfg.train.average_bn_stats and self.dist.size > 1:
+            stats = [v.value for v in self.model.non_trainable_variables
+                     if v.name in ("moving_mean", "moving_variance")]  # BatchNormalization's
+            if stats:
+                means = hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in stats],
+                                              op=hvd.Average, name="ringfeed_bn_stats")
+                for variable, mean in zip(stats, means, strict=True):
+                    variable.assign(mean)
+        self._bn_stale = False
         if self._unsynced == 0:
             return
         self._average()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -49,19 +50,28 @@ STATE_FILE = "state.pt"
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-sample cross entropy; for sequences (B, T, V) the mean over the T positions."""
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                  label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-sample cross entropy (against targets smoothed by `label_smoothing`, as
+    CrossEntropyLoss's); for sequences (B, T, V) the mean over the T positions."""
     logits = logits.float()
     if logits.dim() == 3:
         b, t, v = logits.shape
         return F.cross_entropy(logits.reshape(b * t, v), targets.reshape(b * t),
-                               reduction="none").view(b, t).mean(1)
-    return F.cross_entropy(logits, targets, reduction="none")
+                               reduction="none", label_smoothing=label_smoothing).view(b, t).mean(1)
+    return F.cross_entropy(logits, targets, reduction="none", label_smoothing=label_smoothing)
 
 
-def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    correct = (logits.argmax(-1) == targets).float()
-    return {"accuracy": correct.mean(1) if correct.dim() == 2 else correct}
+def accuracy(logits: torch.Tensor, targets: torch.Tensor,
+             topk: int | None = None) -> dict[str, torch.Tensor]:
+    """Per-sample accuracy and, with more than `topk` classes, top-k accuracy ("top5"): the
+    target is in the top k when fewer than k classes score higher (ties count in, as
+    tf.math.in_top_k); for sequences the mean over the positions."""
+    metrics = {"accuracy": (logits.argmax(-1) == targets).float()}
+    if topk is not None and logits.shape[-1] > topk:
+        target_logit = logits.gather(-1, targets.long().unsqueeze(-1))
+        metrics[f"top{topk}"] = ((logits > target_logit).sum(-1) < topk).float()
+    return {name: v.mean(1) if v.dim() == 2 else v for name, v in metrics.items()}
 
 
 def make_optimizer(optim, params) -> torch.optim.Optimizer:
@@ -294,7 +304,10 @@ class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
     # -- setup --------------------------------------------------------------------------------
     def build(self, spec: DataSpec, accumulate: int | None = None) -> None:
         cfg, t = self.cfg, self.cfg.train
-        self.setup_steps(spec, accumulate, (cross_entropy, accuracy))
+        self.setup_steps(spec, accumulate, (
+            functools.partial(cross_entropy, label_smoothing=t.label_smoothing),
+            functools.partial(accuracy, topk=t.topk)))
+        self._bn_stale = False  # BatchNorm statistics changed since they were last averaged
         torch.manual_seed(t.seed)
         self.model = build_model("torch", cfg.model.name, dict(cfg.model.args), spec)
         # image batches as (N, C, H, W), the layout torch models take (model.input_layout)
@@ -353,13 +366,15 @@ class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
         return self._inputs(x), y, valid
 
     def _submit_stats(self, mean_loss: torch.Tensor, requests: tuple[float, float],
-                      extra: tuple[float, ...] = ()):
-        """Start the step's agreement allreduce of [loss, save, stop, *extra] on the gradients'
-        device (filled from Python numbers: no host-to-device copy, no synchronisation).
+                      extra: tuple[float, ...] = (), metrics: tuple[torch.Tensor, ...] = ()):
+        """Start the step's agreement allreduce of [loss, save, stop, *metrics, *extra] on the
+        gradients' device (filled from Python numbers and the metrics' device scalars: no
+        host-to-device copy, no synchronisation).
         Submitted just before the last backward pass, it is negotiated with the gradient
         allreduces that pass starts (or done while it runs), instead of in a Horovod cycle of
         its own after them."""
-        stats = torch.stack([mean_loss, *(mean_loss.new_full((), v) for v in (*requests, *extra))])
+        stats = torch.stack([mean_loss, *(mean_loss.new_full((), v) for v in requests),
+                             *metrics, *(mean_loss.new_full((), v) for v in extra)])
         return hvd.allreduce_async_(stats, op=hvd.Average, name="ringfeed.step_stats")
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
@@ -372,6 +387,7 @@ class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
         # moments yet (an fp16 overflow skipping a rank's first steps leaves them uncreated),
         # so every rank averages the same list of tensors.
         extra = (float(self._has_moments()),) if local else ()
+        self._bn_stale = True
         stats, samples = self._accumulate(micro_batches, requests, extra, span)
         synced = time.perf_counter()
         with span("ringfeed.allreduce"):
@@ -384,7 +400,8 @@ class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
         if not math.isfinite(stats[0]):
             # Nothing is applied: the loop stops the run on every rank (exit 3).
             self.optimizer.zero_grad()
-            return StepResult.from_stats(stats, applied=False, collective_s=collective_s)
+            return StepResult.from_stats(stats, applied=False, metric_names=self._metric_names,
+                                         collective_s=collective_s)
         if local:
             self._moments_everywhere = stats[-1] == 1.0
         self.scaler.unscale_(self.optimizer)
@@ -407,6 +424,7 @@ class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
         self.optimizer.zero_grad()
         self._count_step(samples)
         return StepResult.from_stats(stats, applied=True if applied is None else applied,
+                                     metric_names=self._metric_names,
                                      grad_norm=grad_norm, loss_scale=scale,
                                      collective_s=collective_s)
 
@@ -414,19 +432,28 @@ class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
                     extra: tuple[float, ...], span: Span) -> tuple[Any, int]:
         """Forward and backward over the k micro-batches, their gradients summed in .grad
         (and allreduced by Horovod's hooks as the last backward pass runs); the agreement
-        allreduce submitted just before that pass. (its handle, the samples trained on)"""
+        allreduce submitted just before that pass, with the mean of each training metric
+        (named in self._metric_names). (its handle, the samples trained on)"""
         k = self.check_accumulate(micro_batches)
         loss_sum = stats = None
         samples = 0
+        metrics_fn, totals = self.train_metrics_fn(), {}
         for i, batch in enumerate(micro_batches):
             x, y, _ = split_batch(batch, self.spec)  # (the valid mask only matters to eval)
             x, y = self._inputs(x), torch.as_tensor(y).to(self.device, non_blocking=True)
             samples += len(y)
             with span("ringfeed.forward"), self._autocast():
-                loss = self.loss_fn(self.forward(x), y).float().mean()
+                out = self.forward(x)
+                loss = self.loss_fn(out, y).float().mean()
+            if metrics_fn is not None:
+                with torch.no_grad():  # (from the outputs the step has: no second forward)
+                    for name, values in metrics_fn(out, y).items():
+                        totals[name] = totals.get(name, 0.0) + values.float().mean()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             if i == k - 1:
-                stats = self._submit_stats(loss_sum / k, requests, extra)
+                self._metric_names = tuple(totals)
+                stats = self._submit_stats(loss_sum / k, requests, extra,
+                                           tuple(v / k for v in totals.values()))
             # The k-th backward triggers Horovod's allreduce (backward_passes_per_step=k);
             # dividing by k makes the accumulated gradient the mean over k micro-batches.
             # (Local SGD: plain accumulation in .grad, no allreduce.)
@@ -483,6 +510,13 @@ class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
 
     @torch.no_grad()
     def sync_replicas(self) -> None:
+        if self._bn_stale and self.cfg.train.average_bn_stats and self.dist.size > 1:
+            # timm's rule: the buffers named running_mean / running_var
+            stats = [b for name, b in self.model.named_buffers()
+                     if name.endswith(("running_mean", "running_var"))]
+            if stats:
+                average_tensors(stats, "ringfeed.bn_stats")
+        self._bn_stale = False
         if self._unsynced == 0:
             return
         self.comm.sync(average_tensors(self._replica_tensors(), "ringfeed.local_sgd"))

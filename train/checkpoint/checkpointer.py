@@ -66,7 +66,7 @@ class Snapshot:
     """What one checkpoint holds, taken on every rank before anything is written."""
 
     step: int
-    reason: str  # why it is saved: signal, every_steps, end
+    reason: str  # why it is saved: signal, every_steps, every_epochs, end
     meta: dict[str, Any] | None  # meta.json's run fields (rank 0; None elsewhere)
     write_payload: Callable[[Path], None]  # writes model, optimizer, scaler, RNG into a dir
 
@@ -232,6 +232,12 @@ class Checkpointer:
         if every and step % every == 0:
             return "every_steps"
         return None
+
+    def due_after_epoch(self, state: TrainState) -> bool:
+        """Whether the end of epoch `state.epoch` (counted from 0) saves: every
+        checkpoint.every_epochs-th epoch, unless this step is saved already."""
+        every = self.section.every_epochs
+        return bool(every) and (state.epoch + 1) % every == 0 and state.saved_step != state.step
 
     def due_at_end(self, state: TrainState) -> bool:
         """The end saves unless this step is saved already, or its save failed (warn)."""

@@ -86,6 +86,8 @@ class RunLogger:
     def __post_init__(self) -> None:
         self.window = Throughput()
         self._window_loss = 0.0
+        self._window_means: dict[str, float] = {}  # sums of the steps' training metrics
+        self.train_metrics: dict[str, float] = {}  # the last log record's (summary.json)
         self._bar = None
         self._jsonl: AppendFile | None = None
         self.metrics_path = self.out_dir / METRICS_FILE
@@ -118,28 +120,34 @@ class RunLogger:
 
     def train_step(self, step: int, epoch: int, loss: float, lr: float, step_s: float,
                    data_wait_s: float,
-                   extra: dict[str, float] | Callable[[], dict[str, float]] | None = None
-                   ) -> None:
+                   extra: dict[str, float] | Callable[[], dict[str, float]] | None = None,
+                   means: dict[str, float] | None = None) -> None:
         """Called after every optimizer step (`step` counts completed steps). Between log steps
         it only adds to the window; `extra` (or the function giving it, called on log steps
-        only) holds per-step values such as the gradient norm."""
+        only) holds per-step values such as the gradient norm; `means` the step's training
+        metrics (accuracy, top5), recorded like the loss: their mean over the window."""
         if not self.enabled:
             return
         self.window.add(self.global_batch, step_s, data_wait_s)
         self._window_loss += loss
+        for name, value in (means or {}).items():
+            self._window_means[name] = self._window_means.get(name, 0.0) + value
         if self._bar is not None:
             self._bar.update(1)
         if step % self.log_every and step != self.total_steps:
             return
         if callable(extra):
             extra = extra()
+        self.train_metrics = {name: total / self.window.steps
+                              for name, total in self._window_means.items()}
         record = {"step": step, "epoch": epoch, "loss": self._window_loss / self.window.steps,
-                  "lr": lr, "samples_per_s": self.window.samples_per_s,
+                  **self.train_metrics, "lr": lr, "samples_per_s": self.window.samples_per_s,
                   "data_wait": self.window.data_wait_share, **(extra or {})}
         if self.accounting is not None:
             record.update(self.accounting.rates(record["samples_per_s"]))
         self._record(record)
-        text = (f"loss {record['loss']:.4f}  {record['samples_per_s']:.0f} samples/s  "
+        shown = "".join(f"{name} {value:.4f}  " for name, value in self.train_metrics.items())
+        text = (f"loss {record['loss']:.4f}  {shown}{record['samples_per_s']:.0f} samples/s  "
                 f"data-wait {100 * record['data_wait']:.0f}%  lr {lr:.3g}")
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=True)
@@ -147,6 +155,7 @@ class RunLogger:
             self.info(f"step {step}/{self.total_steps}  epoch {epoch}  {text}")
         self.window = Throughput()
         self._window_loss = 0.0
+        self._window_means = {}
 
     def event(self, step: int, details: dict[str, Any]) -> None:
         """A non-metric record in metrics.jsonl (e.g. an elastic reset), not in TensorBoard."""
@@ -184,6 +193,8 @@ class RunLogger:
                  f"(epoch {summary['epoch']}), {summary['train_seconds']:.1f}s training"]
         if summary.get("final_loss") is not None:
             lines.append(f"  final train loss   {summary['final_loss']:.4f}")
+        for k, v in (summary.get("train") or {}).items():
+            lines.append(f"  final train {k:<6} {v:.4f}")
         for k, v in (summary.get("val") or {}).items():
             lines.append(f"  final val {k:<9}{v:.4f}")
         lines.append(f"  throughput         {summary['samples_per_s']:.1f} samples/s "

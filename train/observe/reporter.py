@@ -183,7 +183,7 @@ class Reporter:
         # grad norm / loss scale are read (a device sync) only when a log line is written
         self.logger.train_step(state.step, state.epoch, result.loss, lr, self.step_s, waited,
                                lambda: {**step_extras(result), **self._storage_waits(),
-                                        **figures})
+                                        **figures}, means=result.metrics)
 
     def _storage_waits(self) -> dict[str, float]:
         """This rank's storage retries so far, in a log record once there were any."""
@@ -250,6 +250,7 @@ class Reporter:
             "step": state.step, "epoch": state.epoch,
             "epochs_done": round(state.step / steps_per_epoch, 3),
             "final_loss": sum(losses) / len(losses) if losses else None,
+            "train": self.logger.train_metrics,  # the last log window's accuracy, top5
             "val": self.last_val,
             "train_seconds": totals.step_s, "samples_per_s": totals.samples_per_s,
             "first_step_s": self.first_step_s,  # the warm-up: tracing, torch.compile
