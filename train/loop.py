@@ -177,14 +177,14 @@ class Trainer:
         signals = None  # until the first step, StartupSignals (train/main.py) handle signals
         try:
             self.prepare()
-            if self.elastic is not None:
-                signals = SignalRequests(self.cfg.checkpoint.save_on_signal, self.startup)
-                stopped = self.elastic.run(signals)
-            else:
+            if self.elastic is None:  # (an elastic run starts and ends in its retry loop)
                 if self.watchdog is not None:  # (collective: the hub's address)
                     self.watchdog.start(self.backend.broadcast_object)
                 self.start()
-                signals = SignalRequests(self.cfg.checkpoint.save_on_signal, self.startup)
+            signals = SignalRequests(self.cfg.checkpoint.save_on_signal, self.startup)
+            if self.elastic is not None:
+                stopped = self.elastic.run(signals)
+            else:
                 stopped = self.train(signals)
                 self.wrap_up(stopped)
         finally:
@@ -204,11 +204,9 @@ class Trainer:
         self.reporter = Reporter(cfg.output, cfg.train, backend, framework=cfg.framework,
                                  config=cfg.model_dump(mode="json"), config_yaml=cfg.to_yaml(),
                                  resuming=cfg.checkpoint.resume != "none")
-        self.checkpointer = Checkpointer(
-            cfg.checkpoint, cfg.checkpoint_dir, backend, framework=cfg.framework,
-            config=cfg.model_dump(mode="json"), retry_budget_s=cfg.data.retry_budget_s,
-            staging=Path(cfg.output.dir) / ".checkpoint-staging", say=self.reporter.say,
-            log=self.reporter.info, record=self.record_save, faults=self.faults)
+        self.checkpointer = Checkpointer.for_run(cfg, backend, say=self.reporter.say,
+                                                 log=self.reporter.info, record=self.record_save,
+                                                 faults=self.faults)
         self.profiler = StepProfiler(cfg.framework, cfg.train.profile, dist.rank, dist.size,
                                      Path(cfg.output.dir), say_any)
         self.watchdog = (Watchdog(dist.rank, dist.size, limits, cfg.output.dir)

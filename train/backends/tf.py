@@ -191,7 +191,76 @@ class TFCheckpoints:
             self._unsynced = 0  # every rank holds rank 0's state now
 
 
-class TFBackend(TFCheckpoints, HorovodBackend):
+class TFReplicas:
+    """What ranks average outside the gradient allreduce: Local SGD's replicas (the
+    trainable variables and, with sync_optimizer_state, their optimizer slots) and
+    BatchNormalization's moving statistics (train.average_bn_stats), before each
+    validation and checkpoint. Part of TFBackend, which sets model, optimizer, cfg, dist,
+    comm, the counters and the compiled _average."""
+
+    def _replica_variables(self) -> list[tf.Variable]:
+        """What a sync averages, in the same order on every rank: the trainable variables,
+        then (with sync_optimizer_state) the optimizer's slots made for them (Keras names a
+        slot `<variable path with _>_<slot>`: SGD's momentum, Adam's momentum and velocity),
+        not its iteration count, learning rate or fp16 loss scale."""
+        trainable = [v for v in self.model.trainable_variables]
+        slots = []
+        if self.cfg.train.sync_optimizer_state:
+            shapes = {v.path.replace("/", "_") + "_": tuple(v.shape) for v in trainable}
+            slots = [s for s in self.inner_optimizer.variables
+                     if any(s.name.startswith(prefix) and tuple(s.shape) == shape
+                            for prefix, shape in shapes.items())]
+        return [v.value for v in trainable + slots]
+
+    def _average_fn(self) -> None:
+        variables = self._replica_variables()
+        for variable, mean in zip(variables, hvd.grouped_allreduce(
+                [tf.convert_to_tensor(v) for v in variables], op=hvd.Average), strict=True):
+            variable.assign(mean)
+
+    def sync_replicas(self) -> None:
+        if self._bn_stale and self.cfg.train.average_bn_stats and self.dist.size > 1:
+            stats = [v.value for v in self.model.non_trainable_variables
+                     if v.name in ("moving_mean", "moving_variance")]  # BatchNormalization's
+            if stats:
+                means = hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in stats],
+                                              op=hvd.Average, name="ringfeed_bn_stats")
+                for variable, mean in zip(stats, means, strict=True):
+                    variable.assign(mean)
+        self._bn_stale = False
+        if self._unsynced == 0:
+            return
+        self._average()
+        self.comm.sync(sum(int(np.prod(v.shape)) * v.dtype.size
+                           for v in self._replica_variables()))
+        self._unsynced = 0
+
+
+class TFElastic:
+    """Horovod Elastic for TFBackend: the state to commit and the retry loop."""
+
+    def elastic_state(self, **values: Any) -> ObjectState:
+        variables = self.model.variables + self.optimizer.variables
+        return VariablesState([v.value for v in variables], **values)
+
+    def elastic_run(self, fn: Callable) -> Callable:
+        def reraised(state, *args, **kwargs):
+            # A collective inside a tf.function fails with a TF error; Horovod's wrapper only
+            # recognises some op names (not HorovodGroupedAllreduce), so say it here.
+            try:
+                return fn(state, *args, **kwargs)
+            except tf.errors.OpError as e:
+                if "Horovod" in (e.message or ""):
+                    raise HorovodInternalError(e) from e
+                raise
+
+        return hvd.elastic.run(reraised)
+
+    def after_rollback(self) -> None:
+        pass
+
+
+class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
     name, hvd, sep = "tensorflow", hvd, "_"
 
     def __init__(self, cfg):
@@ -301,10 +370,7 @@ class TFBackend(TFCheckpoints, HorovodBackend):
             # named gradient_tape/ringfeed_forward/...)
             with tf.GradientTape() as tape, tf.name_scope("ringfeed_forward"):
                 out = self.model(self._as_input(x), training=True)
-                loss = tf.reduce_mean(tf.cast(self.loss_fn(out, y), tf.float32))
-                own = self.model.losses  # (weight regularizers are taken from the weights now)
-                if own:
-                    loss += tf.add_n([tf.reduce_sum(tf.cast(v, tf.float32)) for v in own])
+                loss = self._training_loss(out, y)
                 scaled = self.optimizer.scale_loss(loss)  # identity unless fp16
             if metrics_fn is not None:  # (from the outputs the step has: no second forward)
                 for name, values in metrics_fn(out, y).items():
@@ -344,6 +410,15 @@ class TFBackend(TFCheckpoints, HorovodBackend):
         applied = tf.cond(tf.math.is_finite(stats[STATS_LOSS]), apply,
                           lambda: tf.constant(False))
         return tf.concat([stats, [tf.cast(applied, tf.float32), norm, scale]], 0)
+
+    def _training_loss(self, out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        """The mean data loss plus the model's own losses (regularizers, add_loss), as Keras'
+        fit adds them; validation reports the data loss alone."""
+        loss = tf.reduce_mean(tf.cast(self.loss_fn(out, y), tf.float32))
+        own = self.model.losses  # (weight regularizers are taken from the weights now)
+        if own:
+            loss += tf.add_n([tf.reduce_sum(tf.cast(v, tf.float32)) for v in own])
+        return loss
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
                    requests: tuple[float, float] = (0.0, 0.0), span: Span = no_span
@@ -387,45 +462,6 @@ class TFBackend(TFCheckpoints, HorovodBackend):
         details = tf.config.experimental.get_device_details(gpus[0])
         return details.get("device_name", "an unnamed GPU"), precision
 
-    # -- local SGD and communication ----------------------------------------------------------
-
-    def _replica_variables(self) -> list[tf.Variable]:
-        """What a sync averages, in the same order on every rank: the trainable variables,
-        then (with sync_optimizer_state) the optimizer's slots made for them (Keras names a
-        slot `<variable path with _>_<slot>`: SGD's momentum, Adam's momentum and velocity),
-        not its iteration count, learning rate or fp16 loss scale."""
-        trainable = [v for v in self.model.trainable_variables]
-        slots = []
-        if self.cfg.train.sync_optimizer_state:
-            shapes = {v.path.replace("/", "_") + "_": tuple(v.shape) for v in trainable}
-            slots = [s for s in self.inner_optimizer.variables
-                     if any(s.name.startswith(prefix) and tuple(s.shape) == shape
-                            for prefix, shape in shapes.items())]
-        return [v.value for v in trainable + slots]
-
-    def _average_fn(self) -> None:
-        variables = self._replica_variables()
-        for variable, mean in zip(variables, hvd.grouped_allreduce(
-                [tf.convert_to_tensor(v) for v in variables], op=hvd.Average), strict=True):
-            variable.assign(mean)
-
-    def sync_replicas(self) -> None:
-        if self._bn_stale and self.cfg.train.average_bn_stats and self.dist.size > 1:
-            stats = [v.value for v in self.model.non_trainable_variables
-                     if v.name in ("moving_mean", "moving_variance")]  # BatchNormalization's
-            if stats:
-                means = hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in stats],
-                                              op=hvd.Average, name="ringfeed_bn_stats")
-                for variable, mean in zip(stats, means, strict=True):
-                    variable.assign(mean)
-        self._bn_stale = False
-        if self._unsynced == 0:
-            return
-        self._average()
-        self.comm.sync(sum(int(np.prod(v.shape)) * v.dtype.size
-                           for v in self._replica_variables()))
-        self._unsynced = 0
-
     def _evaluate_fn(self, x, y):
         out = self.model(x, training=False)
         return {"loss": tf.cast(self.loss_fn(out, y), tf.float32),
@@ -447,27 +483,6 @@ class TFBackend(TFCheckpoints, HorovodBackend):
 
     def weights(self) -> list[Any]:
         return [v.numpy().copy() for v in self.model.weights]
-
-    # -- elastic ------------------------------------------------------------------------------
-    def elastic_state(self, **values: Any) -> ObjectState:
-        variables = self.model.variables + self.optimizer.variables
-        return VariablesState([v.value for v in variables], **values)
-
-    def elastic_run(self, fn: Callable) -> Callable:
-        def reraised(state, *args, **kwargs):
-            # A collective inside a tf.function fails with a TF error; Horovod's wrapper only
-            # recognises some op names (not HorovodGroupedAllreduce), so say it here.
-            try:
-                return fn(state, *args, **kwargs)
-            except tf.errors.OpError as e:
-                if "Horovod" in (e.message or ""):
-                    raise HorovodInternalError(e) from e
-                raise
-
-        return hvd.elastic.run(reraised)
-
-    def after_rollback(self) -> None:
-        pass
 
 
 class VariablesState(ObjectState):

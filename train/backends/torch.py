@@ -278,7 +278,46 @@ class TorchElastic:
             p.grad = None
 
 
-class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
+class TorchReplicas:
+    """What ranks average outside the gradient allreduce: Local SGD's replicas (the
+    parameters and, with sync_optimizer_state, their optimizer tensors) and BatchNorm's
+    running statistics (train.average_bn_stats), before each validation and checkpoint.
+    Part of TorchBackend, which sets model, optimizer, cfg, dist, comm and the counters."""
+
+    def _has_moments(self) -> bool:
+        state = self.optimizer.state
+        return all(len(state.get(p, ())) > 0 for p in self.model.parameters())
+
+    def _replica_tensors(self) -> list[torch.Tensor]:
+        """What a sync averages, in the same order on every rank: the parameters, then (with
+        sync_optimizer_state, once every rank's optimizer has them) each parameter's
+        optimizer tensors of its shape - SGD's momentum buffer, Adam's exp_avg and
+        exp_avg_sq - but not Adam's step count, the same on every rank."""
+        params = list(self.model.parameters())
+        tensors = [p.data for p in params]
+        if self.cfg.train.sync_optimizer_state and self._moments_everywhere:
+            for p in params:
+                tensors += [v for v in self.optimizer.state[p].values()
+                            if isinstance(v, torch.Tensor) and v.shape == p.shape
+                            and v.is_floating_point()]
+        return tensors
+
+    @torch.no_grad()
+    def sync_replicas(self) -> None:
+        if self._bn_stale and self.cfg.train.average_bn_stats and self.dist.size > 1:
+            # timm's rule: the buffers named running_mean / running_var
+            stats = [b for name, b in self.model.named_buffers()
+                     if name.endswith(("running_mean", "running_var"))]
+            if stats:
+                average_tensors(stats, "ringfeed.bn_stats")
+        self._bn_stale = False
+        if self._unsynced == 0:
+            return
+        self.comm.sync(average_tensors(self._replica_tensors(), "ringfeed.local_sgd"))
+        self._unsynced = 0
+
+
+class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend):
     name, hvd, sep = "torch", hvd, "."
 
     def __init__(self, cfg):
@@ -487,40 +526,6 @@ class TorchBackend(TorchCheckpoints, TorchElastic, HorovodBackend):
             precision = "tf32"
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         return name, precision
-
-    # -- local SGD and communication ----------------------------------------------------------
-
-    def _has_moments(self) -> bool:
-        state = self.optimizer.state
-        return all(len(state.get(p, ())) > 0 for p in self.model.parameters())
-
-    def _replica_tensors(self) -> list[torch.Tensor]:
-        """What a sync averages, in the same order on every rank: the parameters, then (with
-        sync_optimizer_state, once every rank's optimizer has them) each parameter's
-        optimizer tensors of its shape - SGD's momentum buffer, Adam's exp_avg and
-        exp_avg_sq - but not Adam's step count, the same on every rank."""
-        params = list(self.model.parameters())
-        tensors = [p.data for p in params]
-        if self.cfg.train.sync_optimizer_state and self._moments_everywhere:
-            for p in params:
-                tensors += [v for v in self.optimizer.state[p].values()
-                            if isinstance(v, torch.Tensor) and v.shape == p.shape
-                            and v.is_floating_point()]
-        return tensors
-
-    @torch.no_grad()
-    def sync_replicas(self) -> None:
-        if self._bn_stale and self.cfg.train.average_bn_stats and self.dist.size > 1:
-            # timm's rule: the buffers named running_mean / running_var
-            stats = [b for name, b in self.model.named_buffers()
-                     if name.endswith(("running_mean", "running_var"))]
-            if stats:
-                average_tensors(stats, "ringfeed.bn_stats")
-        self._bn_stale = False
-        if self._unsynced == 0:
-            return
-        self.comm.sync(average_tensors(self._replica_tensors(), "ringfeed.local_sgd"))
-        self._unsynced = 0
 
     @torch.no_grad()
     def eval_batch(self, batch: dict[str, Any], groups: Groups | None = None

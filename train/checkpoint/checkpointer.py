@@ -55,7 +55,7 @@ from ringfeed.train.checkpoint.files import (
     write_checkpoint,
 )
 from ringfeed.train.checkpoint.store import CheckpointStore, open_store
-from ringfeed.train.config import CheckpointSection
+from ringfeed.train.config import CheckpointSection, RunConfig
 from ringfeed.train.data import TrainPipeline
 from ringfeed.train.resilience.faults import NO_FAULTS, FaultPlan
 from ringfeed.train.runstate import TrainState
@@ -132,6 +132,14 @@ class Checkpointer:
     backend: Backend
     store: CheckpointStore
     failed_step: int
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, backend: Backend, **hooks: Any) -> Checkpointer:
+        """A run's checkpointer: its section, the resolved directory, the run's framework,
+        config, staging folder and storage budget; `hooks`: say, log, record, faults."""
+        return cls(cfg.checkpoint, cfg.checkpoint_dir, backend, framework=cfg.framework,
+                   config=cfg.model_dump(mode="json"), retry_budget_s=cfg.data.retry_budget_s,
+                   staging=Path(cfg.output.dir) / ".checkpoint-staging", **hooks)
 
     def __init__(self, section: CheckpointSection, directory: str, backend: Backend, *,
                  framework: str, config: dict[str, Any], staging: Path, retry_budget_s: float,
