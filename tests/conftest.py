@@ -55,7 +55,8 @@ SLOWEST_FIRST = ["netns", "test_promises.py", "test_tune.py", "test_storage_faul
                  "test_fault_elastic.py", "test_throughput.py", "test_train.py",
                  "test_train_equivalence.py", "test_trackers.py", "test_hang.py",
                  "test_global_order_train.py", "test_byo_model.py", "test_fuzz.py",
-                 "test_checkpoint_remote.py", "test_shards_s3.py"]
+                 "test_checkpoint_remote.py", "test_shards_s3.py", "test_train_images.py",
+                 "test_augment.py"]
 
 
 def file_group(nodeid: str) -> str:
