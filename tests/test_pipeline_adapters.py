@@ -119,11 +119,15 @@ def test_worker_processes_read_ahead_and_the_trainer_process_does_not(shard_dir)
 
     from ringfeed.pipeline.torch import make_loader
 
+    def stream_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("ringfeed-stream")}
+
+    earlier = stream_threads()  # other tests' pipelines on this test worker may still be reading
     pipe = make(shard_dir, num_workers=2, read_ahead=True)
     loader = make_loader(pipe)
     first = collect(loader)
     assert pipe._ahead is None
-    assert not [t for t in threading.enumerate() if t.name.startswith("ringfeed-stream")]
+    assert not stream_threads() - earlier
     fresh = make(shard_dir, num_workers=2)
     fresh.set_epoch(1)
     assert collect(loader) == collect(fresh) and first
