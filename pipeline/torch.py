@@ -18,9 +18,20 @@ t0) reaches them through a small shared-memory buffer written before each pass.
 Loader workers ignore SIGTERM and SIGUSR1: a scheduler that signals the whole process group
 (Slurm, `kill -TERM -PGID`) must not kill them while the training process is saving the
 checkpoint those signals ask for. They stop when told (`close()`, or DataLoader's own shutdown
-when the loader is dropped) or when their parent dies (DataLoader's watchdog). Since
-multiprocessing's exit handler stops leftover children with SIGTERM and then waits for them,
-loaders still open at interpreter exit are closed by an exit handler of this module first.
+when the loader is dropped) or when the process that made the loader is gone (DataLoader's
+watchdog sees their parent go; a watch of ours, the owner, where their parent is a forkserver).
+Since multiprocessing's exit handler stops leftover children with SIGTERM and then waits for
+them, loaders still open at interpreter exit are closed by an exit handler of this module first.
+
+Workers start the way DataLoader's `multiprocessing_context` says (fork by default).
+`forkserver_context()` is the way for a process whose native threads call into Python, where a
+fork() can leave the child stuck in os.fork() for ever: such a thread makes a Python thread state
+holding the interpreter's thread-list lock without the GIL, and CPython before 3.10.15 / 3.11.10
+(gh-112275) takes that lock in the child before resetting it. Horovod's background thread does
+it after every collective (torch hands it the tensors' Python objects to release), so `ringfeed
+train` starts its workers from the server: a process of its own, started by exec, that preloads
+this module (a worker is a fork of it, torch already imported) and starts, with its workers,
+with SIGTERM and SIGUSR1 blocked.
 """
 
 from __future__ import annotations
@@ -28,8 +39,11 @@ from __future__ import annotations
 import atexit
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import multiprocessing.util
+import os
 import signal
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -38,6 +52,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
+from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
 
 from ringfeed.errors import UserError
 from ringfeed.pipeline.canonical import RankStreams
@@ -49,6 +64,8 @@ from ringfeed.remote import StorageUnavailable, forget_inherited_storage_session
 
 _STATE_BYTES = 1 << 16
 # per-sample arrays small enough to travel from worker processes as lists (see _StreamDataset)
+# the scheduler's stop and save signals, which loader workers must outlive (module docstring)
+_SCHEDULER_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1})
 _SMALL_FIELDS = {"__index__": torch.int64, "__valid__": torch.bool}
 
 
@@ -62,10 +79,11 @@ class _WorkerError(NamedTuple):
 
 
 class _PassState:
-    """The pass to run, as JSON in shared memory (readable by fork- or spawn-started workers)."""
+    """The pass to run, as JSON in shared memory made with the workers' start method
+    (`context`: a buffer of another one cannot reach them)."""
 
-    def __init__(self) -> None:
-        self._buffer = multiprocessing.Array("c", _STATE_BYTES)
+    def __init__(self, context: multiprocessing.context.BaseContext) -> None:
+        self._buffer = context.Array("c", _STATE_BYTES)
 
     def write(self, state: dict[str, Any]) -> None:
         data = json.dumps(state).encode()
@@ -117,18 +135,50 @@ class _PassDataset(IterableDataset):
 
 
 class _WorkerInit:
-    """DataLoader worker_init_fn: ignore the scheduler's stop/save signals, then run the
-    caller's own worker_init_fn, if any (a class, so spawn-started workers can unpickle it)."""
+    """DataLoader worker_init_fn: ignore the scheduler's stop/save signals, leave when the
+    loader's process (`owner`) is gone, then run the caller's own worker_init_fn, if any (a
+    class, so workers started by spawn or a forkserver can unpickle it)."""
 
-    def __init__(self, then: Callable[[int], None] | None = None) -> None:
-        self.then = then
+    def __init__(self, owner: int, then: Callable[[int], None] | None = None) -> None:
+        self.owner, self.then = owner, then
 
     def __call__(self, worker_id: int) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        for sig in _SCHEDULER_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         forget_inherited_storage_sessions()
+        if os.getppid() != self.owner:  # a forkserver's child: DataLoader watches the server
+            threading.Thread(target=_exit_without, args=(self.owner,), daemon=True,
+                             name="ringfeed-owner-watch").start()
         if self.then is not None:
             self.then(worker_id)
+
+
+def _exit_without(owner: int) -> None:
+    """End this worker once process `owner` is gone (as often as DataLoader checks a parent):
+    the forkserver it was forked by lives on while its workers do."""
+    while True:
+        time.sleep(MP_STATUS_CHECK_INTERVAL)
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            os._exit(0)
+
+
+def forkserver_context() -> multiprocessing.context.BaseContext:
+    """The start method for loader workers of a process where fork() is unsafe (module
+    docstring), its server running: started now, preloading this module, with the scheduler's
+    signals blocked, which stays so through its exec and in every worker it forks. Sets this
+    process's forkserver preload list (a multiprocessing setting)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    # blocked in this thread only: a signal for the process goes to another thread meanwhile,
+    # or waits here until the mask is restored
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SCHEDULER_SIGNALS)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return context
 
 
 _open_loaders: weakref.WeakSet[TorchLoader] = weakref.WeakSet()
@@ -186,7 +236,9 @@ class TorchLoader:
         dataset: IterableDataset = _PassDataset(pipe)
         if workers > 0:  # worker processes learn each pass from shared memory
             pipe.read_in_workers()  # and read the next epoch when it is asked for
-            self._state = _PassState()
+            start = loader_kwargs.get("multiprocessing_context")
+            self._state = _PassState(start if isinstance(start, multiprocessing.context.BaseContext)
+                                     else multiprocessing.get_context(start))
             dataset = _StreamDataset(pipe.context, pipe.progress.planner.fresh(),
                                      pipe.streams, self._state)
         options: dict[str, Any] = {
@@ -201,7 +253,7 @@ class TorchLoader:
         # no DataLoader between the pipeline's threads and the caller unless it has work to do
         self.direct = workers == 0 and not options["pin_memory"] and not loader_kwargs
         if workers > 0:
-            options["worker_init_fn"] = _WorkerInit(options.get("worker_init_fn"))
+            options["worker_init_fn"] = _WorkerInit(os.getpid(), options.get("worker_init_fn"))
             if not _open_loaders:
                 # atexit runs last-registered first: registered again now, the close runs before
                 # torch's exit hook sets the flag that turns DataLoader's worker shutdown into a
@@ -299,7 +351,8 @@ class TorchLoader:
 def make_loader(pipe: ShardPipeline, **loader_kwargs: Any) -> TorchLoader:
     """A DataLoader-backed iterable with `pipe.config.num_workers` workers, pin_memory when CUDA is
     available and persistent workers; extra keyword arguments go to DataLoader (timeout,
-    multiprocessing_context, ...). Yields dict[str, torch.Tensor | list]."""
+    multiprocessing_context: forkserver_context() in a process whose native threads call into
+    Python, ...). Yields dict[str, torch.Tensor | list]."""
     if "num_workers" in loader_kwargs or "batch_size" in loader_kwargs:
         raise ValueError("set num_workers and batch_size on the ShardPipeline (they shape the "
                          "plan), not on the loader")

@@ -2,4 +2,5 @@ import sys
 
 from ringfeed.train.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # (loader workers started by a forkserver import this module again)
+    sys.exit(main())

@@ -21,6 +21,7 @@ from ringfeed.errors import UserError
 
 if TYPE_CHECKING:  # (type hints only: the pipeline is imported when one is made)
     from ringfeed.formats.manifest import Manifest
+    from ringfeed.pipeline.config import PipelineConfig
     from ringfeed.pipeline.mixture import Mixture
 
 CLASSIFY, LM, REGRESS = "classify", "lm", "regress"
@@ -32,6 +33,8 @@ class TrainPipeline(Protocol):
     its epochs and position, the checkpointer and elastic commits its state, the reporter its
     mixture, example batch and counters, the backends a source for their loaders."""
 
+    @property
+    def config(self) -> PipelineConfig: ...  # batch size, loader workers: the backends' loaders
     @property
     def manifest(self) -> Manifest | None: ...  # fields, classes, text: infer_spec()
     @property

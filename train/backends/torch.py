@@ -379,9 +379,15 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
         torch.manual_seed(self.rank_seed())
 
     def loader(self, pipe: TrainPipeline) -> Any:
-        from ringfeed.pipeline.torch import make_loader
+        from ringfeed.pipeline.torch import forkserver_context, make_loader
 
-        return make_loader(pipe)
+        if pipe.config.num_workers == 0:
+            return make_loader(pipe)
+        # Workers come from a forkserver, never fork()ed from here: Horovod's background thread
+        # makes a Python thread state whenever it releases a collective's tensors, and a fork at
+        # that moment left a worker stuck in os.fork() and the job waiting for its batches for
+        # ever (CPython < 3.10.15 / 3.11.10, gh-112275; pipeline/torch.py).
+        return make_loader(pipe, multiprocessing_context=forkserver_context())
 
     # -- steps --------------------------------------------------------------------------------
     def _autocast(self):
