@@ -366,7 +366,12 @@ class ShardPipeline:
 
     def peek_sample(self) -> dict[str, Any]:
         """The first decodable sample (in manifest order): what batches will look like."""
-        return first_decoded(self.refs, self.cache, self.indexes, self.decoder)
+        return self.peek_samples(1)[0]
+
+    def peek_samples(self, limit: int) -> list[dict[str, Any]]:
+        """The first `limit` decodable samples in manifest order (fewer when the split holds
+        fewer): what a property of the whole split is guessed from."""
+        return first_decoded(self.refs, self.cache, self.indexes, self.decoder, limit)
 
     def example_batch(self) -> dict[str, Any]:
         """A batch shaped like the real ones (the first decodable sample, repeated)."""
@@ -562,11 +567,12 @@ def first_raw(refs: Sequence[ShardRef], cache: ShardCache,
 
 
 def first_decoded(refs: Sequence[ShardRef], cache: ShardCache, indexes: IndexStore | None,
-                  decoder: Decoder) -> dict[str, Any]:
-    """The first sample of `refs` that reads and decodes (in manifest order). When none does,
-    the first decode error says why; one raised by the user's own code (data.decode,
+                  decoder: Decoder, limit: int = 1) -> list[dict[str, Any]]:
+    """The first `limit` samples of `refs` that read and decode (in manifest order). When none
+    does, the first decode error says why; one raised by the user's own code (data.decode,
     data.transform) is raised as it is, so the CLI shows its traceback and names the hook."""
     first_error: Exception | None = None
+    found: list[dict[str, Any]] = []
     for ref in refs:
         try:
             samples = open_samples(cache.open(ref), indexes)
@@ -578,14 +584,18 @@ def first_decoded(refs: Sequence[ShardRef], cache: ShardCache, indexes: IndexSto
                 if isinstance(raw, BadSample):
                     break
                 try:
-                    return decoder(raw)
+                    found.append(decoder(raw))
                 except UserCodeError as e:  # the user's decode/transform: theirs to see
                     raise e.error from None
                 except Exception as e:
                     first_error = first_error or e
                     continue
+                if len(found) == limit:
+                    return found
         finally:
             samples.close()
+    if found:
+        return found
     why = f" (the first: {type(first_error).__name__}: {first_error})" if first_error else ""
     raise PipelineDataError(f"no decodable sample in any shard{why}")
 

@@ -102,7 +102,7 @@ def test_a_bad_augment_item_is_one_line_naming_data_augment(photos, tmp_path, ca
     assert code == 2 and err.count("\n") == 1 and says in err, err
 
 
-# -- the channel count: the train split's first image's, for every image of both splits ------
+# -- the channel count: 3 unless the train split's first images are all grey, for both splits --
 @pytest.mark.integration
 def test_every_batch_has_the_first_images_channel_count(photos, tmp_path):
     cfg = load_config(run_config(tmp_path, photos, "c", data={"shuffle": False}))
@@ -122,8 +122,12 @@ def test_every_batch_has_the_first_images_channel_count(photos, tmp_path):
 
 
 @pytest.mark.integration
-def test_a_grey_first_image_makes_a_grey_run(tmp_path):
+def test_a_grey_first_image_keeps_a_colour_set_in_colour_and_a_grey_set_stays_grey(tmp_path):
     shards = shard(photo_folder(tmp_path / "src", ["L", *LAYOUT[1:]]), tmp_path / "shards")
+    cfg = load_config(run_config(tmp_path, shards, "first-grey"))
+    assert run_channels(cfg) == 3
+    assert {b["jpg"].shape[-1] for b in make_pipeline(cfg, "train", 0, 1)} == {3}
+    shards = shard(photo_folder(tmp_path / "grey", ["L"] * 8), tmp_path / "grey-shards")
     cfg = load_config(run_config(tmp_path, shards, "grey"))
     assert run_channels(cfg) == 1
     assert {b["jpg"].shape[-1] for b in make_pipeline(cfg, "train", 0, 1)} == {1}

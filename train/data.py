@@ -105,12 +105,18 @@ def make_pipeline(cfg, split: str, rank: int, world_size: int):
                          world_size=world_size, channels=run_channels(cfg))
 
 
+# how many of the train split's first images decide a run's channel count (run_channels): a grey
+# photo among colour ones is common (ImageNet: ~1 in 400), a grey set's first 32 all grey
+CHANNEL_PROBE = 32
+
+
 def run_channels(cfg) -> int | None:
     """The channel count every image of a run is converted to, one for both splits, so the
     model's input has one shape in every batch (a batch of only grey photos in a colour set, a
     colour image in a grey one): data.channels; 3 with data.augment or data.val_augment; else
-    the train split's first image's, 3 or 1. None: that sample holds no image, or the user's
-    data.decode (or the GPU) decodes them."""
+    the train split's first images' (CHANNEL_PROBE of them, in manifest order): 1 when all
+    are grey, else 3, so a colour set whose first image is grey stays in colour. None: the
+    samples hold no image, or the user's data.decode (or the GPU) decodes them."""
     from ringfeed.pipeline import ShardPipeline
 
     d = cfg.data
@@ -125,11 +131,14 @@ def run_channels(cfg) -> int | None:
     probe = ShardPipeline(d.train, cfg.to_pipeline_config("train"), rank=0, world_size=1,
                           transform=None, normalize=None)
     try:
-        sample = probe.peek_sample()
-        counts = {sample[name].shape[-1] for name in probe.decoder.image_fields(sample)}
+        samples = probe.peek_samples(CHANNEL_PROBE)
+        counts = {sample[name].shape[-1] for sample in samples
+                  for name in probe.decoder.image_fields(sample)}
     finally:
         probe.close()
-    return counts.pop() if len(counts) == 1 and counts <= {1, 3} else None
+    if not counts or not counts <= {1, 3}:
+        return None
+    return 3 if 3 in counts else 1
 
 
 def infer_spec(cfg, pipe: TrainPipeline) -> DataSpec:
