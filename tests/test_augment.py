@@ -27,6 +27,7 @@ from ringfeed.pipeline.augment_pixels import (
     augment_source,
     decode_augmented,
     decode_source,
+    on_grid,
     resample,
 )
 from ringfeed.pipeline.config import augment_for, pipeline_config
@@ -264,12 +265,36 @@ def test_crop_aware_decode_against_decode_then_crop():
     assert np.mean(to_pil) < np.mean(full_to_pil)
 
 
-def test_a_flip_is_a_view_the_batch_materialises():
-    stages = parse_augment([{"horizontal_flip": {"p": 1.0}}, "center_crop"], (16, 16))
-    data = jpeg(photo(16, 16))
-    out = decode_augmented(data, stages, 0, 0, "k", 3)
-    assert out.strides[1] < 0
-    assert np.array_equal(out, np.asarray(Image.open(io.BytesIO(data)))[:, ::-1])
+def test_a_flip_is_a_contiguous_mirror_image():
+    """Contiguous, so the batch's copy of it is a plain one (a negative-stride view's is 3-6x
+    slower); in colour and in grey (OpenCV drops a channel axis of 1)."""
+    for mode, channels in [(None, 3), ("L", 1)]:
+        stages = parse_augment([{"horizontal_flip": {"p": 1.0}}, "center_crop"], (16, 16))
+        data = jpeg(photo(16, 16), mode)
+        out = decode_augmented(data, stages, 0, 0, "k", channels)
+        assert out.flags.c_contiguous and out.shape == (16, 16, channels)
+        decoded = np.asarray(Image.open(io.BytesIO(data)))
+        assert np.array_equal(out[..., 0] if mode else out, decoded[:, ::-1])
+
+
+def test_a_cached_copy_crops_on_its_own_pixel_grid():
+    """From the decoded cache's reduced copy a random crop's box moves to whole pixels of the
+    copy (OpenCV's resize of a view, 2-4x faster than warpAffine of a fractional box): at most
+    half a pixel of the copy per edge, so the region is the cold path's within that."""
+    stages = parse_augment(TRAIN, (48, 48))
+    data = jpeg(photo(300, 400))
+    source = decode_source(data, 100, 3)
+    assert source.pixels.shape[:2] == (100, 133)
+    for k in range(8):
+        p = crop_params(stages, 0, 0, f"k{k}", 300, 400)
+        box = (p.top / 3, p.left * 133 / 400, p.height / 3, p.width * 133 / 400)
+        snapped = on_grid(box)
+        assert all(float(v).is_integer() for v in snapped)
+        assert abs(snapped[0] - box[0]) <= 0.5 and abs(snapped[1] - box[1]) <= 0.5
+        assert abs(snapped[0] + snapped[2] - box[0] - box[2]) <= 0.5
+        ours = augment_source(source, stages, 0, 0, f"k{k}")
+        expected = resample(source.pixels, snapped, (48, 48))
+        assert np.array_equal(ours, expected[:, ::-1] if p.flip else expected)
 
 
 # -- the pipeline ----------------------------------------------------------------------------
