@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ringfeed.pipeline.config import PipelineConfig, canonical_rule_error
+from ringfeed.pipeline.config import PipelineConfig, canonical_rule_error, resolved_streams
 from ringfeed.pipeline.errors import PipelineError
 from ringfeed.pipeline.plan import SegmentConfig, SegmentPlan, WorkerPlan, shuffle_order
 from ringfeed.pipeline.stream import Booked, StreamContext, WorkerStream
@@ -39,16 +39,17 @@ from ringfeed.pipeline.stream import Booked, StreamContext, WorkerStream
 def canonical_config(c: PipelineConfig, world_size: int) -> SegmentConfig:
     """The segment config a global-order pipeline plans with, after its rules are checked: one
     PipelineError line naming the option."""
-    G, C = c.global_batch_size, c.canonical_streams
+    G = c.global_batch_size
     if G is None:
         raise PipelineError("order: global needs global_batch_size (samples per batch over all "
                             "ranks)")
     if c.balance != "drop":
         raise PipelineError("order: global drops the epoch's tail; balance='pad' is for the "
                             "rank order (evaluation)")
-    problem = canonical_rule_error(G, C, world_size)
+    problem = canonical_rule_error(G, c.canonical_streams, world_size)
     if problem:
         raise PipelineError(problem)
+    C = resolved_streams(c.canonical_streams, G)
     return SegmentConfig(C, 0, G // C, c.shuffle_buffer if c.shuffle else 0, "drop")
 
 

@@ -7,6 +7,7 @@ are these names. A new option is a field here plus the one stage that reads it.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -116,10 +117,12 @@ class PipelineConfig(BaseModel):
         None, description="samples per batch over all ranks (order: global; each rank's batch "
                           "is this / world_size, batch_size is not read); ringfeed train: per "
                           "optimizer step, batch_size = this / (ranks x train.accumulate)")
-    canonical_streams: PositiveInt = Field(
-        12, description="order: global: the epoch is dealt into this many streams; it must "
-                        "divide global_batch_size (per batch) and be divisible by every world "
-                        "size the run uses (12: 1, 2, 3, 4, 6, 12 ranks)")
+    canonical_streams: PositiveInt | Literal["auto"] = Field(
+        "auto", description="order: global: the epoch is dealt into this many streams; it must "
+                            "divide global_batch_size (per batch) and be divisible by every "
+                            "world size the run uses; auto: gcd(global batch, 192), so every "
+                            "world size dividing both works (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, "
+                            "48, 64, 96, 192 ranks)")
     skip: list[NonNegativeInt] | PathStr | None = Field(
         None, description="sample ids (__index__) left out of every epoch (order: global): a "
                           "list, or a file of ids (whitespace/comma separated, or samples.jsonl "
@@ -158,15 +161,33 @@ class PipelineConfig(BaseModel):
         return None if v is None else parse_size(v)
 
 
-def canonical_rule_error(global_batch: int, streams: int, world_size: int, field: str = "",
-                         batch_label: str | None = None) -> str | None:
+# canonical_streams: auto divides the global batch by as much of this as it can: 192 = 2^6 x 3
+# holds the world sizes people launch (powers of two to 64, and 3 x them) as divisors
+AUTO_STREAMS_BOUND = 192
+
+
+def resolved_streams(streams: int | str, global_batch: int) -> int:
+    """The canonical stream count: `streams`, or for "auto" gcd(global_batch, 192), which every
+    world size dividing both the global batch and 192 divides (and which, the global batch
+    being fixed for a run, a resume at any world size finds again)."""
+    return math.gcd(global_batch, AUTO_STREAMS_BOUND) if streams == "auto" else int(streams)
+
+
+def canonical_rule_error(global_batch: int, streams: int | str, world_size: int,
+                         field: str = "", batch_label: str | None = None) -> str | None:
     """What breaks order: global's rules for `global_batch` samples per (micro-)batch over all
-    ranks, `streams` canonical streams and `world_size` ranks, or None. `field` prefixes the
-    option names (train's "data."); `batch_label` says where `global_batch` comes from."""
-    if streams % world_size:
-        return (f"{field}canonical_streams={streams} is not divisible by the world size "
+    ranks, `streams` canonical streams (or "auto") and `world_size` ranks, or None. `field`
+    prefixes the option names (train's "data."); `batch_label` says where `global_batch` comes
+    from."""
+    count = resolved_streams(streams, global_batch)
+    if count % world_size:
+        shown = f"auto (gcd({global_batch}, {AUTO_STREAMS_BOUND}) = {count})" \
+            if streams == "auto" else str(count)
+        return (f"{field}canonical_streams={shown} is not divisible by the world size "
                 f"{world_size}: set {field}canonical_streams to a multiple of every world size "
-                "the run will use (it must stay the same for the whole run)")
+                "the run will use that divides the global batch (it must stay the same for "
+                "the whole run)")
+    streams = count
     if global_batch % streams:
         label = batch_label or f"{field}global_batch_size={global_batch}"
         return (f"{label} is not divisible by {field}canonical_streams={streams}: each stream "

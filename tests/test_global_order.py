@@ -37,7 +37,7 @@ def make(source, rank, world_size, workers=0, **options):
     return ShardPipeline(source, rank=rank, world_size=world_size, **options)
 
 
-def global_batches(pipes, loader=False, stop_after=None):
+def global_batches(pipes, loader=False, stop_after=None, g=G):
     """Global batch t (the ranks' ids joined in rank order), checking each decoded sample is
     the one its id names (write_shards: npy = [id, 2 id]) and each rank's batch is G / N."""
     per_rank = []
@@ -51,7 +51,7 @@ def global_batches(pipes, loader=False, stop_after=None):
         ids = []
         for t, batch in enumerate(batches):
             index = np.asarray(batch["__index__"])
-            assert len(index) == G // len(pipes) == pipe.batch_size
+            assert len(index) == g // len(pipes) == pipe.batch_size
             if pipe.mixture is None:
                 assert (np.asarray(batch["npy"])[:, 0] == index).all()
             ids.append(index.tolist())
@@ -75,6 +75,40 @@ def test_global_batches_are_the_same_on_1_2_3_ranks_and_0_or_2_loader_workers(sh
     other_epoch = [make(source, 0, 1)]
     other_epoch[0].set_epoch(1)
     assert global_batches(other_epoch) != reference
+
+
+def test_the_default_streams_serve_8_16_and_64_ranks_with_the_same_global_batches(shards):
+    """canonical_streams left at auto: gcd(64, 192) = 64 streams, one sample each per global
+    batch; the world sizes people launch need no hand-set value (12, the old default, refused
+    8 ranks)."""
+    def default(rank, world_size):
+        return ShardPipeline(shards / "a", rank=rank, world_size=world_size, order="global",
+                             global_batch_size=64, shuffle_buffer=16, seed=5)
+
+    reference = global_batches([default(0, 1)], g=64)
+    assert len(reference) == 322 // 64
+    for ranks in (2, 8, 16, 64):
+        got = global_batches([default(r, ranks) for r in range(ranks)], g=64)
+        assert got == reference, ranks
+    with pytest.raises(PipelineError, match=re.escape(
+            "canonical_streams=12 is not divisible by the world size 8")):
+        ShardPipeline(shards / "a", rank=0, world_size=8, order="global", global_batch_size=64,
+                      canonical_streams=12)
+
+
+def test_an_auto_stream_count_no_world_size_divides_is_one_line(shards, tmp_path,
+                                                                 monkeypatch):
+    from ringfeed.errors import UserError
+    from ringfeed.train.config import load_config
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model: {{name: mlp}}\ndata: {{train: {shards / 'a'}}}\n"
+                   f"output: {{dir: {tmp_path / 'out'}}}\n")
+    monkeypatch.setenv("HOROVOD_SIZE", "5")  # 20 samples over 5 ranks, but 4 streams
+    with pytest.raises(UserError, match=re.escape(
+            "data.canonical_streams=auto (gcd(20, 192) = 4) is not divisible by the world "
+            "size 5")):
+        load_config(cfg, ["data.order=global", "data.global_batch_size=20"])
 
 
 def test_a_rank_reads_the_shards_of_its_own_range_only(shards):
@@ -177,11 +211,14 @@ def test_ids_added_to_the_skip_list_after_a_checkpoint_resume_exactly(shards):
 
 @pytest.mark.parametrize("overrides, expected", [
     (["data.order=global"], "data.order: global needs data.global_batch_size"),
+    (["data.order=global", "data.global_batch_size=24", "elastic.enabled=true"],
+     "data.order: global keeps one global batch at every world size, which elastic runs do "
+     "not"),
     (["data.order=global", "data.global_batch_size=24", "data.canonical_streams=5"],
      "data.global_batch_size=24 / train.accumulate (1) = 24 is not divisible by "
      "data.canonical_streams=5"),
-    (["data.order=global", "data.global_batch_size=24", "train.accumulate=4"],
-     "= 6 is not divisible by data.canonical_streams=12"),
+    (["data.order=global", "data.global_batch_size=24", "train.accumulate=4",
+      "data.canonical_streams=12"], "= 6 is not divisible by data.canonical_streams=12"),
 ])
 def test_a_run_config_breaking_the_global_order_rules_is_one_line(shards, tmp_path, overrides,
                                                                    expected):

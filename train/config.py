@@ -551,6 +551,11 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
     settled: dict[str, Any] = {}
     if t.epochs is None and t.max_steps is None:
         raise UserError(f"{path}: train: set train.epochs or train.max_steps")
+    if cfg.elastic.enabled and d.order == "global":
+        raise UserError(f"{path}: data.order: global keeps one global batch at every world "
+                        "size, which elastic runs do not (they keep the per-rank batch and "
+                        "scale the lr); use data.order: rank with elastic, or ringfeed run's "
+                        "relaunch at another world size for the global order")
     if cfg.elastic.enabled and d.global_batch_size is not None:
         raise UserError(f"{path}: data.global_batch_size: elastic runs keep the per-rank batch "
                         "(data.batch_size) when the world size changes and scale the lr with it; "
