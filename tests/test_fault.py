@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -176,12 +177,19 @@ def test_sigkill_under_ringfeed_run_restarts_from_the_checkpoint(tmp_path, shard
         assert wait_for(lambda: logged_step(run_dir) >= step, timeout=240), "never got there"
         (victim,) = worker_processes(job.pid, HOROVOD_RANK=str(rank))
         victim.send_signal(signal.SIGKILL)  # from outside, whenever it lands
+        reached = logged_step(run_dir)  # (the killed attempt may log a step more)
     finally:
         code, output = finish(job, timeout=400)
     assert code == 0, output[-5000:]
     assert "ringfeed run: job failed (exit 1); restart 1/2" in output, output[-5000:]
     assert "--resume auto" in output and "restart 1 by `ringfeed run`" in output
     assert "recovery           1 restart(s)" in output
+    # the steps the killed attempt had logged past the checkpoint it resumed from: redone
+    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", output).group(1))
+    redone = json.loads((run_dir / "summary.json").read_text())["recovery"]["steps_redone"]
+    assert reached - resumed_at <= redone <= reached + 1 - resumed_at, \
+        (reached, resumed_at, redone)
+    assert f"({redone} step(s) redone)" in output
     assert "ringfeed run: job finished after 1 restart(s)" in output
     assert samples_by_epoch(run_dir) == samples_by_epoch(torch_reference)
     assert_same_torch_state(torch_final(torch_reference, STEPS), torch_final(run_dir, STEPS))

@@ -91,15 +91,17 @@ class RunLogger:
         self._bar = None
         self._jsonl: AppendFile | None = None
         self.metrics_path = self.out_dir / METRICS_FILE
+        self.rewound = Rewound()
 
     def open(self) -> RunLogger:
         """Rank 0: metrics.jsonl opened (the records after start_step, an interrupted run's,
-        dropped) and, on a terminal, the progress bar; returns the logger."""
+        dropped: `rewound` says how far they went) and, on a terminal, the progress bar;
+        returns the logger."""
         if not self.enabled:
             return self
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            _truncate_after(self.metrics_path, self.start_step)
+            self.rewound = _truncate_after(self.metrics_path, self.start_step)
             self._jsonl = AppendFile(self.metrics_path)
         except OSError as e:
             raise output_dir_error(self.out_dir, e) from None
@@ -270,17 +272,40 @@ class SampleLog:
             self._file = None
 
 
-def _truncate_after(path: Path, step: int) -> None:
+@dataclass(frozen=True)
+class Rewound:
+    """What a resume found in metrics.jsonl: the steps the interrupted run had logged past the
+    checkpoint (redone now; a lower bound, logged every log_every steps), and those earlier
+    resumes of the same run recorded (their RESUMED_EVENT records)."""
+
+    steps: int = 0
+    earlier: int = 0
+
+
+RESUMED_EVENT = "resumed"  # a metrics.jsonl event: {"event": "resumed", "steps_redone": n}
+
+
+def _truncate_after(path: Path, step: int) -> Rewound:
     """A resumed run rewrites its history from the checkpoint's step on: drop later records
     (written by the interrupted run) so metrics.jsonl reads as one consistent run."""
     if not path.exists():
-        return
+        return Rewound()
     if step == 0:
         path.unlink()
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and _step_of(line) <= step]
+        return Rewound()
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if _step_of(line) <= step]
     atomic_write_text(path, "".join(line + "\n" for line in kept))
+    dropped = max((_step_of(line) for line in lines if _step_of(line) > step), default=step)
+    return Rewound(dropped - step, sum(_redone_in(line) for line in kept))
+
+
+def _redone_in(line: str) -> int:
+    try:
+        record = json.loads(line)
+        return int(record.get("steps_redone", 0)) if record.get("event") == RESUMED_EVENT else 0
+    except (ValueError, AttributeError):
+        return 0
 
 
 def _step_of(line: str) -> int:
