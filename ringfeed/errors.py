@@ -46,7 +46,11 @@ EXIT_STATUSES: tuple[ExitStatus, ...] = (
                "it again on the same state; its traceback comes first", False),
     ExitStatus(EXIT_CRASH, f"{USER_CODE_LINE} at step", "your code raised during training; its "
                "traceback comes first", True),
-    ExitStatus(EXIT_CRASH, "", "a crash: a lost rank, or a bug in ringfeed (a traceback)", True),
+    ExitStatus(EXIT_CRASH, "ringfeed: lost rank:", "another rank of the job died or left, and "
+               "Horovod shut down under this one (the launcher names the rank that ended "
+               "first)", True),
+    ExitStatus(EXIT_CRASH, "", "a crash: a rank killed, or a bug in ringfeed (a traceback)",
+               True),
     ExitStatus(EXIT_CONFIG, "ringfeed: error:", "bad config, arguments or data", False),
     ExitStatus(EXIT_DIVERGED, "ringfeed: error:", "the loss became NaN/inf", False),
     ExitStatus(EXIT_WRITE, "ringfeed: error:", "a checkpoint or a file under output.dir cannot be "
@@ -102,6 +106,16 @@ def relaunches(code: int, markers: Collection[str]) -> bool:
         return False
     rows = [s for s in EXIT_STATUSES if s.code == code]
     return not rows or any(s.relaunch for s in rows)
+
+
+# What Horovod raises in a rank whose peer died (torch: HorovodInternalError; TensorFlow's
+# ops: an error carrying the same sentence)
+HOROVOD_SHUT_DOWN = "Horovod has been shut down"
+
+
+def is_lost_rank(exc: BaseException) -> bool:
+    """Whether `exc` is Horovod ending this rank's collective because another rank is gone."""
+    return type(exc).__name__ == "HorovodInternalError" or HOROVOD_SHUT_DOWN in str(exc)
 
 
 def one_line(text: str) -> str:

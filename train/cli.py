@@ -21,6 +21,7 @@ from ringfeed.errors import (
     EXIT_WRITE,
     USER_CODE_LINE,
     UserError,
+    is_lost_rank,
     one_line,
 )
 from ringfeed.userhooks import UserCode
@@ -77,6 +78,10 @@ def exit_status(exc: BaseException, stream: IO[str] | None = None,
         line, code = f"ringfeed: {exc.label}: {exc}", exc.exit_code
     elif isinstance(exc, KeyboardInterrupt):
         line, code = "ringfeed: interrupted", EXIT_INTERRUPTED
+    elif is_lost_rank(exc):
+        line, code = (f"ringfeed: lost rank: another rank of this job ended and Horovod shut "
+                      f"down ({type(exc).__name__}; the launcher's output names that rank; a "
+                      "relaunch resumes from the newest checkpoint)"), EXIT_CRASH
     elif isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
         where = f"cannot write {exc.filename}" if exc.filename else "a write failed"
         line, code = (f"ringfeed: error: {where} ({exc.strerror}; free space or choose another "
