@@ -193,6 +193,9 @@ def test_sigkill_under_ringfeed_run_restarts_from_the_checkpoint(tmp_path, shard
     assert reached - resumed_at <= redone <= reached + 1 - resumed_at, \
         (reached, resumed_at, redone)
     assert f"({redone} step(s) redone)" in output
+    # no traceback from any rank or horovodrun: the launcher's is one line, the survivor's too
+    assert "Traceback" not in output, output[-5000:]
+    assert "ringfeed run: horovodrun ended the job: rank" in output
     assert "ringfeed run: job finished after 1 restart(s)" in output
     assert samples_by_epoch(run_dir) == samples_by_epoch(torch_reference)
     assert_same_torch_state(torch_final(torch_reference, STEPS), torch_final(run_dir, STEPS))

@@ -172,3 +172,49 @@ def test_the_launchers_lines_are_streamed_and_read_for_the_tables_lines(capsys):
 def test_a_launcher_that_cannot_start_is_one_line_not_a_relaunch():
     with pytest.raises(UserError, match="cannot start 'no-such-launcher-x'"):
         Supervisor([], 3, 0, 0)._attempt(["no-such-launcher-x", sys.executable], 0)
+
+
+# -- the launcher's own traceback --------------------------------------------------------------
+HOROVODRUN_TAIL = """\
+[1]<stderr>:ringfeed: hang: rank 0 stopped responding
+Traceback (most recent call last):
+  File "/venv/bin/horovodrun", line 8, in <module>
+    sys.exit(run_commandline())
+             ^^^^^^^^^^^^^^^^^
+  File "/venv/lib/python3.11/site-packages/horovod/runner/gloo_run.py", line 284, in launch_gloo
+    raise RuntimeError('Horovod detected that one or more processes exited with non-zero '
+RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus \
+causing the job to be terminated. The first process to do so was:
+Process name: 1
+Exit code: 76
+"""
+
+
+def test_horovodruns_traceback_becomes_one_line_and_the_ranks_status_the_jobs():
+    import io
+
+    out = io.StringIO()
+    output = supervise.LauncherOutput(out)
+    for line in HOROVODRUN_TAIL.splitlines(keepends=True):
+        output.feed(line)
+    output.close()
+    assert out.getvalue() == ("[1]<stderr>:ringfeed: hang: rank 0 stopped responding\n"
+                              "ringfeed run: horovodrun ended the job: rank 1 exited first, "
+                              "with status 76\n")
+    assert output.first_status == EXIT_HANG
+
+
+def test_any_other_traceback_passes_as_it_was():
+    import io
+
+    crash = ('Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n'
+             '    main()\nValueError: a bug\nnext line\n')
+    chained = crash.replace("next line\n", "\nDuring handling of the above exception, another "
+                                           "exception occurred:\n\n") + crash
+    for text in (crash, chained, crash[:60]):  # the last: a job that died mid-traceback
+        out = io.StringIO()
+        output = supervise.LauncherOutput(out)
+        for line in text.splitlines(keepends=True):
+            output.feed(line)
+        output.close()
+        assert out.getvalue() == text and output.first_status is None

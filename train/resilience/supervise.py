@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import IO
 
 from ringfeed.errors import markers_in, relaunches
 
@@ -80,11 +81,14 @@ class Supervisor:
                             "launcher's name and PATH)") from None
         markers: set[str] = set()
         assert self.proc.stdout is not None
+        output = LauncherOutput(sys.stdout)
         for line in self.proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            output.feed(line)
             markers |= markers_in(line)
+        output.close()
         code = self.proc.wait()
+        if code == 1 and output.first_status:  # horovodrun's own 1: the rank's status instead
+            code = output.first_status
         # a job killed by signal N: the status a shell gives it (128 + N), which is what this
         # process exits with (Popen's -N would become 256 - N)
         return (128 - code if code < 0 else code), markers
@@ -115,6 +119,62 @@ class Supervisor:
                   f"in {delay:.0f}s with --resume auto", flush=True)
             time.sleep(delay)
             delay = min(delay * 2, self.backoff_max)
+
+
+class LauncherOutput:
+    """A job's output passed on line by line, except horovodrun's own traceback when a rank
+    fails (`RuntimeError: Horovod detected that one or more processes exited with non-zero
+    status ...`, 20 lines, exit 1): one line naming the rank that ended first and its status,
+    which `first_status` keeps for the job's exit code (so 75, 76 or 2 reach Slurm and a
+    wrapper, not horovodrun's 1). A traceback without a launcher's rank prefix is held until
+    its last line, then passed on as it was unless it is that one (a rank's own traceback under
+    a plain launch is the user's to see)."""
+
+    HOROVODRUN_FAILED = "RuntimeError: Horovod detected that one or more processes exited"
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+        self.held: list[str] = []
+        self.replacing = False  # inside horovodrun's "The first process to do so was:" lines
+        self.first_rank: str | None = None
+        self.first_status: int | None = None
+
+    def feed(self, line: str) -> None:
+        if self.replacing:
+            key, _, value = line.partition(":")
+            if key.strip() == "Process name":
+                self.first_rank = value.strip()
+                return
+            if key.strip() == "Exit code":
+                status = value.strip()
+                self.first_status = int(status) if status.isdigit() and 0 < int(status) < 256 \
+                    else None
+                self._write(f"ringfeed run: horovodrun ended the job: rank {self.first_rank} "
+                            f"exited first, with status {status}\n")
+                self.replacing = False
+                return
+            self.replacing = False
+        if not self.held and line.startswith("Traceback (most recent call last):"):
+            self.held = [line]
+            return
+        if self.held:
+            self.held.append(line)
+            if line[:1].isspace():  # a frame of the traceback
+                return
+            if line.startswith(self.HOROVODRUN_FAILED):
+                self.held, self.replacing = [], True
+                return
+            line, self.held = "".join(self.held), []
+        self._write(line)
+
+    def close(self) -> None:
+        if self.held:
+            self._write("".join(self.held))
+            self.held = []
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
 
 
 def die_with_parent(parent: int) -> None:
