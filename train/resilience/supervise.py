@@ -7,7 +7,8 @@ command (replacing any --resume; so it continues from the newest complete checkp
 --max-restarts times with exponential backoff; RINGFEED_RESTART_COUNT tells the job which
 attempt it is (the trainer reports it). Which endings are relaunched is ringfeed/errors.py's
 exit-code table (`relaunches`), decided from the job's exit code and the lines it printed
-(launchers like horovodrun do not pass a rank's exit code on, so a rank's line counts as much):
+(horovodrun does not pass a rank's exit code on: `LauncherOutput` turns its traceback into one
+line and takes the first failed rank's status from it; a rank's line counts as much):
 errors a restart cannot fix stop it at once (bad config or data, a NaN loss, a checkpoint or
 output that cannot be written, the user's code failing before the first step); a crash, a lost
 rank, storage that stayed unreachable for the retry budget (exit 75) and a hang the watchdog
