@@ -57,7 +57,6 @@ from ringfeed.train.checkpoint.checkpointer import Checkpointer, Saved
 from ringfeed.train.config import RunConfig
 from ringfeed.train.data import TrainPipeline
 from ringfeed.train.feed import Feed
-from ringfeed.train.observe.metrics import RESUMED_EVENT
 from ringfeed.train.observe.profiler import StepProfiler
 from ringfeed.train.observe.reporter import Reporter, say_any
 from ringfeed.train.resilience.elastic import ElasticRun
@@ -230,12 +229,6 @@ class Trainer:
         self.reporter.say(feed.header(self.dist.size) + note)
         self.reporter.open(self.state.step, feed.total_steps, feed.global_batch, feed.spec,
                            feed.train_pipe)
-        if resume:  # rank 0: what the interrupted attempts had done past their checkpoints
-            rewound = self.reporter.logger.rewound
-            self.recovery.steps_redone += rewound.earlier + rewound.steps
-            if rewound.steps:
-                self.reporter.event(self.state.step, {"event": RESUMED_EVENT,
-                                                      "steps_redone": rewound.steps})
 
     def train(self, signals: SignalRequests) -> bool:
         """Epochs until the counted steps are done; True when a signal stopped the run."""

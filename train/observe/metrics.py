@@ -103,6 +103,9 @@ class RunLogger:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self.rewound = _truncate_after(self.metrics_path, self.start_step)
             self._jsonl = AppendFile(self.metrics_path)
+            if self.rewound.steps:  # for the attempts after this one (Rewound.earlier)
+                self.event(self.start_step, {"event": RESUMED_EVENT,
+                                             "steps_redone": self.rewound.steps})
         except OSError as e:
             raise output_dir_error(self.out_dir, e) from None
         if sys.stderr.isatty():  # a live bar on a terminal; plain log lines otherwise
@@ -280,6 +283,10 @@ class Rewound:
 
     steps: int = 0
     earlier: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.steps + self.earlier
 
 
 RESUMED_EVENT = "resumed"  # a metrics.jsonl event: {"event": "resumed", "steps_redone": n}

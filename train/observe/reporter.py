@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +85,7 @@ class Reporter:
         self.resuming = resuming
         self.pipe, self.total_steps, self.global_batch = None, 0, 0
         self.logger = self.samples = None
+        self.redone_before: int | None = None  # steps earlier attempts redid (first open)
         self.mixture = None
         self.totals = Throughput()
         self.recent_losses = deque(maxlen=train.log_every)
@@ -135,6 +136,8 @@ class Reporter:
         self.logger = RunLogger(out, dist.is_root, total_steps, global_batch,
                                 self.train.log_every, sinks=self.sinks or (),
                                 start_step=step, accounting=self.accounting).open()
+        if self.redone_before is None:  # the first open: a resume (later: elastic resets)
+            self.redone_before = self.logger.rewound.total
         if self.output.sample_log:
             self.samples = SampleIds(SampleLog(out, dist.is_root, start_step=step).open(),
                                      self.backend)
@@ -245,6 +248,8 @@ class Reporter:
             "wait": totals.data_wait_s, "step": totals.step_s,
             **{k: float(stats.get(k, 0)) for k in STORAGE_COUNTS}})
         ranks = self.ranks.summary(self._storage_wait_s())
+        recovery = replace(recovery,
+                           steps_redone=recovery.steps_redone + (self.redone_before or 0))
         summary = {
             "status": status, "framework": self.framework, "world_size": backend.dist.size,
             "step": state.step, "epoch": state.epoch,
