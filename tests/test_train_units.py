@@ -170,9 +170,17 @@ def test_logger_writes_jsonl_and_tensorboard_and_a_resume_rewrites_history(tmp_p
     assert scalars[(4, "loss")] == pytest.approx((1 / 3 + 1 / 4) / 2)
     assert scalars[(6, "val_accuracy")] == 0.5
 
-    RunLogger(tmp_path, True, total_steps=6, global_batch=8, log_every=2,
-              start_step=4).open().close()
-    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").open()] == [2, 4]
+    resumed = RunLogger(tmp_path, True, total_steps=6, global_batch=8, log_every=2,
+                        start_step=4).open()
+    resumed.close()
+    kept = [json.loads(x) for x in (tmp_path / "metrics.jsonl").open()]
+    assert [r["step"] for r in kept] == [2, 4, 4]  # the later records dropped, an event added
+    assert kept[-1]["event"] == "resumed" and kept[-1]["steps_redone"] == 2  # 6 - 4
+    assert (resumed.rewound.steps, resumed.rewound.earlier) == (2, 0)
+    again = RunLogger(tmp_path, True, total_steps=6, global_batch=8, log_every=2,
+                      start_step=4).open()  # a second relaunch from the same checkpoint
+    again.close()
+    assert (again.rewound.steps, again.rewound.total) == (0, 2)  # the first one's, kept
 
 
 def test_logger_asks_for_per_step_extras_only_on_log_steps(tmp_path):
