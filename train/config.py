@@ -71,6 +71,10 @@ class ModelSection(_Section):
     # pipeline's NHWC batch (no copy), TensorFlow/Keras models (N, H, W, C); nchw / nhwc:
     # that layout whatever the framework (TensorFlow's nchw is a transposed copy).
     input_layout: Literal["auto", "nchw", "nhwc"] = "auto"
+    # Weights to start from (train/backends/init_weights.py): a torch state_dict file (or one
+    # under "model"/"state_dict"), a Keras .weights.h5; read by every rank, checked against
+    # the model (one line for a mismatch). A resumed run takes its checkpoint's instead.
+    init_from: str | None = None
 
     @field_validator("name")
     @classmethod

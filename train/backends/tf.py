@@ -45,6 +45,7 @@ from ringfeed.train.backends.base import (
     choose_gpu,
     metric_sums,
 )
+from ringfeed.train.backends.init_weights import load_keras
 from ringfeed.train.data import REGRESS, DataSpec, TrainPipeline, split_batch
 from ringfeed.train.models import build_model, channels_first
 from ringfeed.train.models.outputs import on_logits
@@ -288,6 +289,8 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
         keras.mixed_precision.set_dtype_policy(POLICIES[t.precision])
         keras.utils.set_random_seed(t.seed)
         self.model = build_model("tensorflow", cfg.model.name, dict(cfg.model.args), spec)
+        if cfg.model.init_from:
+            load_keras(self.model, cfg.model.init_from)
         self._output_fns(cfg, spec)
         self.inner_optimizer = make_optimizer(cfg.optim, t.grad_clip)
         self.optimizer = (keras.optimizers.LossScaleOptimizer(self.inner_optimizer)

@@ -39,6 +39,7 @@ from ringfeed.train.backends.base import (
     cpu_threads_per_rank,
     metric_sums,
 )
+from ringfeed.train.backends.init_weights import load_torch
 from ringfeed.train.checkpoint.files import open_for_write
 from ringfeed.train.data import DataSpec, TrainPipeline, split_batch
 from ringfeed.train.models import build_model, channels_first
@@ -349,6 +350,8 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
         self._bn_stale = False  # BatchNorm statistics changed since they were last averaged
         torch.manual_seed(t.seed)
         self.model = build_model("torch", cfg.model.name, dict(cfg.model.args), spec)
+        if cfg.model.init_from:
+            load_torch(self.model, cfg.model.init_from)
         # image batches as (N, C, H, W), the layout torch models take (model.input_layout)
         self.nchw = channels_first("torch", cfg.model.input_layout, spec)
         if not t.loss:
