@@ -5,6 +5,7 @@ its config through one pure function, `to_pipeline_config(split)`."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,12 @@ def test_print_config_keys_are_unchanged(shards, tmp_path, capsys):
     expected = set(RunConfig.model_fields["data"].annotation.model_fields) - {
         "split", "seed", "read_ahead"}
     assert set(printed["data"]) == expected
+
+
+@pytest.mark.parametrize("item", [".=0", "train..max_steps=1", "train.=1", ".train=1"])
+def test_a_set_key_with_an_empty_part_is_one_line_naming_it(tmp_path, item):
+    """(found by test_fuzz: `--set .=0` said "cfg.yaml: : unknown key", naming nothing)"""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model: {{name: mlp}}\ndata: {{train: {tmp_path}}}\n")
+    with pytest.raises(UserError, match=re.escape(f"--set {item!r}: ") + ".*empty part"):
+        load_config(cfg, [item])

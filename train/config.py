@@ -510,6 +510,9 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         value = text
     node = raw
     parts = key.strip().split(".")
+    if not all(parts):  # ".", "a..b", "train.": a key of no name
+        raise UserError(f"--set {item!r}: {key.strip()!r} has an empty part; keys are "
+                        "SECTION.NAME, e.g. --set train.max_steps=100")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
