@@ -294,6 +294,9 @@ class _Connection:
         self.responses = _Responses() if proxy.keep_alive else None
         self.to_up = bytearray()        # client bytes waiting for the upstream socket
         self.to_down = bytearray()      # response bytes waiting for the client
+        # whose they are: [log index, bytes] in to_down's order (a response may end, and the
+        # log move on, before its bytes are sent)
+        self.down_owners: list[list[int]] = []
         self.client_eof = False
         self.upstream_eof = False
         self.stalled = False
@@ -326,6 +329,27 @@ class _Connection:
         self.upstream = sock
         self.proxy._count("upstream_connections")
         return True
+
+    def _attribute(self, sent: int) -> None:
+        """`sent` bytes just sent to the client, counted to the requests whose responses they
+        are (without keep-alive parsing: the newest request's)."""
+        now = time.monotonic()
+        while sent and self.down_owners:
+            owner = self.down_owners[0]
+            take = min(sent, owner[1])
+            record = self.log[owner[0]]
+            if record["t_first_byte"] is None:
+                record["t_first_byte"] = now
+            record["bytes"] += take
+            owner[1] -= take
+            sent -= take
+            if not owner[1]:
+                self.down_owners.pop(0)
+        if sent:
+            record = self.log[min(self.log_next, len(self.log) - 1)]
+            if record["t_first_byte"] is None:
+                record["t_first_byte"] = now
+            record["bytes"] += sent
 
     def _slowdown_reply(self, method: str) -> None:
         body = b"" if method == "HEAD" else SLOWDOWN_BODY
@@ -491,6 +515,8 @@ class _Connection:
                 else:
                     out, ended = self.responses.feed(data)
                     self.to_down += out
+                    if out and self.log_next < len(self.log):
+                        self.down_owners.append([self.log_next, len(out)])
                     if ended:
                         self.in_flight = max(0, self.in_flight - 1)
                         if self.log_next < len(self.log):
@@ -522,10 +548,7 @@ class _Connection:
                         del self.to_down[:sent]
                         proxy._count("bytes_down", sent)
                         if self.log:
-                            record = self.log[min(self.log_next, len(self.log) - 1)]
-                            if record["t_first_byte"] is None:
-                                record["t_first_byte"] = time.monotonic()
-                            record["bytes"] += sent
+                            self._attribute(sent)
                         if self.cut_left is not None and not self.answer_then_close:
                             self.cut_left -= sent
                             if self.cut_left <= 0:
