@@ -204,6 +204,20 @@ def test_horovodruns_traceback_becomes_one_line_and_the_ranks_status_the_jobs():
     assert output.first_status == EXIT_HANG
 
 
+def test_horovodruns_traceback_cut_short_still_leaves_its_line():
+    import io
+
+    cut = HOROVODRUN_TAIL.split("Process name")[0]  # the job's output ends before the rank
+    out = io.StringIO()
+    output = supervise.LauncherOutput(out)
+    for line in cut.splitlines(keepends=True):
+        output.feed(line)
+    output.close()
+    assert out.getvalue().endswith("ringfeed run: horovodrun ended the job: rank ? exited "
+                                   "first, with status unknown\n")
+    assert "Traceback" not in out.getvalue() and output.first_status is None
+
+
 def test_any_other_traceback_passes_as_it_was():
     import io
 

@@ -300,11 +300,12 @@ def _truncate_after(path: Path, step: int) -> Rewound:
     if step == 0:
         path.unlink()
         return Rewound()
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if _step_of(line) <= step]
+    stepped = [(line, _step_of(line)) for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line, at in stepped if at <= step]
     atomic_write_text(path, "".join(line + "\n" for line in kept))
-    dropped = max((_step_of(line) for line in lines if _step_of(line) > step), default=step)
-    return Rewound(dropped - step, sum(_redone_in(line) for line in kept))
+    dropped = max((at for _, at in stepped if at > step), default=step)
+    return Rewound(dropped - step, sum(_redone_in(line) for line in kept
+                                       if RESUMED_EVENT in line))
 
 
 def _redone_in(line: str) -> int:

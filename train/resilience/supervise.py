@@ -150,11 +150,9 @@ class LauncherOutput:
                 status = value.strip()
                 self.first_status = int(status) if status.isdigit() and 0 < int(status) < 256 \
                     else None
-                self._write(f"ringfeed run: horovodrun ended the job: rank {self.first_rank} "
-                            f"exited first, with status {status}\n")
-                self.replacing = False
+                self._replaced(status)
                 return
-            self.replacing = False
+            self._replaced("unknown")  # horovodrun's message ended otherwise than expected
         if not self.held and line.startswith("Traceback (most recent call last):"):
             self.held = [line]
             return
@@ -169,9 +167,17 @@ class LauncherOutput:
         self._write(line)
 
     def close(self) -> None:
+        if self.replacing:
+            self._replaced("unknown")
         if self.held:
             self._write("".join(self.held))
             self.held = []
+
+    def _replaced(self, status: str) -> None:
+        """The one line in place of horovodrun's traceback."""
+        self._write(f"ringfeed run: horovodrun ended the job: rank {self.first_rank or '?'} "
+                    f"exited first, with status {status}\n")
+        self.replacing = False
 
     def _write(self, text: str) -> None:
         self.out.write(text)
