@@ -15,7 +15,8 @@ N or the loader workers W:
 A skip list takes its ids out of each stream's emission sequence, which is then cut to
 `batches_for(..., leave_out)` chunks (the most any stream can lose): a prefix of a stream's
 sequence keeps its chunks when ids emitted after it are added to the list, so a rerun from a
-checkpoint with more ids skipped resumes exactly.
+checkpoint with more ids skipped resumes exactly. (The rank order keeps its plan and replaces
+a listed id's row in its batch instead: stream.py's `stand_ins`.)
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class RankStreams:
     world_size: int
     num_workers: int
     order: str = "rank"
-    skip: np.ndarray | None = None  # order global: the skip list's ids
+    skip: np.ndarray | None = None  # the skip list's ids (sorted)
 
     @property
     def count(self) -> int:
@@ -134,7 +135,7 @@ class RankStreams:
         """Loader stream `w`'s batches of `plan` after the rank's first `t0`."""
         if self.order == "global":
             return iter(GlobalStream(context, plan, self, w, t0))
-        return iter(WorkerStream.resuming(context, plan, self.rank, w, t0))
+        return iter(WorkerStream.resuming(context, plan, self.rank, w, t0, self.skip))
 
 
 class GlobalStream:

@@ -124,9 +124,8 @@ class PipelineConfig(BaseModel):
                             "world size dividing both works (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, "
                             "48, 64, 96, 192 ranks)")
     skip: list[NonNegativeInt] | PathStr | None = Field(
-        None, description="sample ids (__index__) left out of every epoch (order: global): a "
-                          "list, or a file of ids (whitespace/comma separated, or samples.jsonl "
-                          "lines)")
+        None, description="sample ids (__index__) left out of every epoch: a list, or a file "
+                          "of ids (whitespace/comma separated, or samples.jsonl lines)")
 
     @field_validator("decode", "transform")
     @classmethod

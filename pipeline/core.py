@@ -124,20 +124,18 @@ def position_of(c: PipelineConfig, layout: Layout, mixture: Mixture | None, rank
                 world_size: int) -> tuple[PipelineState, RankStreams]:
     """The plan's state (epoch, segments, what each rank consumed) and this rank's loader
     streams, in the order `c.order` says: rank (the plan's segments at this world size and
-    worker count) or global (the canonical streams dealt over the ranks, a skip list left out)."""
+    worker count) or global (the canonical streams dealt over the ranks); either way a skip
+    list's ids left out (canonical.py says how)."""
+    skip = load_skip(c.skip, layout.num_samples)
     if c.order == "global":
-        skip = load_skip(c.skip, layout.num_samples)
         config = canonical_config(c, world_size)
         return (PipelineState(layout, c.seed, c.shuffle, config, mixture, "global",
                               leave_out_for(skip, mixture)),
                 RankStreams(rank, world_size, c.num_workers, "global", skip))
-    if c.skip is not None:
-        raise PipelineError("skip: a skip list needs order: global (set order: global and "
-                            "global_batch_size)")
     config = SegmentConfig(world_size, c.num_workers, c.batch_size,
                            c.shuffle_buffer if c.shuffle else 0, c.balance)
     return (PipelineState(layout, c.seed, c.shuffle, config, mixture),
-            RankStreams(rank, world_size, c.num_workers))
+            RankStreams(rank, world_size, c.num_workers, skip=skip if len(skip) else None))
 
 
 class ShardPipeline:

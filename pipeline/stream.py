@@ -76,19 +76,20 @@ class WorkerStream:
     the batch beside its tag (epoch, segment, rank batch index) and counter increments."""
 
     def __init__(self, context: StreamContext, plan: WorkerPlan, skip: int, epoch: int,
-                 segment: int, streams: int, w: int) -> None:
+                 segment: int, streams: int, w: int, listed: np.ndarray | None = None) -> None:
         self.context, self.plan, self.skip = context, plan, skip
         self.epoch, self.segment = int(epoch), int(segment)  # the first two of every tag
         self.streams, self.w = streams, w
+        self.listed = listed  # a skip list's ids (sorted): their rows get stand-ins
         self.counters = StreamCounters()
 
     @classmethod
-    def resuming(cls, context: StreamContext, plan: SegmentPlan, rank: int, w: int, t0: int
-                 ) -> WorkerStream:
+    def resuming(cls, context: StreamContext, plan: SegmentPlan, rank: int, w: int, t0: int,
+                 listed: np.ndarray | None = None) -> WorkerStream:
         """Worker stream `w` of `rank`, after the rank's first `t0` batches of the segment."""
         streams = plan.config.streams
         return cls(context, plan.worker(rank, w), consumed_by_worker(t0, streams, w), plan.epoch,
-                   plan.index, streams, w)
+                   plan.index, streams, w, listed)
 
     def __iter__(self) -> Iterator[Booked]:
         """The stages, composed: plan -> open shards -> (decoded gather | read + decode columns
@@ -135,9 +136,47 @@ class WorkerStream:
         yield from samples.add(chunk, sources)
 
     def _booked(self, assembled: Assembled, local_batch: int) -> Booked:
+        if self.listed is not None:
+            assembled = stand_ins(assembled, self.listed)
         batch = assembled.fields
         batch["__key__"] = assembled.keys
         batch["__index__"] = np.asarray(assembled.ids, dtype=np.int64)
         batch["__valid__"] = np.asarray(assembled.valid, dtype=bool)
         return Booked(batch, (self.epoch, self.segment, local_batch * self.streams + self.w),
                       self.counters.take())
+
+
+def stand_ins(assembled: Assembled, listed: np.ndarray) -> Assembled:
+    """The batch with each row whose id is listed (a skip list, the rank order) replaced by a
+    copy of the nearest earlier unlisted row of the batch (or the nearest later one), flagged
+    invalid, as a bad sample's is. The plan does not change, so batch counts, resume and
+    resume at another world size keep the rank order's rules, and a list extended before a
+    resume changes only the rows it names. A batch of listed ids only is left as read,
+    flagged invalid (it has no row to copy)."""
+    rows = np.isin(assembled.ids, listed)
+    if not rows.any():
+        return assembled
+    kept = np.flatnonzero(~rows)
+    if not len(kept):
+        return assembled._replace(valid=np.zeros(len(rows), dtype=bool))
+    at = np.flatnonzero(rows)
+    earlier = np.searchsorted(kept, at) - 1
+    source = kept[np.where(earlier >= 0, earlier, 0)]
+    fields = {name: _rows_copied(values, at, source) for name, values in assembled.fields.items()}
+    keys = list(assembled.keys)
+    ids, valid = assembled.ids.copy(), np.asarray(assembled.valid, dtype=bool).copy()
+    for i, j in zip(at.tolist(), source.tolist(), strict=True):
+        keys[i] = keys[j]
+    ids[at], valid[at] = ids[source], False
+    return Assembled(fields, keys, ids, valid)
+
+
+def _rows_copied(values: Any, at: np.ndarray, source: np.ndarray) -> Any:
+    if isinstance(values, np.ndarray):
+        values = values.copy()
+        values[at] = values[source]
+        return values
+    values = list(values)
+    for i, j in zip(at.tolist(), source.tolist(), strict=True):
+        values[i] = values[j]
+    return values

@@ -152,8 +152,6 @@ def test_global_order_rules_are_one_line_errors(shards):
         make(source, 0, 1, global_batch_size=None)
     with pytest.raises(PipelineError, match="balance='pad' is for the rank order"):
         make(source, 0, 1, balance="pad")
-    with pytest.raises(PipelineError, match="skip: a skip list needs order: global"):
-        ShardPipeline(source, skip=[1])
     rank_state = ShardPipeline(source, batch_size=4, seed=5).state_dict()
     with pytest.raises(PipelineError, match="order='rank', this pipeline order='global'"):
         make(source, 0, 1).load_state_dict(rank_state)
@@ -207,6 +205,59 @@ def test_ids_added_to_the_skip_list_after_a_checkpoint_resume_exactly(shards):
     for pipe in resumed:
         pipe.load_state_dict(first[0].state_dict())
     assert head + global_batches(resumed) == global_batches([make(source, 0, 1, skip=skip)])
+
+
+def rank_batches(source, ranks, workers=0, stop_after=None, state=None, **options):
+    """Per rank, its batches as (ids, valid, npy ids) lists, in the rank order."""
+    out = []
+    for r in range(ranks):
+        pipe = ShardPipeline(source, rank=r, world_size=ranks, batch_size=4, shuffle_buffer=16,
+                             seed=5, num_workers=workers, **options)
+        if state is not None:
+            pipe.load_state_dict(state)
+        rows = []
+        for t, batch in enumerate(pipe):
+            rows.append((np.asarray(batch["__index__"]).tolist(),
+                         np.asarray(batch["__valid__"]).tolist(),
+                         np.asarray(batch["npy"])[:, 0].tolist()))
+            if stop_after is not None and t + 1 == stop_after:
+                break
+        out.append(rows)
+    return out, pipe
+
+
+@pytest.mark.parametrize("ranks, workers", [(1, 0), (2, 2)])
+def test_in_the_rank_order_a_listed_ids_row_is_a_stand_in_and_the_plan_is_kept(shards, ranks,
+                                                                                  workers):
+    source = shards / "a"
+    reference, _ = rank_batches(source, ranks, workers)
+    skip = [reference[0][1][0][2], reference[-1][3][0][0], reference[0][3][0][3], 10**6]
+    got, pipe = rank_batches(source, ranks, workers, skip=skip)
+    assert pipe.stats()["skip_listed"] == 3
+    for ref_rank, got_rank in zip(reference, got, strict=True):
+        assert len(got_rank) == len(ref_rank)  # every rank's step count is unchanged
+        for (ids, _, _), (got_ids, valid, npy) in zip(ref_rank, got_rank, strict=True):
+            assert got_ids == npy  # each row holds the sample its id names
+            for i, sample in enumerate(ids):
+                if sample in skip:  # a copy of an unlisted row of the same batch, invalid
+                    assert not valid[i] and got_ids[i] in ids and got_ids[i] not in skip
+                else:
+                    assert valid[i] and got_ids[i] == sample
+    trained = {i for rank in got for ids, _, _ in rank for i in ids}
+    assert not trained & set(skip)
+
+
+def test_in_the_rank_order_ids_listed_before_a_resume_at_another_world_size_stay_out(shards):
+    source = shards / "a"
+    head, first = rank_batches(source, 3, stop_after=5)
+    later, _ = rank_batches(source, 2, state=first.state_dict())
+    skip = [later[0][2][0][1], later[1][4][0][0]]
+    resumed, _ = rank_batches(source, 2, state=first.state_dict(), skip=skip)
+    assert len(resumed[0]) == len(later[0]) == len(resumed[1])
+    for before, after in zip(later, resumed, strict=True):
+        for (ids, _, _), (got, valid, _) in zip(before, after, strict=True):
+            assert [i for i, v in zip(got, valid, strict=True) if v] == [i for i in ids
+                                                                           if i not in skip]
 
 
 @pytest.mark.parametrize("overrides, expected", [
