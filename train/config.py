@@ -117,8 +117,15 @@ class DataSection(PipelineConfig):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # a shard dir/URL with manifest.json, or a list/brace pattern of shard URLs, or a weighted
-    # mixture: a list of {path, weight} (pipeline/mixture.py)
-    train: SourceSpec
+    # mixture: a list of {path, weight} (pipeline/mixture.py); required unless `synthetic`
+    train: SourceSpec | None = None
+    # No data: one random batch of data.image_size (224) x data.channels (3) images and
+    # model.args.num_classes (1000) class ids, made once on the device and trained on at every
+    # step (Horovod's pytorch_synthetic_benchmark); data.train, when set, is not read. Needs
+    # train.max_steps (one epoch is the run); no validation; the summary's `synthetic` holds
+    # samples/s per rank with its 95% interval over the timed steps. The model's speed with
+    # the input taken away: the bound a run from shards is compared with
+    synthetic: bool = False
     val: SourceSpec | None = None  # default: `train`'s sources (`val_split`)
     train_split: str = "train"
     val_split: str | None = "val"  # null: no validation
@@ -473,7 +480,7 @@ def resolve_config(cfg: RunConfig, path: str | Path = "config") -> RunConfig:
     data.val_split null when validation was not asked for and local train shards have no split
     of the default name. The same with or without load_config's path checks."""
     data = _check_consistency(cfg, path)
-    if _no_default_val_split(cfg):
+    if not cfg.data.synthetic and _no_default_val_split(cfg):
         data["val_split"] = None  # shards without a val split: no validation unless asked
     if not data:
         return cfg.model_copy(deep=True)
@@ -555,7 +562,7 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
     """Raises a UserError for keys that do not go together; returns the data keys they settle
     ({"batch_size": ...} from global_batch_size), without changing `cfg`."""
     t, d = cfg.train, cfg.data
-    settled: dict[str, Any] = {}
+    settled: dict[str, Any] = _check_synthetic(cfg, path)
     if t.epochs is None and t.max_steps is None:
         raise UserError(f"{path}: train: set train.epochs or train.max_steps")
     if cfg.elastic.enabled and d.order == "global":
@@ -612,6 +619,27 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
     return settled
 
 
+def _check_synthetic(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
+    """data.train is required unless data.synthetic; a synthetic run's data keys it settles
+    ({"val_split": None}: nothing to validate on)."""
+    d = cfg.data
+    if not d.synthetic:
+        if d.train is None:
+            raise UserError(f"{path}: data.train: required key is missing (a shard directory "
+                            "with manifest.json; or data.synthetic: true for no data)")
+        return {}
+    if cfg.train.max_steps is None:
+        raise UserError(f"{path}: data.synthetic: set train.max_steps (synthetic data has no "
+                        "epochs: one epoch is the whole run)")
+    if d.val is not None:
+        raise UserError(f"{path}: data.val: a synthetic run does not validate; remove data.val "
+                        "or set data.synthetic: false")
+    if cfg.model.name == "gpt":
+        raise UserError(f"{path}: data.synthetic: makes images and class ids, not tokens; train "
+                        "model gpt on token shards (ringfeed shard --format text)")
+    return {"val_split": None}
+
+
 def _check_user_modules(cfg: RunConfig, path: str | Path) -> None:
     """Every "module:function" of the config names a module Python finds (on PYTHONPATH)."""
     t, d = cfg.train, cfg.data
@@ -645,7 +673,8 @@ def _check_local_sgd(cfg: RunConfig, path: str | Path) -> None:
 def _check_paths(cfg: RunConfig, path: str | Path) -> None:
     """Shards exist and hold the splits asked for; checkpoints are not silently mixed. Checks
     only: `cfg` is a resolved config (resolve_config) and is not changed."""
-    sources = list(_paths("data.train", cfg.data.train, cfg.data.train_split))
+    sources = ([] if cfg.data.synthetic  # (data.train, if set, is not read)
+               else list(_paths("data.train", cfg.data.train, cfg.data.train_split)))
     if cfg.val_source is not None:
         sources += _paths("data.val" if cfg.data.val else "data.train", cfg.val_source,
                           cfg.data.val_split)

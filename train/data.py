@@ -142,7 +142,10 @@ def run_channels(cfg) -> int | None:
 
 
 def infer_spec(cfg, pipe: TrainPipeline) -> DataSpec:
-    """Fields from the config or the manifest; shapes from the pipeline's first sample."""
+    """Fields from the config or the manifest; shapes from the pipeline's first sample
+    (data.synthetic: the config's, synthetic_spec)."""
+    if isinstance(pipe, SyntheticPipeline):
+        return pipe.spec
     manifest = pipe.manifest
     batch = pipe.example_batch()
     fields = {k: v for k, v in batch.items() if not k.startswith("__")}
@@ -270,3 +273,120 @@ def standardised(x: Any, mean: tuple[float, ...], std: tuple[float, ...]) -> Any
     import tensorflow as tf
 
     return (tf.cast(x, tf.float32) - mean_) * scale
+
+
+# data.synthetic: the spec when the config leaves it out, as Horovod's
+# pytorch_synthetic_benchmark.py has it (3 x 224 x 224 images, 1000 classes)
+SYNTHETIC_IMAGE_SIZE = 224
+SYNTHETIC_CLASSES = 1000
+
+
+def synthetic_spec(cfg) -> DataSpec:
+    """data.synthetic's spec from the config alone: images of data.image_size (224) x
+    data.channels (3), model.args.num_classes (1000) classes."""
+    size = cfg.data.image_size or SYNTHETIC_IMAGE_SIZE
+    height, width = (size, size) if isinstance(size, int) else size
+    classes = cfg.model.args.get("num_classes") or SYNTHETIC_CLASSES
+    return DataSpec(CLASSIFY, "jpg", "cls", (int(height), int(width), cfg.data.channels or 3),
+                    num_classes=int(classes))
+
+
+class SyntheticPipeline:
+    """data.synthetic: one batch of this rank's, standard-normal pixels and uniform class ids
+    of the spec's shape, made once (on the training device by `loader()`) and trained on at
+    every step, so a run measures the model and the allreduce with the input taken away. An
+    epoch is the whole run (train.max_steps steps); its position is all a checkpoint holds of
+    it, so a synthetic run resumes like any other. A TrainPipeline (no manifest, no mixture,
+    no validation split)."""
+
+    manifest = None
+    mixture = None
+
+    def __init__(self, cfg, rank: int, world_size: int):
+        self.spec = synthetic_spec(cfg)
+        self.batch_size, self.rank, self.seed = cfg.data.batch_size, rank, cfg.train.seed
+        self.samples_per_step = cfg.data.batch_size * cfg.train.accumulate  # per rank
+        self.batches_per_epoch = cfg.train.max_steps * cfg.train.accumulate
+        self.epoch, self.consumed = 0, 0
+        self._batch: dict[str, np.ndarray] | None = None
+
+    @property
+    def config(self) -> None:  # (no pipeline options: nothing is read)
+        return None
+
+    @property
+    def source_names(self) -> list[str]:
+        return []
+
+    @property
+    def batches_remaining(self) -> int:
+        return self.batches_per_epoch - self.consumed
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.consumed = epoch, 0
+
+    def expect_next_epoch(self, expected: bool) -> None:
+        pass  # (nothing to read ahead)
+
+    def source_of(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(ids)
+        return np.zeros_like(ids), ids
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"synthetic": True, "epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state.get("synthetic"):
+            raise UserError("data.synthetic: this checkpoint was trained on shards; resume it "
+                            "without data.synthetic, or start the synthetic run elsewhere "
+                            "(output.dir or --resume none)")
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def example_batch(self) -> dict[str, Any]:
+        """The batch every step trains on, as numpy arrays (made at the first call)."""
+        if self._batch is None:
+            rng = np.random.default_rng((self.seed, self.rank))
+            n = self.batch_size
+            self._batch = {
+                "jpg": rng.standard_normal((n, *self.spec.input_shape), dtype=np.float32),
+                "cls": rng.integers(0, self.spec.num_classes, n, dtype=np.int64),
+                "__index__": np.arange(self.rank * n, (self.rank + 1) * n, dtype=np.int64),
+                "__valid__": np.ones(n, dtype=bool)}
+        return self._batch
+
+    def loader(self, backend: Any, framework: str) -> SyntheticLoader:
+        """The loader over the example batch, its inputs and targets copied to the training
+        device once: torch's backend.device, TensorFlow's first GPU when it sees one."""
+        batch = dict(self.example_batch())
+        fields = (self.spec.input_key, self.spec.target_key)
+        if framework == "torch":
+            import torch
+
+            device = getattr(backend, "device", torch.device("cpu"))
+            batch.update({k: torch.from_numpy(batch[k]).to(device) for k in fields})
+        else:
+            import tensorflow as tf
+
+            gpus = tf.config.list_logical_devices("GPU")
+            with tf.device(gpus[0].name if gpus else "/CPU:0"):
+                batch.update({k: tf.identity(tf.constant(batch[k])) for k in fields})
+        return SyntheticLoader(self, batch)
+
+    def close(self) -> None:
+        self._batch = None
+
+
+class SyntheticLoader:
+    """Every iter() hands out the one device batch for what is left of the pipeline's epoch,
+    each counted as consumed when handed out (as the pipelines' loaders count theirs)."""
+
+    def __init__(self, pipe: SyntheticPipeline, batch: dict[str, Any]):
+        self.pipe, self.batch = pipe, batch
+
+    def __iter__(self):
+        while self.pipe.batches_remaining > 0:
+            self.pipe.consumed += 1
+            yield self.batch

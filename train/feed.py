@@ -19,7 +19,13 @@ from collections.abc import Iterable
 from ringfeed.errors import UserError
 from ringfeed.train.backends.base import Backend, Dist
 from ringfeed.train.config import RunConfig
-from ringfeed.train.data import DataSpec, TrainPipeline, infer_spec, make_pipeline
+from ringfeed.train.data import (
+    DataSpec,
+    SyntheticPipeline,
+    TrainPipeline,
+    infer_spec,
+    make_pipeline,
+)
 from ringfeed.train.schedule import LRSchedule, make_schedule
 
 
@@ -68,7 +74,9 @@ class Feed:
 
     def open_loaders(self, backend: Backend) -> None:
         """The backend's loaders over the pipelines, unless open already."""
-        if self.loader is None:
+        if self.loader is None and isinstance(self.train_pipe, SyntheticPipeline):
+            self.loader = self.train_pipe.loader(backend, self.cfg.framework)
+        elif self.loader is None:
             self.loader = backend.loader(self.train_pipe)
             self.val_loader = backend.loader(self.val_pipe) if self.val_pipe else None
 
@@ -87,7 +95,8 @@ class Feed:
         cfg, spec = self.cfg, self.spec
         return (
             f"ringfeed train: {cfg.framework}, {world_size} rank(s), model {cfg.model.name}, "
-            f"{spec.task} on {spec.input_key} {spec.input_shape}, global batch "
+            f"{spec.task} on {'synthetic ' if cfg.data.synthetic else ''}{spec.input_key} "
+            f"{spec.input_shape}, global batch "
             f"{self.global_batch} = {world_size} x {cfg.data.batch_size} x {self.k} "
             f"accumulated, {self.steps_per_epoch} steps/epoch, {self.total_steps} steps, "
             f"{cfg.train.precision}, peak lr {self.schedule.peak:.3g}")
@@ -105,7 +114,11 @@ class Feed:
 def make_pipelines(cfg: RunConfig, dist: Dist, k: int
                    ) -> tuple[TrainPipeline, TrainPipeline | None, int]:
     """(train pipeline, val pipeline or None, optimizer steps per epoch) of rank `dist.rank` of
-    `dist.size`, for steps of k micro-batches; UserError when an epoch holds no step."""
+    `dist.size`, for steps of k micro-batches; UserError when an epoch holds no step.
+    data.synthetic: one batch made once, no validation."""
+    if cfg.data.synthetic:
+        synthetic = SyntheticPipeline(cfg, dist.rank, dist.size)
+        return synthetic, None, synthetic.batches_per_epoch // k
     train_pipe = make_pipeline(cfg, "train", dist.rank, dist.size)
     val_pipe = make_pipeline(cfg, "val", dist.rank, dist.size) if cfg.val_source else None
     steps_per_epoch = train_pipe.batches_per_epoch // k

@@ -37,9 +37,9 @@ import numpy as np
 from ringfeed.fsutil import atomic_write_text
 from ringfeed.train.backends.base import Backend, StepResult
 from ringfeed.train.config import OutputSection, TrainSection
-from ringfeed.train.data import LM, DataSpec, TrainPipeline
+from ringfeed.train.data import LM, DataSpec, SyntheticPipeline, TrainPipeline
 from ringfeed.train.observe.metrics import RunLogger, SampleLog, Throughput
-from ringfeed.train.observe.ranks import RankFigures
+from ringfeed.train.observe.ranks import RankFigures, RankTimes
 from ringfeed.train.observe.runfiles import CONFIG_FILE, output_dir_error
 from ringfeed.train.observe.throughput import Accounting, FlopCount, resolve_peak
 from ringfeed.train.observe.trackers import ScalarSink, close_sinks, open_sinks
@@ -274,7 +274,7 @@ class Reporter:
         }
         if self.mixture is not None:
             summary["mixture"] = self.mixture.summary(self.pipe.mixture)
-        self.logger.summary(summary)
+        write_summary(self.logger, summary, synthetic_rate(self.pipe, self.ranks.times))
 
     def close(self) -> None:
         """The logs and the trackers, closed (idempotent)."""
@@ -395,3 +395,37 @@ def count_throughput(backend: Backend, spec: DataSpec, pipe: TrainPipeline,
     return Accounting(flops, resolve_peak(name, dtype, peak_tflops),
                       devices=backend.dist.size,
                       tokens_per_sample=spec.input_shape[0] if spec.task == LM else None)
+
+
+# the synthetic benchmark's interval: mean +- 1.96 x std, a normal 95% interval
+Z95 = 1.96
+
+
+def synthetic_rate(pipe: TrainPipeline, times: RankTimes) -> dict[str, float] | None:
+    """data.synthetic: this rank's samples/s at each timed step (the first, the warm-up, is
+    not timed), as pytorch_synthetic_benchmark.py's "Img/sec per GPU: mean +-1.96*std" (its
+    figure is per 10-batch iteration, this one per step, so its interval is wider); None for
+    a run from shards or before 2 timed steps."""
+    steps = np.frombuffer(times.runs["step_s"], dtype=np.float64) if times.runs["step_s"] \
+        else np.zeros(0)
+    if not isinstance(pipe, SyntheticPipeline) or len(steps) < 2:
+        return None
+    rates = pipe.samples_per_step / steps
+    return {"samples_per_s_per_rank": float(rates.mean()),
+            "ci95_per_rank": float(Z95 * rates.std()), "timed_steps": len(rates)}
+
+
+def write_summary(logger: RunLogger, summary: dict[str, Any],
+                  synthetic: dict[str, float] | None) -> None:
+    """summary.json and the console's summary; a synthetic run's rate in both (all ranks':
+    the world size times rank 0's, as the benchmark's "Total img/sec")."""
+    if synthetic is not None:
+        summary["synthetic"] = synthetic
+    logger.summary(summary)
+    if synthetic is not None:
+        size = summary["world_size"]
+        logger.info(f"  synthetic          {synthetic['samples_per_s_per_rank']:.1f} "
+                    f"+-{synthetic['ci95_per_rank']:.1f} samples/s per rank (95%, "
+                    f"{synthetic['timed_steps']} timed steps); on {size} rank(s): "
+                    f"{size * synthetic['samples_per_s_per_rank']:.1f} "
+                    f"+-{size * synthetic['ci95_per_rank']:.1f}")
