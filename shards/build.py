@@ -30,23 +30,37 @@ from ringfeed.shards.journal import JOURNAL, Journal
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.packing import PlannedShard, fingerprint, plan_shards
 from ringfeed.shards.parallel import fork_pool, parallel_map, pool_task
+from ringfeed.shards.parts import (
+    Files,
+    LocalFiles,
+    Marker,
+    all_done,
+    assemble,
+    cleanup,
+    is_part_file,
+    journal_name,
+    make_marker,
+    marker_name,
+    part_shards,
+)
 from ringfeed.shards.progress import Progress
 from ringfeed.shards.sources import Source, open_source
 from ringfeed.shards.sources.text import WORK_DIR
 from ringfeed.shards.write import publish_shard, write_shard
 
 SHARD_FILE = re.compile(r"^\w+-\d{6}\.tar(\.idx)?$")  # a shard or its index sidecar
-TEMP_FILE = re.compile(
-    r"^\.(manifest\.json|\.ringfeed-journal\.jsonl|\w+-\d{6}\.tar(\.idx)?)\.\w+\.tmp$")
+TEMP_FILE = re.compile(  # journals' and parts' markers' too (.ringfeed-...)
+    r"^\.(manifest\.json|\.ringfeed-[\w.-]+|\w+-\d{6}\.tar(\.idx)?)\.\w+\.tmp$")
 
 
 @dataclass
 class ShardRun:
-    manifest: Manifest
+    manifest: Manifest | None  # None: a part whose others have not all finished
     out: Path
     seconds: float
     written: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
+    part: tuple[int, int] | None = None
 
 
 def created_by() -> str:
@@ -60,7 +74,7 @@ def shard_dataset(opts: ShardOptions, start: float | None = None) -> ShardRun:
     """Shard a local SRC into a local OUT (`start`: when the run began, if before this call;
     shards/remote_build.py handles URLs and calls this for a fetched SRC)."""
     start = time.monotonic() if start is None else start
-    check_out_dir(opts.out, opts.overwrite, opts.src)
+    check_out_dir(opts.out, opts.overwrite, opts.src, parts=opts.part is not None)
     try:
         return _shard(opts, start)
     except OSError as e:  # disk full, no permission, input gone: the file, the reason, resume
@@ -74,11 +88,12 @@ def _shard(opts: ShardOptions, start: float) -> ShardRun:
         adopt_src_url(source, opts)
         shards = plan_shards(source, opts)
         plan_id = fingerprint(source, opts, shards)
-        journal = Journal(opts.out)
-        kept = _resumable(journal, plan_id, shards, opts)
-        _clean_out_dir(opts.out, fresh=opts.overwrite)
+        mine = part_shards(shards, opts.part)
+        journal = Journal(opts.out, journal_name(opts.part))
+        kept = _resumable(journal, plan_id, mine, opts)
+        _clean_out_dir(opts.out, fresh=opts.overwrite, only=_own_files(opts, mine))
         journal.start(plan_id, kept)
-        todo = [s for s in shards if s.name not in kept]
+        todo = [s for s in mine if s.name not in kept]
         infos = dict(kept)
 
         def finished(info: ShardInfo) -> None:
@@ -86,13 +101,39 @@ def _shard(opts: ShardOptions, start: float) -> ShardRun:
             infos[info.name] = info
 
         _write_all(source, todo, opts, finished)
-        manifest = _manifest(source, opts, shards, infos)
-        manifest.save(opts.out)
-        journal.remove()
+        if opts.part is None:
+            manifest: Manifest | None = _manifest(source, opts, shards, infos)
+        else:
+            files = LocalFiles(opts.out)
+            marker = make_marker(plan_id, opts.part, len(shards), _manifest(source, opts, shards),
+                                 [(s.split, infos[s.name], {}) for s in mine])
+            manifest = (finish_part(files, marker) or (None, None))[0]
+        if manifest is not None:
+            manifest.save(opts.out)
+            journal.remove()
+            if opts.part is not None:
+                cleanup(LocalFiles(opts.out))
     finally:
         source.close()
     return ShardRun(manifest, opts.out, time.monotonic() - start,
-                    written=[s.name for s in todo], kept=sorted(kept))
+                    written=[s.name for s in todo], kept=sorted(kept), part=opts.part)
+
+
+def finish_part(files: Files, marker: Marker) -> tuple[Manifest, dict[str, dict]] | None:
+    """A part's end: its marker, then assemble()'s manifest if every part of its plan is done
+    (None while some is not, or when another part has written the manifest meanwhile)."""
+    files.write(marker_name((marker.part, marker.parts)), marker.to_bytes())
+    markers = all_done(files, marker.plan, marker.parts)
+    return None if markers is None else assemble(markers)
+
+
+def _own_files(opts: ShardOptions, mine: list[PlannedShard]) -> set[str] | None:
+    """A part's files in a shared OUT (its shards, sidecars, journal and marker), which alone
+    it may clean; None for a whole run (every file is its own)."""
+    if opts.part is None:
+        return None
+    return ({s.name for s in mine} | {index_name(s.name) for s in mine}
+            | {journal_name(opts.part), marker_name(opts.part), MANIFEST_NAME})
 
 
 def adopt_src_url(source: Source, opts: ShardOptions) -> None:
@@ -105,8 +146,9 @@ def adopt_src_url(source: Source, opts: ShardOptions) -> None:
                       size, mtime) for name, size, mtime in source.inputs]
 
 
-def check_out_dir(out: Path, overwrite: bool, src: Path) -> None:
-    """OUT must be new, empty, an unfinished run of ours (to resume), or --overwrite."""
+def check_out_dir(out: Path, overwrite: bool, src: Path, parts: bool = False) -> None:
+    """OUT must be new, empty, an unfinished run of ours (to resume), or --overwrite; for a
+    part (`parts`), it may hold other parts' shards, journals and markers."""
     if src.is_dir() and out.resolve().is_relative_to(src.resolve()):
         raise UserError(f"{out} is inside SRC {src}: the shards would be read as input; "
                         "choose an OUT outside SRC")
@@ -117,6 +159,8 @@ def check_out_dir(out: Path, overwrite: bool, src: Path) -> None:
     leftovers = {WORK_DIR}  # an interrupted scan leaves only this
     entries = sorted(p.name for p in out.iterdir()
                      if p.name not in leftovers and not TEMP_FILE.match(p.name))
+    if parts and MANIFEST_NAME not in entries:
+        entries = [e for e in entries if not (SHARD_FILE.match(e) or is_part_file(e))]
     if MANIFEST_NAME in entries:
         raise UserError(f"{out} already holds shards (manifest.json); pass --overwrite to "
                         "replace them, or choose another OUT")
@@ -163,12 +207,16 @@ def _keep(out: Path, info: ShardInfo) -> ShardInfo | None:
     return ShardInfo(info.name, info.num_samples, info.bytes, info.sha256, index_name(info.name))
 
 
-def _clean_out_dir(out: Path, fresh: bool) -> None:
-    """Drop temp files of an interrupted run; on --overwrite also the old shards and manifest."""
+def _clean_out_dir(out: Path, fresh: bool, only: set[str] | None = None) -> None:
+    """Drop temp files of an interrupted run; on --overwrite also the old shards and manifest.
+    `only`: a part's own files (and their temp files), since other parts write beside it."""
     out.mkdir(parents=True, exist_ok=True)
     for p in out.iterdir():
-        if TEMP_FILE.match(p.name) or (fresh and (SHARD_FILE.match(p.name)
-                                                   or p.name in (MANIFEST_NAME, JOURNAL))):
+        temp = TEMP_FILE.match(p.name)
+        if only is not None and (temp.group(1) if temp else p.name) not in only:
+            continue
+        if temp or (fresh and (SHARD_FILE.match(p.name) or p.name in (MANIFEST_NAME, JOURNAL)
+                               or p.name in (only or ()))):
             p.unlink(missing_ok=True)
 
 
@@ -249,9 +297,11 @@ def _write_in_pool(workers: int, todo: list[PlannedShard], shared: tuple, writte
 
 
 def _manifest(source: Source, opts: ShardOptions, shards: list[PlannedShard],
-              infos: dict[str, ShardInfo]) -> Manifest:
+              infos: dict[str, ShardInfo] | None = None) -> Manifest:
+    """The manifest of the plan `shards`, written as `infos`; without `infos`, its other
+    fields alone (a part's marker)."""
     splits: dict[str, Split] = {}
-    for s in shards:
+    for s in shards if infos is not None else ():
         splits.setdefault(s.split, Split()).shards.append(infos[s.name])
     description = source.describe()
     description["options"] = {**description["options"], **opts.plan_options()}

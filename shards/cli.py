@@ -17,10 +17,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "shard", help="turn a raw dataset into WebDataset tar shards + manifest.json",
         description="Write SRC as WebDataset shards OUT/{split}-{000000..}.tar and "
                     "OUT/manifest.json. Rerunning an interrupted command resumes it.")
-    p.add_argument("src", metavar="SRC", help="the raw dataset (file or folder, or its URL: s3://...)")
+    p.add_argument("src", metavar="SRC", nargs="?",
+                   help="the raw dataset (file or folder, or its URL: s3://...)")
     p.add_argument("out", metavar="OUT", nargs="?",
                    help="output folder or URL (new or empty; wds-index: defaults to SRC)")
-    p.add_argument("--format", required=True, metavar="FORMAT",
+    p.add_argument("--format", metavar="FORMAT",
                    help=f"input format: {', '.join(FORMATS)}")
     _table_options(p)
     p.add_argument("--max-size", metavar="SIZE",
@@ -41,6 +42,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--split", metavar="NAME",
                    help="wds-index: put every shard in this split (default: from the file "
                         "name, e.g. val-0001.tar, else train)")
+    p.add_argument("--part", metavar="I/N",
+                   help="write part I (0..N-1) of N of the shards, N processes on any machines "
+                        "(default: the rank/size of mpirun, horovodrun, srun or a Slurm array); "
+                        "the last part to finish writes the manifest")
+    p.add_argument("--merge", metavar="OUT",
+                   help="write OUT's manifest from its finished parts (naming any part that did "
+                        "not finish); no SRC")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: when stderr is a terminal)")
     _storage_option(p)
@@ -115,10 +123,20 @@ def _storage_option(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> ShardOptions:
     """Validate the command line; every problem is one UserError line."""
     from ringfeed.fsutil import parse_size
+    from ringfeed.shards.parts import part_from
     from ringfeed.shards.remote import default_staging, is_url
 
+    if args.src is None:
+        raise UserError("SRC is missing: ringfeed shard SRC OUT --format ... (or --merge OUT)")
+    if args.format is None:
+        raise UserError("--format is missing: ringfeed shard SRC OUT --format FORMAT "
+                        f"({', '.join(FORMATS)})")
     if args.format not in FORMATS:
         raise UserError(f"unknown --format {args.format!r} (choose from: {', '.join(FORMATS)})")
+    part, where = part_from(args.part, os.environ)
+    if part is not None and (args.format == "wds-index" or args.split is not None):
+        raise UserError(f"{where} ({part[0]}/{part[1]}): --format wds-index and --split run "
+                        "in one process, not in parts; run the command once")
     if args.out is None and args.format != "wds-index":
         raise UserError("OUT is missing: ringfeed shard SRC OUT --format ...")
     for flag, value, formats in (("--field", args.field, (*TABLE_FORMATS, "npz", "npy")),
@@ -160,6 +178,8 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
                         "choose an OUT outside SRC")
     if (src_url or out_url) and args.format != "wds-index":
         staging = staging or default_staging(out_url or str(out.resolve()), args.src)
+        if part is not None:  # parts on one machine must not share a staging folder
+            staging = staging / f"part-{part[0]}-of-{part[1]}"
         # the shards are written here before their upload; a remote SRC is fetched here
         out = staging if out_url else out
         src = staging / "src" if src_url else src
@@ -170,7 +190,7 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
         val_fraction=args.val_fraction, shuffle_seed=args.shuffle_seed, workers=args.workers,
         strict=args.strict, overwrite=args.overwrite, seq_len=args.seq_len,
         tokenizer=args.tokenizer, text_field=args.text_field, glob=args.glob, split=args.split,
-        progress=args.progress, out_url=out_url, src_url=src_url,
+        progress=args.progress, out_url=out_url, src_url=src_url, part=part,
         storage_options=storage_options, staging=staging, policy=policy)
 
 
@@ -190,7 +210,14 @@ def run_shard(args: argparse.Namespace) -> int:
         os.environ.setdefault(name, value)
     from ringfeed.shards.progress import human_bytes, rate
 
+    if args.merge is not None:
+        return _run_merge(args)
     opts = options_from_args(args)
+    if opts.part is not None:
+        from ringfeed.shards.parts import part_from
+
+        print(f"ringfeed shard: part {opts.part[0]}/{opts.part[1]} (from "
+              f"{part_from(args.part, os.environ)[1]})", flush=True)
     if opts.format == "wds-index":
         from ringfeed.shards.wds_index import index_shards
 
@@ -204,6 +231,13 @@ def run_shard(args: argparse.Namespace) -> int:
 
         run = shard_dataset(opts)
     m = run.manifest
+    if m is None:
+        assert run.part is not None
+        print(f"ringfeed shard: part {run.part[0]}/{run.part[1]} done: {len(run.written)} "
+              f"shard(s) written, {len(run.kept)} kept, {run.seconds:.1f} s; the last part to "
+              f"finish writes {opts.out_url or run.out}/manifest.json (or: ringfeed shard "
+              f"--merge {opts.out_url or run.out})")
+        return 0
     per_split = ", ".join(f"{name} {len(s.shards)}" for name, s in m.splits.items())
     samples = sum(s.num_samples for s in m.splits.values())
     nbytes = sum(s.num_bytes for s in m.splits.values())
@@ -215,6 +249,20 @@ def run_shard(args: argparse.Namespace) -> int:
     print(f"ringfeed shard: {samples:,} samples, {sum(len(s.shards) for s in m.splits.values())} "
           f"shards ({per_split}), {human_bytes(nbytes)}, {run.seconds:.1f} s, "
           f"{rate(nbytes, run.seconds)} -> {opts.out_url or run.out}/manifest.json{notes}")
+    return 0
+
+
+def _run_merge(args: argparse.Namespace) -> int:
+    """`ringfeed shard --merge OUT`: the manifest from the parts' markers."""
+    from ringfeed.shards.remote_build import merge_parts
+
+    if args.src is not None or args.out is not None:
+        raise UserError(f"--merge {args.merge} takes no SRC or OUT: ringfeed shard --merge OUT")
+    manifest = merge_parts(args.merge, *_storage(args))
+    shards = sum(len(s.shards) for s in manifest.splits.values())
+    samples = sum(s.num_samples for s in manifest.splits.values())
+    print(f"ringfeed shard --merge: {samples:,} samples, {shards} shards -> "
+          f"{args.merge.rstrip('/')}/manifest.json")
     return 0
 
 

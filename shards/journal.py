@@ -20,8 +20,8 @@ JOURNAL = ".ringfeed-journal.jsonl"
 
 
 class Journal:
-    def __init__(self, out_dir: Path):
-        self.path = out_dir / JOURNAL
+    def __init__(self, out_dir: Path, name: str = JOURNAL):
+        self.path = out_dir / name  # a part of a run (parts.py) has its own
 
     def exists(self) -> bool:
         return self.path.exists()

@@ -36,7 +36,10 @@ class ShardOptions:
     tokenizer: str = "bytes"
     text_field: str = "text"
     glob: str = "*"
-    split: str | None = None  # wds-index: put every shard in this split
+    split: str | None = None  # wds-index: every shard's split; imagefolder: the split SRC adds
+    # --part I/N (or the launcher's rank/size): this process writes part I of N of the plan's
+    # shards (parts.py); None: all of them, and the manifest
+    part: tuple[int, int] | None = None
     progress: bool | None = None  # None: a bar only when stderr is a terminal
     # object storage (remote.py): OUT and/or SRC given as URLs. Then `out` (for a remote OUT)
     # and `src` (for a remote SRC, once fetched) are local paths under `staging`.
@@ -45,6 +48,11 @@ class ShardOptions:
     storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec's, as the pipeline's
     staging: Path | None = None
     policy: RetryPolicy = field(default_factory=RetryPolicy)  # --retry-budget's, for every call
+
+    @property
+    def work_name(self) -> str:
+        """The scan's scratch folder under OUT: one per part, since parts may share OUT."""
+        return ".ringfeed-work" + (f"/part-{self.part[0]}-of-{self.part[1]}" if self.part else "")
 
     def limits(self) -> tuple[int | None, int | None]:
         """(max bytes, max samples) per shard; None = no limit."""

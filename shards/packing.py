@@ -36,6 +36,11 @@ class PlannedShard:
         return len(self.indices)
 
 
+def split_key(split: str) -> tuple[int, str]:
+    """Splits in the plan's (and manifest's) order: train, val, test, then others by name."""
+    return SPLIT_ORDER.index(split) if split in SPLIT_ORDER else 9, split
+
+
 def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:06d}.tar"
 
@@ -44,7 +49,7 @@ def plan_shards(source: Source, opts: ShardOptions) -> list[PlannedShard]:
     max_size, max_count = opts.limits()
     seed = opts.shuffle_seed if opts.shuffle_seed is not None else 0
     splits = assign_splits(source, opts.val_fraction, seed)
-    order = sorted(splits, key=lambda s: (SPLIT_ORDER.index(s) if s in SPLIT_ORDER else 9, s))
+    order = sorted(splits, key=split_key)
     shards = []
     for number, split in enumerate(order):
         part, indices = splits[split]

@@ -307,17 +307,18 @@ class RemoteJournal:
     object only while it is the one this run uploaded. Objects cannot be appended to: the whole
     journal is written again (one small PUT) after each uploaded shard."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, name: str = JOURNAL):
         self.store = store
+        self.name = name  # a part of a run (parts.py) has its own
         self.lines: list[str] = []
 
     def read(self, listing: dict[str, dict[str, Any]]
              ) -> tuple[str | None, dict[str, tuple[ShardInfo, str | None, str | None]]]:
         """(plan fingerprint, {name: (info, tar version, sidecar version)})."""
-        if JOURNAL not in listing:
+        if self.name not in listing:
             return None, {}
         try:
-            text = self.store.read(JOURNAL).decode()
+            text = self.store.read(self.name).decode()
         except FileNotFoundError:
             return None, {}
         plan, done = None, {}
@@ -348,10 +349,10 @@ class RemoteJournal:
         return json.dumps({**asdict(info), "version": tar, "index_version": index})
 
     def _write(self) -> None:
-        self.store.write(JOURNAL, ("\n".join(self.lines) + "\n").encode())
+        self.store.write(self.name, ("\n".join(self.lines) + "\n").encode())
 
     def remove(self) -> None:
-        self.store.remove([JOURNAL])
+        self.store.remove([self.name])
 
 
 def fetch_source(url: str, storage_options: dict[str, Any], into: Path,

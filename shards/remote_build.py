@@ -22,28 +22,53 @@ byte-identical, since the plan decides every byte.
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
+from contextlib import suppress
+from pathlib import Path
 from typing import Any
 
 from ringfeed.errors import UserError
-from ringfeed.formats.manifest import MANIFEST_NAME, ShardInfo
+from ringfeed.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo
 from ringfeed.formats.manifest_format import INDEX_NAME
+from ringfeed.remote import RetryPolicy
 from ringfeed.shards.build import (
     SHARD_FILE,
     ShardRun,
     _clean_out_dir,
     _manifest,
+    _own_files,
     _write_all,
     adopt_src_url,
+    finish_part,
     shard_dataset,
 )
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.packing import PlannedShard, fingerprint, plan_shards
-from ringfeed.shards.remote import JOURNAL, RemoteJournal, Store, fetch_source, version_of
-from ringfeed.shards.sources import open_source
+from ringfeed.shards.parts import (
+    LocalFiles,
+    assemble,
+    cleanup,
+    is_part_file,
+    journal_name,
+    make_marker,
+    missing_parts,
+    part_shards,
+)
+from ringfeed.shards.remote import (
+    JOURNAL,
+    RemoteJournal,
+    Store,
+    default_staging,
+    fetch_source,
+    is_url,
+    version_of,
+)
+from ringfeed.shards.sources import Source, open_source
 
 Kept = dict[str, tuple[ShardInfo, str | None, str | None]]  # name: (info, tar, sidecar ETag)
+Versions = dict[str, tuple[str | None, str | None]]  # name: (tar, sidecar ETag)
 
 
 def shard_remote(opts: ShardOptions) -> ShardRun:
@@ -105,22 +130,24 @@ def _shard_to_store(opts: ShardOptions, store: Store, start: float) -> ShardRun:
     listing = store.list()
     if not listing:
         store.check_bucket()
-    check_out_store(store, listing, opts.overwrite)
+    check_out_store(store, listing, opts.overwrite, parts=opts.part is not None)
     staging = opts.out
     staging.mkdir(parents=True, exist_ok=True)
     _clean_out_dir(staging, fresh=True)  # local leftovers of a killed run are written again
-    journal = RemoteJournal(store)
+    journal = RemoteJournal(store, journal_name(opts.part))
     source = open_source(opts)
     try:
         adopt_src_url(source, opts)
         shards = plan_shards(source, opts)
         plan_id = fingerprint(source, opts, shards)
+        mine = part_shards(shards, opts.part)
         if opts.overwrite:
-            _clear(store, listing)
-            listing = {}
-        kept = _kept(store, journal, listing, plan_id, shards)
+            own = _own_files(opts, mine)
+            _clear(store, listing, own)
+            listing = {} if own is None else {k: v for k, v in listing.items() if k not in own}
+        kept = _kept(store, journal, listing, plan_id, mine)
         journal.start(plan_id, kept)
-        todo = [s for s in shards if s.name not in kept]
+        todo = [s for s in mine if s.name not in kept]
         infos = {name: info for name, (info, _, _) in kept.items()}
         versions = {name: (tar, index) for name, (_, tar, index) in kept.items()}
 
@@ -134,25 +161,127 @@ def _shard_to_store(opts: ShardOptions, store: Store, start: float) -> ShardRun:
             (staging / info.index).unlink()
 
         _write_all(source, todo, opts, finished, ahead=2)  # staging: <= workers + 5 shards
-        manifest = _manifest(source, opts, shards, infos)
-        manifest.save(staging)
-        _check_uploaded(store, infos, versions)
-        store.upload(staging / INDEX_NAME, INDEX_NAME)
-        store.upload(staging / MANIFEST_NAME, MANIFEST_NAME)  # last: the run is complete
+        manifest = _finish(store, opts, source, (shards, mine, plan_id), infos, versions)
         journal.remove()
     finally:
         source.close()
-    for name in (MANIFEST_NAME, INDEX_NAME):
-        (staging / name).unlink(missing_ok=True)
     remove_staging(opts)
     return ShardRun(manifest, staging, time.monotonic() - start,
-                    written=[s.name for s in todo], kept=sorted(kept))
+                    written=[s.name for s in todo], kept=sorted(kept), part=opts.part)
 
 
-def check_out_store(store: Store, listing: dict[str, Any], overwrite: bool) -> None:
-    """OUT must hold no objects, an unfinished run of ours (to resume), or --overwrite."""
+def _finish(store: Store, opts: ShardOptions, source: Source,
+            plan: tuple[list[PlannedShard], list[PlannedShard], str],
+            infos: dict[str, ShardInfo], versions: Versions) -> Manifest | None:
+    """The manifest, uploaded (a whole run; the last part), or a part's marker alone (None)."""
+    shards, mine, plan_id = plan
+    if opts.part is None:
+        manifest = _manifest(source, opts, shards, infos)
+    else:
+        files = StoreFiles(store)
+        marker = make_marker(plan_id, opts.part, len(shards), _manifest(source, opts, shards),
+                             [(s.split, infos[s.name], {"version": versions[s.name][0],
+                                                        "index_version": versions[s.name][1]})
+                              for s in mine])
+        done = finish_part(files, marker)
+        if done is None:
+            return None
+        manifest, versions = done[0], _versions(done[1])
+    upload_manifest(store, opts.out, manifest, versions)
+    if opts.part is not None:
+        cleanup(StoreFiles(store))
+    return manifest
+
+
+def _versions(extra: dict[str, dict[str, Any]]) -> Versions:
+    return {name: (e.get("version"), e.get("index_version")) for name, e in extra.items()}
+
+
+def upload_manifest(store: Store, staging: Path, manifest: Manifest, versions: Versions) -> None:
+    """Once every shard is up, as recorded: manifest.bin, then manifest.json (the set is
+    complete from then on)."""
+    staging.mkdir(parents=True, exist_ok=True)
+    manifest.save(staging)
+    infos = {i.name: i for split in manifest.splits.values() for i in split.shards}
+    _check_uploaded(store, infos, versions)
+    store.upload(staging / INDEX_NAME, INDEX_NAME)
+    store.upload(staging / MANIFEST_NAME, MANIFEST_NAME)  # last: the run is complete
+    for name in (MANIFEST_NAME, INDEX_NAME):
+        (staging / name).unlink(missing_ok=True)
+
+
+def merge_parts(out: str, storage_options: dict[str, Any], policy: RetryPolicy) -> Manifest:
+    """`ringfeed shard --merge OUT`: the manifest from every part's marker (or the one the last
+    part wrote), or one line naming the parts that did not finish."""
+    if not is_url(out):
+        files: LocalFiles | StoreFiles = LocalFiles(Path(out))
+        markers = missing_parts(files)
+        if markers is None:
+            manifest = Manifest.load(out)
+        else:
+            manifest = assemble(markers)[0]
+            _check_local(Path(out), manifest)
+            manifest.save(out)
+    else:
+        store = Store(out, storage_options, policy)
+        files = StoreFiles(store)
+        markers = missing_parts(files)
+        if markers is None:
+            manifest = Manifest.from_dict(json.loads(store.read(MANIFEST_NAME)),
+                                          store.url_of(MANIFEST_NAME))
+        else:
+            manifest, extra = assemble(markers)
+            staging = default_staging(out, "--merge")
+            upload_manifest(store, staging, manifest, _versions(extra))
+            with suppress(OSError):
+                staging.rmdir()
+    cleanup(files)
+    return manifest
+
+
+def _check_local(out: Path, manifest: Manifest) -> None:
+    """Every shard the parts recorded is in OUT with its size."""
+    for info in (i for split in manifest.splits.values() for i in split.shards):
+        path = out / info.name
+        if not path.is_file() or path.stat().st_size != info.bytes:
+            raise UserError(f"{path}: missing or not {info.bytes} bytes as its part recorded; "
+                            "run that part again, then --merge")
+
+
+class StoreFiles:
+    """parts.Files in a bucket: markers and journals as objects beside the shards."""
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def where(self, name: str) -> str:
+        return self.store.url_of(name) if name else self.store.url
+
+    def names(self) -> list[str]:
+        return list(self.store.list())
+
+    def read(self, name: str) -> bytes | None:
+        try:
+            return self.store.read(name)
+        except FileNotFoundError:
+            return None
+
+    def write(self, name: str, data: bytes) -> None:
+        self.store.write(name, data)
+
+    def remove(self, names: list[str]) -> None:
+        self.store.remove(names)
+
+
+def check_out_store(store: Store, listing: dict[str, Any], overwrite: bool,
+                    parts: bool = False) -> None:
+    """OUT must hold no objects, an unfinished run of ours (to resume), or --overwrite; for a
+    part (`parts`), it may hold other parts' shards, journals and markers."""
     if overwrite or JOURNAL in listing:
         return
+    if parts and MANIFEST_NAME not in listing:
+        listing = {k: v for k, v in listing.items()
+                   if not (SHARD_FILE.match(k) or is_part_file(k) or k == INDEX_NAME)}
     if MANIFEST_NAME in listing:
         raise UserError(f"{store.url} already holds shards (manifest.json); pass --overwrite to "
                         "replace them, or choose another OUT")
@@ -162,12 +291,14 @@ def check_out_store(store: Store, listing: dict[str, Any], overwrite: bool) -> N
                         "choose an empty or new prefix, or pass --overwrite")
 
 
-def _clear(store: Store, listing: dict[str, Any]) -> None:
-    """--overwrite: the old manifest goes first (no reader may see it without its shards)."""
+def _clear(store: Store, listing: dict[str, Any], own: set[str] | None = None) -> None:
+    """--overwrite: the old manifest goes first (no reader may see it without its shards);
+    `own`: a part's objects alone (other parts write beside it)."""
     if MANIFEST_NAME in listing:
         store.remove([MANIFEST_NAME])
-    store.remove(sorted(name for name in listing
-                        if SHARD_FILE.match(name) or name in (INDEX_NAME, JOURNAL)))
+    store.remove(sorted(name for name in listing if (
+        (SHARD_FILE.match(name) or name in (INDEX_NAME, JOURNAL)) if own is None
+        else name in own | {INDEX_NAME})))
 
 
 def _kept(store: Store, journal: RemoteJournal, listing: dict[str, Any], plan_id: str,
@@ -200,8 +331,7 @@ def _same(info: dict[str, Any] | None, size: int | None, version: str | None,
     return version_of(info) == version and (version is not None or unversioned)
 
 
-def _check_uploaded(store: Store, infos: dict[str, ShardInfo],
-                    versions: dict[str, tuple[str | None, str | None]]) -> None:
+def _check_uploaded(store: Store, infos: dict[str, ShardInfo], versions: Versions) -> None:
     """Before the manifest: every shard and sidecar it names is in the bucket as uploaded."""
     listing = store.list()
     for name, info in infos.items():

@@ -85,8 +85,9 @@ class WorkDir:
     them instead of redoing the scan. remove() deletes them, and OUT when the scan created it
     and nothing else is in it (a failed scan leaves no OUT behind)."""
 
-    def __init__(self, out: Path):
-        self.path = out / WORK_DIR
+    def __init__(self, out: Path, name: str = WORK_DIR):
+        self.out = out
+        self.path = out / name
         self._made_out = not out.exists()
 
     def make(self) -> Path:
@@ -95,9 +96,12 @@ class WorkDir:
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        for parent in self.path.relative_to(self.out).parents[:-1]:  # a part's: its folder
+            with suppress(OSError):  # removed only while empty (other parts may use it)
+                (self.out / parent).rmdir()
         if self._made_out:
             with suppress(OSError):  # removed only while empty
-                self.path.parent.rmdir()
+                self.out.rmdir()
 
 
 def class_record(counts: Counter, num_classes: int | None = None) -> dict[str, Any] | None:

@@ -204,6 +204,7 @@ class TableSource(Source):
                         "features": [list(s) for s in opts.features] if opts.features else None,
                         "categorical": self._categorical, "fill": opts.fill}
         self._out = opts.out
+        self._work_name = opts.work_name
         self._columns: dict[str, Column] = {}  # the typing pass's, in table order
         self.plan: TablePlan | None = None
         self._encoder: RowEncoder | None = None
@@ -264,7 +265,7 @@ class TableSource(Source):
         if not self._columns:  # the typing pass met no row (a header alone, or nothing)
             raise UserError(f"{self.path}: no rows to shard (a header alone, or empty); "
                             "add rows, or check the file is the one meant")
-        self._scratch = WorkDir(self._out)
+        self._scratch = WorkDir(self._out, self._work_name)
         self.plan = plan_table(self._columns, self.spec, self.format, self.path)
         self.check_plan(self.plan)
         self._encoder = RowEncoder(self.plan, self.format, self.spec.fill, self.list_dtype)

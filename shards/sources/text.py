@@ -106,7 +106,7 @@ class Text(Source):
         self.seq_len = opts.seq_len
         self.options = {"seq_len": opts.seq_len, "tokenizer": opts.tokenizer,
                         "text_field": opts.text_field, "glob": opts.glob}
-        self._scratch = WorkDir(opts.out)
+        self._scratch = WorkDir(opts.out, opts.work_name)
         self._work = self._scratch.path
         self._tokens: dict[str, np.ndarray] = {}
         stats = {"documents": 0, "tokens": 0, "dropped_tokens": 0}

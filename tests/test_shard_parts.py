@@ -1,0 +1,238 @@
+"""`ringfeed shard --part I/N` (issue 50): N parts of one plan, run one after another in any
+order, give the bytes of one run (shards, sidecars, manifest.json, manifest.bin) for every
+source format, locally and to moto's S3; a part killed with SIGKILL and run again ends the same;
+`--merge` names a part that never ran; the part comes from mpirun's, srun's and a Slurm array's
+environment, and a real `mpirun -np 2` shards one folder into one output."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import BIN, ringfeed, test_env
+from shards_util import cli, make_images, tree_bytes
+
+pytestmark = pytest.mark.integration
+
+ROWS = [{"text": f"row {i} " + "y" * (i % 11), "label": i % 3, "a": i * 0.25, "b": i % 5,
+         "color": ["red", "green", "blue"][i % 3]} for i in range(40)]
+COMMON = ["--val-fraction", "0.25", "--shuffle-seed", "7", "--max-count", "3"]
+
+
+def _sources(root: Path) -> dict[str, tuple[Path, list[str]]]:
+    """{name: (SRC, format options)}: each format ringfeed shard reads, tiny."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True, exist_ok=True)
+    images = make_images(root / "images", {"cat": 7, "dog": 6, "emu": 4})
+    (root / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    with open(root / "t.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(ROWS[0]))
+        writer.writeheader()
+        writer.writerows(ROWS)
+    pq.write_table(pa.Table.from_pylist(ROWS), root / "t.parquet", row_group_size=8)
+    x = np.arange(30 * 4, dtype=np.float32).reshape(30, 4)
+    np.savez(root / "d.npz", x=x, y=np.arange(30) % 3)
+    (root / "npy").mkdir(exist_ok=True)
+    np.save(root / "npy" / "x.npy", x)
+    (root / "docs").mkdir(exist_ok=True)
+    for d in range(12):
+        (root / "docs" / f"{d:02d}.txt").write_text(f"document {d} " * (5 + d))
+    table = ["--field", "text=txt", "--field", "label=cls", "--categorical", "color"]
+    return {"imagefolder": (images, ["--format", "imagefolder"]),
+            "jsonl": (root / "t.jsonl", ["--format", "jsonl", *table]),
+            "csv": (root / "t.csv", ["--format", "csv", *table]),
+            "parquet": (root / "t.parquet", ["--format", "parquet", *table]),
+            "npz": (root / "d.npz", ["--format", "npz", "--field", "y=cls"]),
+            "npy": (root / "npy", ["--format", "npy"]),
+            "text": (root / "docs", ["--format", "text", "--seq-len", "16"])}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    return _sources(tmp_path_factory.mktemp("parts") / "src")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fmt", ["imagefolder", "jsonl", "csv", "parquet", "npz", "npy", "text"])
+def test_parts_give_the_bytes_of_one_run(capsys, tmp_path, sources, fmt):
+    src, args = sources[fmt]
+    one = tmp_path / "one"
+    code, _, err = cli(capsys, "shard", src, one, *args, *COMMON)
+    assert code == 0, err
+    expected = tree_bytes(one)
+    assert sum(n.endswith(".tar") for n in expected) >= 5  # enough shards for 4 parts
+    for n in (1, 2, 3, 4):
+        out = tmp_path / f"parts{n}"
+        order = list(range(n))[::-1] if n % 2 else list(range(n))  # any order
+        for k, i in enumerate(order):
+            code, stdout, err = cli(capsys, "shard", src, out, *args, *COMMON, "--part", f"{i}/{n}")
+            assert code == 0, err
+            assert f"part {i}/{n} (from --part)" in stdout
+            last = k == n - 1
+            assert ("manifest.json" in os.listdir(out)) == last, stdout
+            assert ("the last part to finish writes" in stdout) != last
+        assert tree_bytes(out) == expected, f"{n} parts"  # no marker, journal or work dir left
+
+
+@pytest.mark.timeout(120)
+def test_merge_names_a_part_that_never_ran_and_completes_the_set(capsys, tmp_path, sources):
+    src, args = sources["jsonl"]
+    assert cli(capsys, "shard", src, tmp_path / "one", *args, *COMMON)[0] == 0
+    out = tmp_path / "out"
+    for i in (0, 2):
+        assert cli(capsys, "shard", src, out, *args, *COMMON, "--part", f"{i}/3")[0] == 0
+    code, _, err = cli(capsys, "shard", "--merge", out)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{out}: part 1/3 never ran" in err and "--part 1/3" in err
+    # a part that began (its journal is there) is told apart
+    (out / ".ringfeed-journal-part-1-of-3.jsonl").write_text('{"plan": "x"}\n')
+    code, _, err = cli(capsys, "shard", "--merge", out)
+    assert code == 2 and "part 1/3 began but did not finish" in err
+    code, _, err = cli(capsys, "shard", src, out, *args, *COMMON, "--part", "1/3")
+    assert code == 2 and "holds an unfinished run with other input or options" in err
+    (out / ".ringfeed-journal-part-1-of-3.jsonl").unlink()
+    assert cli(capsys, "shard", src, out, *args, *COMMON, "--part", "1/3")[0] == 0
+    assert tree_bytes(out) == tree_bytes(tmp_path / "one")
+    code, stdout, _ = cli(capsys, "shard", "--merge", out)  # a merge step after the parts
+    assert code == 0 and f"-> {out}/manifest.json" in stdout
+
+    # the merge writes it when no part did (as when the last was killed after its marker)
+    out2 = tmp_path / "out2"
+    assert cli(capsys, "shard", src, out2, *args, *COMMON, "--part", "0/2")[0] == 0
+    marker = out2 / ".ringfeed-part-0-of-2.json"
+    marker.rename(tmp_path / "aside")
+    assert cli(capsys, "shard", src, out2, *args, *COMMON, "--part", "1/2")[0] == 0
+    assert not (out2 / "manifest.json").exists()
+    (tmp_path / "aside").rename(marker)
+    code, stdout, err = cli(capsys, "shard", "--merge", out2)
+    assert code == 0, err
+    assert tree_bytes(out2) == tree_bytes(tmp_path / "one")
+    code, _, err = cli(capsys, "shard", "--merge", tmp_path / "none")
+    assert code == 2 and "no part has finished" in err
+
+
+@pytest.mark.timeout(60)
+def test_the_part_comes_from_the_launchers_environment(capsys, tmp_path, sources, monkeypatch):
+    src, args = sources["npz"]
+    assert cli(capsys, "shard", src, tmp_path / "one", *args, *COMMON)[0] == 0
+    out = tmp_path / "out"
+    launches = [  # (environment, part, the line's source)
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "0/4", "srun's SLURM_PROCID/SLURM_NTASKS"),
+        ({"SLURM_ARRAY_TASK_ID": "11", "SLURM_ARRAY_TASK_MIN": "10",
+          "SLURM_ARRAY_TASK_COUNT": "4"}, "1/4", "the Slurm array's"),
+        ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "SLURM_PROCID": "0",
+          "SLURM_NTASKS": "1"}, "2/4", "mpirun's OMPI_COMM_WORLD_RANK"),
+        ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3",
+          "OMPI_COMM_WORLD_SIZE": "4"}, "3/4", "--part"),  # an explicit --part wins
+    ]
+    for env, part, where in launches:
+        with monkeypatch.context() as m:
+            for name, value in env.items():
+                m.setenv(name, value)
+            extra = ["--part", "3/4"] if where == "--part" else []
+            code, stdout, err = cli(capsys, "shard", src, out, *args, *COMMON, *extra)
+        assert code == 0, err
+        assert f"ringfeed shard: part {part} (from {where}" in stdout
+    assert tree_bytes(out) == tree_bytes(tmp_path / "one")
+
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "1")  # an array of one: a whole run
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    monkeypatch.setenv("HOROVOD_SIZE", "1")
+    code, stdout, _ = cli(capsys, "shard", src, tmp_path / "whole", *args, *COMMON)
+    assert code == 0 and "ringfeed shard: part" not in stdout
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "9")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "4")  # --array=0-15:3: not contiguous
+    code, _, err = cli(capsys, "shard", src, tmp_path / "x", *args)
+    assert code == 2 and "SLURM_ARRAY_TASK_ID" in err and "'9/4'" in err
+    code, _, err = cli(capsys, "shard", src, tmp_path / "x", *args, "--part", "4/4")
+    assert code == 2 and "--part '4/4': expected I/N with 0 <= I < N" in err
+
+
+@pytest.mark.system  # starts the CLI, kills it
+@pytest.mark.timeout(180)
+def test_a_part_killed_with_sigkill_and_rerun_ends_byte_identical(capsys, tmp_path):
+    rows = tmp_path / "t.jsonl"
+    rows.write_text("".join(json.dumps({"text": "z" * (i % 50), "label": i % 3}) + "\n"
+                            for i in range(1600)))
+    args = ["--format", "jsonl", "--field", "text=txt", "--field", "label=cls",
+            "--shuffle-seed", "1", "--max-count", "2"]  # 800 shards, 400 a part
+    assert cli(capsys, "shard", rows, tmp_path / "one", *args)[0] == 0
+    out = tmp_path / "out"
+    assert cli(capsys, "shard", rows, out, *args, "--part", "0/2")[0] == 0
+    journal = out / ".ringfeed-journal-part-1-of-2.jsonl"
+    command = ["shard", str(rows), str(out), *args, "--part", "1/2"]
+    proc = subprocess.Popen([str(BIN / "ringfeed"), *command], env=test_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if journal.exists() and journal.read_text().count("\n") >= 4:  # 3 shards journaled
+                break
+            time.sleep(0.005)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, err
+    done = journal.read_text().count("\n") - 1
+    assert 3 <= done < 400, "the kill should land mid-part"
+    assert not (out / "manifest.json").exists()
+    result = ringfeed(*command, timeout=120, env=test_env())
+    assert result.returncode == 0, result.output
+    assert f"resumed: kept {done} finished shard(s)" in result.stdout
+    assert tree_bytes(out) == tree_bytes(tmp_path / "one")
+
+
+@pytest.mark.timeout(120)
+def test_parts_to_s3(capsys, tmp_path, sources, s3_server):
+    s3fs = pytest.importorskip("s3fs")
+    src, args = sources["parquet"]
+    flags = ["--storage-option", f"endpoint_url={s3_server}"]
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server)
+    fs.mkdir("bucket")
+    assert cli(capsys, "shard", src, tmp_path / "one", *args, *COMMON)[0] == 0
+    for i in (2, 0):
+        code, _, err = cli(capsys, "shard", src, "s3://bucket/p", *args, *COMMON, *flags,
+                           "--part", f"{i}/3", "--staging", tmp_path / "staging")
+        assert code == 0, err
+    code, _, err = cli(capsys, "shard", "--merge", "s3://bucket/p", *flags)
+    assert code == 2 and "s3://bucket/p: part 1/3 never ran" in err
+    code, stdout, err = cli(capsys, "shard", src, "s3://bucket/p", *args, *COMMON, *flags,
+                            "--part", "1/3", "--staging", tmp_path / "staging")
+    assert code == 0 and "-> s3://bucket/p/manifest.json" in stdout, err
+    fs.invalidate_cache()
+    got = {p[len("bucket/p/"):]: fs.cat_file(p) for p in fs.find("bucket/p/")}
+    expected = tree_bytes(tmp_path / "one")
+    manifest = json.loads(got.pop("manifest.json"))
+    assert manifest == json.loads(expected.pop("manifest.json"))
+    got.pop("manifest.bin"), expected.pop("manifest.bin")  # the manifest's index
+    assert got == expected  # shards and sidecars; no marker or journal left
+
+
+@pytest.mark.system
+@pytest.mark.timeout(180)
+def test_mpirun_np_2_shards_one_folder(capsys, tmp_path, sources):
+    if shutil.which("mpirun") is None:
+        pytest.skip("no mpirun")
+    src, args = sources["imagefolder"]
+    assert cli(capsys, "shard", src, tmp_path / "one", *args, *COMMON)[0] == 0
+    out = tmp_path / "out"
+    result = subprocess.run(
+        ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
+         str(BIN / "ringfeed"), "shard", str(src), str(out), *args, *COMMON],
+        env=test_env(), capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for i in range(2):
+        assert f"part {i}/2 (from mpirun's OMPI_COMM_WORLD_RANK" in result.stdout
+    assert tree_bytes(out) == tree_bytes(tmp_path / "one")
