@@ -54,13 +54,13 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
 from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
 
-from ringfeed.errors import UserError
 from ringfeed.pipeline.canonical import RankStreams
 from ringfeed.pipeline.core import ShardPipeline
 from ringfeed.pipeline.errors import PipelineDataError
 from ringfeed.pipeline.plan import Planner, Segment
 from ringfeed.pipeline.stream import Booked, StreamContext
 from ringfeed.remote import StorageUnavailable, forget_inherited_storage_sessions
+from ringfeed.userhooks import ProcessError
 
 _STATE_BYTES = 1 << 16
 # per-sample arrays small enough to travel from worker processes as lists (see _StreamDataset)
@@ -70,12 +70,21 @@ _SMALL_FIELDS = {"__index__": torch.int64, "__valid__": torch.bool}
 
 
 class _WorkerError(NamedTuple):
-    """A data or storage error in a loader worker process, sent in place of its next batch and
-    raised in the training process as the same one-line error (PipelineDataError,
-    StorageUnavailable)."""
+    """An error in a loader worker process, sent in place of its next batch and raised in the
+    training process: a data or storage error as the same one-line error (PipelineDataError,
+    StorageUnavailable), any other (the user's decode or transform, at any step) as a
+    ProcessError that carries its traceback and frames, so the CLI names the user's code."""
 
-    error: type[UserError]
-    message: str
+    error: type[Exception]
+    args: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, exc: Exception) -> _WorkerError:
+        if isinstance(exc, (PipelineDataError, StorageUnavailable)):
+            return cls(type(exc), (str(exc),))
+        carried = ProcessError.of(exc)
+        return cls(ProcessError, (carried.type_name, carried.message, carried.text,
+                                  carried.frames))
 
 
 class _PassState:
@@ -119,8 +128,8 @@ class _StreamDataset(IterableDataset):
                 for name in _SMALL_FIELDS:
                     booked.batch[name] = booked.batch[name].tolist()
                 yield booked
-        except (PipelineDataError, StorageUnavailable) as e:  # one line, not a traceback
-            yield _WorkerError(type(e), str(e))
+        except Exception as e:  # (torch's own re-raise would hide where it came from)
+            yield _WorkerError.of(e)
 
 
 class _PassDataset(IterableDataset):
@@ -340,7 +349,7 @@ class TorchLoader:
                 # Stop the workers now: left to the garbage collector, torch's shutdown of an
                 # iterator whose pass failed waited out its join timeouts (20 s for two).
                 self.close()
-                raise booked.error(booked.message)
+                raise booked.error(*booked.args)
             batch = booked.batch
             for name, dtype in _SMALL_FIELDS.items():
                 if isinstance(batch[name], list):

@@ -44,12 +44,49 @@ def _source_of(module: Any) -> str | None:
     return file
 
 
-def _entry(named: list[tuple[str, str]], frames: list[Any]) -> tuple[str, str]:
+class ProcessError(Exception):
+    """An exception raised in another process (a loader worker), carried here as text: its
+    type's name, its message, its traceback as printed there, and its frames (file,
+    function), outermost first, so `UserCode.culprit` can name the user's code in it."""
+
+    def __init__(self, type_name: str, message: str, text: str,
+                 frames: list[tuple[str, str]]) -> None:
+        super().__init__(f"{type_name} in a loader worker process: {message}\n{text}")
+        self.type_name, self.message, self.text, self.frames = type_name, message, text, frames
+
+    @classmethod
+    def of(cls, exc: BaseException) -> ProcessError:
+        """`exc` (the one being handled in this process) as what another process can raise."""
+        frames = [(os.path.realpath(f.filename), f.name)
+                  for f in traceback.extract_tb(exc.__traceback__)]
+        return cls(type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)),
+                   frames)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (pickled by torch's worker queue)
+        return type(self), (self.type_name, self.message, self.text, self.frames)
+
+
+def described(exc: BaseException) -> tuple[str, str, str]:
+    """(traceback text, type name, message) of `exc`, as raised where it was raised."""
+    if isinstance(exc, ProcessError):
+        return exc.text, exc.type_name, exc.message
+    return "".join(traceback.format_exception(exc)), type(exc).__name__, str(exc)
+
+
+def _frames_of(exc: BaseException) -> list[tuple[str, str]]:
+    """(file, function) of each frame of `exc`'s traceback, outermost first, and where it
+    was carried from another process, that process's after this one's."""
+    frames = [(os.path.realpath(f.f_code.co_filename), f.f_code.co_name)
+              for f, _ in traceback.walk_tb(exc.__traceback__)]
+    return frames + (exc.frames if isinstance(exc, ProcessError) else [])
+
+
+def _entry(named: list[tuple[str, str]], frames: list[tuple[str, str]]) -> tuple[str, str]:
     """Of the fields that named one module, the one whose function the traceback passed
     through (outermost first: the function ringfeed called), else the first."""
-    for frame in frames:
+    for _, function in frames:
         for field, path in named:
-            if frame.f_code.co_name == path.partition(":")[2]:
+            if function == path.partition(":")[2]:
                 return field, path
     return named[0]
 
@@ -79,9 +116,8 @@ class UserCode:
         seen: set[int] = set()
         while exc is not None and id(exc) not in seen:
             seen.add(id(exc))
-            frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
-            for frame in reversed(frames):  # the innermost frame of the user's code names it
-                name = os.path.realpath(frame.f_code.co_filename)
+            frames = _frames_of(exc)
+            for name, _ in reversed(frames):  # the innermost frame of the user's code names it
                 for where, named in sources.items():
                     if name == where or (where.endswith(os.sep) and name.startswith(where)):
                         field_name, path = _entry(named, frames)

@@ -513,6 +513,43 @@ def test_a_data_transform_that_raises_is_named_not_called_bad_data(world, tmp_pa
                                             "my transform")
 
 
+WORKER_TRANSFORM = '''
+import itertools
+from torch.utils.data import get_worker_info
+calls = itertools.count()
+def transform(sample):
+    if get_worker_info() is not None and next(calls) == 25:
+        raise RuntimeError("my transform failed in a worker")
+    return sample
+'''
+
+
+@pytest.mark.system
+def test_a_transform_that_raises_in_a_loader_worker_after_the_first_steps_is_named(world,
+                                                                                    tmp_path):
+    """A loader worker process's exception reaches the trainer with its traceback from the
+    worker, and the line names the user's code and the step (torch's own re-raise in the
+    training process held no frame of it: a crash, exit 1, no line).
+
+    Promise: Exit codes (train/RECOVERY.md)."""
+    from helpers import REPO, ringfeed, test_env
+    from train_util import toy_config, write_config, write_toy_shards
+
+    (tmp_path / "worker_hooks.py").write_text(WORKER_TRANSFORM)
+    shards = write_toy_shards(tmp_path / "shards", n_train=200, n_val=10, per_shard=20)
+    cfg = write_config(tmp_path / "cfg.yaml", **toy_config(
+        shards, tmp_path / "out", train={"max_steps": 40},
+        data={"transform": "worker_hooks:transform", "num_workers": 2}))
+    env = test_env(PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}")
+    res = ringfeed("train", str(cfg), timeout=180, env=env)
+    assert res.returncode == 1, res.output
+    assert 'worker_hooks.py", line 7, in transform' in res.output, res.output
+    assert res.output.count("Traceback") == 1, res.output
+    assert re.search(r"ringfeed: error in your code at step \d+ \(transform=worker_hooks:"
+                     r"transform\): RuntimeError: my transform failed in a worker$",
+                     res.output.strip()), res.output
+
+
 def alive(pid: int) -> bool:
     import psutil
 

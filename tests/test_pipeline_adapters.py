@@ -231,6 +231,14 @@ def test_booked_survives_dataloader_conversion_and_pinning(monkeypatch):
     assert [p.shape for p in pinned] == [(2, 4, 4, 3)]
     assert list(out.tag) == [1, 0, 3] and out.stats == stats
     assert out.batch["__key__"] == ["a", "b"] and out.batch["__index__"] == [4, 5]
-    error = pin_memory(default_convert(_WorkerError(PipelineDataError, "x.tar: sample 3")))
-    assert isinstance(error, _WorkerError) and error.message == "x.tar: sample 3"
+    error = pin_memory(default_convert(_WorkerError.of(PipelineDataError("x.tar: sample 3"))))
+    assert isinstance(error, _WorkerError) and list(error.args) == ["x.tar: sample 3"]
     assert error.error is PipelineDataError  # raised as the same type in the trainer
+    try:
+        raise KeyError("mine")
+    except KeyError as e:
+        other = pin_memory(default_convert(_WorkerError.of(e)))
+    raised = other.error(*other.args)  # anything else: carried with its traceback and frames
+    assert (raised.type_name, raised.message) == ("KeyError", "'mine'")
+    assert "Traceback" in raised.text and any(name == "test_booked_survives_dataloader_"
+                                              "conversion_and_pinning" for _, name in raised.frames)

@@ -11,7 +11,6 @@ import argparse
 import errno
 import importlib
 import sys
-import traceback
 from typing import IO, NoReturn
 
 from ringfeed.errors import (
@@ -24,7 +23,7 @@ from ringfeed.errors import (
     is_lost_rank,
     one_line,
 )
-from ringfeed.userhooks import UserCode
+from ringfeed.userhooks import UserCode, described
 
 COMMAND_MODULES = [
     "ringfeed.train.info",                  # ringfeed info
@@ -34,6 +33,8 @@ COMMAND_MODULES = [
     "ringfeed.train.bench",                 # ringfeed bench
     "ringfeed.train.tune",                  # ringfeed tune SEARCH.yaml
     "ringfeed.train.replay",                # ringfeed replay RUN_DIR --steps A:B
+    "ringfeed.train.generate",              # ringfeed generate RUN_DIR --prompt TEXT
+    "ringfeed.train.export",                # ringfeed export RUN_DIR OUT_DIR
 ]
 
 
@@ -90,8 +91,9 @@ def exit_status(exc: BaseException, stream: IO[str] | None = None,
         culprit = user_code.culprit(exc) if user_code is not None else None
         if culprit is None:
             raise exc
-        traceback.print_exception(exc, file=stream)
-        line, code = f"{USER_CODE_LINE}{culprit}: {type(exc).__name__}: {exc}", EXIT_CRASH
+        text, name, message = described(exc)  # (a loader worker's: as raised there)
+        print(text, end="", file=stream)
+        line, code = f"{USER_CODE_LINE}{culprit}: {name}: {message}", EXIT_CRASH
     print(one_line(line), file=stream, flush=True)
     return code
 
