@@ -75,6 +75,11 @@ class ModelSection(_Section):
     # under "model"/"state_dict"), a Keras .weights.h5; read by every rank, checked against
     # the model (one line for a mismatch). A resumed run takes its checkpoint's instead.
     init_from: str | None = None
+    # BatchNorm with the batch statistics of all ranks (each forward pass allreduces the
+    # per-channel sums; torchvision's --sync-bn): torch only, Horovod's SyncBatchNorm on GPUs
+    # and ringfeed's (train/backends/sync_bn.py) on CPUs, where Horovod's refuses to run.
+    # Keras 3 has no Horovod SyncBatchNormalization: a tensorflow run refuses it
+    sync_batchnorm: bool = False
 
     @field_validator("name")
     @classmethod
@@ -354,6 +359,25 @@ class HorovodSection(_Section):
     # on it (HOROVOD_CONTROLLER and HOROVOD_CPU_OPERATIONS), a launch that cannot give it is
     # a config error.
     controller: Literal["auto", "gloo", "mpi"] = "auto"
+    # How the gradients of the ranks combine (train/backends/reduce_op.py). average: their
+    # mean, with the lr scaled by ranks (optim.scale_lr_with_world_size). adasum: Horovod's
+    # Adasum (per tensor: sum of orthogonal parts, average of parallel ones), which does not
+    # shrink the update with more ranks, so it needs optim.scale_lr_with_world_size: false
+    # (Horovod's examples: lr x 1 on CPUs, x local ranks on NCCL GPUs); Horovod 0.28.1 runs it
+    # only under MPI (mpirun), on a power-of-2 number of ranks; not with local SGD
+    # (train.sync_every > 1); torch: not with train.grad_clip or fp16 (Horovod's Adasum
+    # optimizer applies each rank's update in the backward pass, before clipping/unscaling).
+    op: Literal["average", "adasum"] = "average"
+    # op average: gradients are divided by f before the sum and by ranks / f after it, the
+    # same mean with less overflow in fp16 sums (Horovod's gradient_predivide_factor)
+    gradient_predivide_factor: PositiveFloat = 1.0
+
+    @model_validator(mode="after")
+    def _predivide_with_average(self) -> HorovodSection:
+        if self.gradient_predivide_factor != 1.0 and self.op != "average":
+            raise ValueError(f"gradient_predivide_factor applies to op: average only (op is "
+                             f"{self.op}); remove it or set op: average")
+        return self
 
     @field_validator("autotune_log", "timeline")
     @classmethod
@@ -595,6 +619,7 @@ def _check_consistency(cfg: RunConfig, path: str | Path) -> dict[str, Any]:
         raise UserError(f"{path}: data.order: global needs data.global_batch_size (the samples "
                         "of one optimizer step over all ranks)")
     _check_local_sgd(cfg, path)
+    _check_reduction(cfg, path)
     from ringfeed.train.observe.trackers import missing_package
 
     missing = missing_package(cfg.output.loggers)
@@ -668,6 +693,33 @@ def _check_local_sgd(cfg: RunConfig, path: str | Path) -> None:
         raise UserError(f"{path}: train.fp16_allreduce: local SGD (sync_every={t.sync_every}) "
                         "averages the parameters, which must not be rounded to fp16; "
                         "set one of them off")
+
+
+def _check_reduction(cfg: RunConfig, path: str | Path) -> None:
+    """model.sync_batchnorm and horovod.op: adasum with the keys they do not go with."""
+    if cfg.model.sync_batchnorm and cfg.framework != "torch":
+        raise UserError(f"{path}: model.sync_batchnorm: torch only (Horovod 0.28.1's Keras "
+                        "SyncBatchNormalization is built on Keras 2's BatchNormalization, "
+                        "which Keras 3 does not have); set it false (train.average_bn_stats "
+                        "still averages the running statistics)")
+    if cfg.horovod.op != "adasum":
+        return
+    t = cfg.train
+    conflicts = (
+        (cfg.optim.scale_lr_with_world_size, "optim.scale_lr_with_world_size: true",
+         "Adasum does not shrink the update as ranks are added (Horovod's examples keep the "
+         "lr); set optim.scale_lr_with_world_size: false"),
+        (t.sync_every > 1, f"train.sync_every: {t.sync_every}",
+         "local SGD averages replicas, not each step's updates; use one of them"),
+        (cfg.framework == "torch" and t.grad_clip is not None, "train.grad_clip",
+         "Horovod's torch Adasum applies each rank's update in the backward pass, before "
+         "clipping; remove grad_clip or use op: average"),
+        (cfg.framework == "torch" and t.precision == "fp16", "train.precision: fp16",
+         "Horovod's torch Adasum applies the update before the loss scale is checked; use "
+         "bf16 or fp32, or op: average"))
+    for conflict, key, why in conflicts:
+        if conflict:
+            raise UserError(f"{path}: horovod.op: adasum with {key}: {why}")
 
 
 def _check_paths(cfg: RunConfig, path: str | Path) -> None:

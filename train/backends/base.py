@@ -22,6 +22,7 @@ import numpy as np
 
 from ringfeed.errors import UserError
 from ringfeed.train.backends.horovod_env import apply_horovod_env, check_controller
+from ringfeed.train.backends.reduce_op import check_reduce_op
 from ringfeed.train.data import REGRESS, DataSpec, TrainPipeline
 from ringfeed.train.losses import regression_fns
 from ringfeed.train.observe.profiler import no_span
@@ -349,6 +350,7 @@ def start_horovod(hvd: Any, cfg: Any) -> Dist:
     apply_horovod_env(cfg.horovod, hang_timeout_s=hang_timeout_s(cfg))
     hvd.init()
     check_controller(cfg.horovod, hvd.mpi_enabled(), hvd.gloo_enabled())
+    check_reduce_op(cfg.horovod, hvd.size(), hvd.mpi_enabled())
     return Dist(hvd.rank(), hvd.size(), hvd.local_rank())
 
 

@@ -78,6 +78,13 @@ def launch_problem(section: Any, environ: MutableMapping[str, str]) -> str | Non
         return ("horovod.controller: gloo, but mpirun started this process (Gloo needs "
                 "horovodrun's rendezvous); launch with `horovodrun --gloo ...`, or set "
                 "controller: auto")
+    if section.op == "adasum" and (
+            gloo_launch or section.controller == "gloo"):
+        # Horovod 0.28.1 builds Adasum for MPI only (operations.cc: AdasumMPIAllreduceOp);
+        # under Gloo its background thread fails with "No Adasum operation enabled"
+        return ("horovod.op: adasum needs Horovod's MPI controller (Horovod 0.28.1 has no "
+                "Gloo Adasum); launch with `mpirun ...` or `horovodrun --mpi ...` and "
+                "controller auto or mpi, or use op: average")
     return None
 
 

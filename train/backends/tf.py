@@ -46,6 +46,7 @@ from ringfeed.train.backends.base import (
     metric_sums,
 )
 from ringfeed.train.backends.init_weights import load_keras
+from ringfeed.train.backends.reduce_op import tf_reduce_gradients
 from ringfeed.train.data import REGRESS, DataSpec, TrainPipeline, split_batch
 from ringfeed.train.models import build_model, channels_first
 from ringfeed.train.models.outputs import on_logits
@@ -389,8 +390,7 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
         k = float(self.accumulate)
         reduced = [g / k for g in total]
         if self.sync_every == 1:  # (local SGD: this rank's own gradients)
-            reduced = hvd.grouped_allreduce(reduced, op=hvd.Average,
-                                            compression=self.compression)
+            reduced = tf_reduce_gradients(reduced, self.cfg.horovod, hvd, self.compression)
         self._metric_names = tuple(totals)
         stats = hvd.allreduce(tf.concat([[loss_sum / k], settings[:2],
                                          [v / k for v in totals.values()]], 0),

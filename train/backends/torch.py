@@ -40,6 +40,12 @@ from ringfeed.train.backends.base import (
     metric_sums,
 )
 from ringfeed.train.backends.init_weights import load_torch
+from ringfeed.train.backends.reduce_op import (
+    adasum,
+    drop_adasum_step,
+    torch_optimizer_args,
+)
+from ringfeed.train.backends.sync_bn import convert_sync_batchnorm
 from ringfeed.train.checkpoint.files import open_for_write
 from ringfeed.train.data import DataSpec, TrainPipeline, split_batch
 from ringfeed.train.models import build_model, channels_first
@@ -352,6 +358,8 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
         self.model = build_model("torch", cfg.model.name, dict(cfg.model.args), spec)
         if cfg.model.init_from:
             load_torch(self.model, cfg.model.init_from)
+        if cfg.model.sync_batchnorm:
+            self.model = convert_sync_batchnorm(self.model, self.device)
         # image batches as (N, C, H, W), the layout torch models take (model.input_layout)
         self.nchw = channels_first("torch", cfg.model.input_layout, spec)
         if not t.loss:
@@ -373,7 +381,7 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
                 compression=DenseLayout(hvd.Compression.fp16 if t.fp16_allreduce
                                         else hvd.Compression.none),
                 backward_passes_per_step=self.accumulate,
-                op=hvd.Average,
+                **torch_optimizer_args(cfg.horovod, hvd),
             )
         # what one step's gradient allreduce hands to Horovod (fp16 compression halves it)
         self._grad_bytes = sum(p.numel() * (2 if t.fp16_allreduce else p.element_size())
@@ -447,6 +455,7 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
         collective_s = time.perf_counter() - synced
         if not math.isfinite(stats[0]):
             # Nothing is applied: the loop stops the run on every rank (exit 3).
+            drop_adasum_step(self.optimizer, hvd)  # (any other optimizer: nothing to drop)
             self.optimizer.zero_grad()
             return StepResult.from_stats(stats, applied=False, metric_names=self._metric_names,
                                          collective_s=collective_s)
@@ -462,9 +471,11 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
             # (GradScaler.step reads its overflow flag on the host right after this anyway)
             scale = self.scaler.get_scale()
         # Local SGD: each rank's GradScaler decides on its own gradients (a rank may skip a
-        # step the others apply); the sync below averages the replicas again.
+        # step the others apply); the sync below averages the replicas again. (Horovod's
+        # Adasum optimizer has no skip_synchronize: its step() only adds the reduced updates)
         with span("ringfeed.optimizer_step"), \
-                contextlib.nullcontext() if local else self.optimizer.skip_synchronize():
+                contextlib.nullcontext() if local or adasum(self.cfg.horovod, self.dist.size) \
+                else self.optimizer.skip_synchronize():
             self.scaler.step(self.optimizer)
         self.scaler.update()
         if scale is not None:
