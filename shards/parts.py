@@ -39,11 +39,13 @@ PART_JOURNAL = re.compile(r"^\.ringfeed-journal-part-(\d+)-of-(\d+)\.jsonl$")
 PART_SPEC = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 
 # (launcher, rank variable, size variable), in the order they are looked for: mpirun and
-# horovodrun before srun, since both may run inside a Slurm job whose SLURM_* they inherit
+# horovodrun before srun, since both may run inside a Slurm job whose SLURM_* they inherit.
+# srun's size is the step's task count: a batch script itself has SLURM_PROCID=0 and the job's
+# SLURM_NTASKS but no step, and must not take itself for part 0 of N.
 LAUNCHERS = (("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
              ("mpirun", "PMI_RANK", "PMI_SIZE"),
              ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE"),
-             ("srun", "SLURM_PROCID", "SLURM_NTASKS"))
+             ("srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"))
 
 
 def marker_name(part: tuple[int, int]) -> str:

@@ -127,7 +127,8 @@ def test_the_part_comes_from_the_launchers_environment(capsys, tmp_path, sources
     assert cli(capsys, "shard", src, tmp_path / "one", *args, *COMMON)[0] == 0
     out = tmp_path / "out"
     launches = [  # (environment, part, the line's source)
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "0/4", "srun's SLURM_PROCID/SLURM_NTASKS"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4"}, "0/4",
+         "srun's SLURM_PROCID/SLURM_STEP_NUM_TASKS"),
         ({"SLURM_ARRAY_TASK_ID": "11", "SLURM_ARRAY_TASK_MIN": "10",
           "SLURM_ARRAY_TASK_COUNT": "4"}, "1/4", "the Slurm array's"),
         ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "SLURM_PROCID": "0",
@@ -149,6 +150,8 @@ def test_the_part_comes_from_the_launchers_environment(capsys, tmp_path, sources
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "1")  # an array of one: a whole run
     monkeypatch.setenv("HOROVOD_RANK", "0")
     monkeypatch.setenv("HOROVOD_SIZE", "1")
+    monkeypatch.setenv("SLURM_PROCID", "0")  # an sbatch script itself (no step): a whole run
+    monkeypatch.setenv("SLURM_NTASKS", "4")
     code, stdout, _ = cli(capsys, "shard", src, tmp_path / "whole", *args, *COMMON)
     assert code == 0 and "ringfeed shard: part" not in stdout
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "9")
