@@ -41,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _text_options(p)
     p.add_argument("--split", metavar="NAME",
                    help="wds-index: put every shard in this split (default: from the file "
-                        "name, e.g. val-0001.tar, else train)")
+                        "name, e.g. val-0001.tar, else train); imagefolder: add SRC to OUT's "
+                        "shards as this split, with OUT's class ids")
     p.add_argument("--part", metavar="I/N",
                    help="write part I (0..N-1) of N of the shards, N processes on any machines "
                         "(default: the rank/size of mpirun, horovodrun, srun or a Slurm array); "
@@ -144,7 +145,7 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
                                  ("--categorical", args.categorical, TABLE_FORMATS),
                                  ("--fill", args.fill, TABLE_FORMATS),
                                  ("--key", args.key_field, TABLE_FORMATS),
-                                 ("--split", args.split, ("wds-index",))):
+                                 ("--split", args.split, ("wds-index", "imagefolder"))):
         if value is not None and value != [] and args.format not in formats:
             raise UserError(f"{flag} does not apply to --format {args.format} "
                             f"(only to {', '.join(formats)})")
@@ -165,6 +166,10 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
             raise UserError(f"{flag} {value}: must be at least {low}")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val-fraction {args.val_fraction}: must be in [0, 1)")
+    if args.split is not None and args.format == "imagefolder" and (
+            args.val_fraction or is_url(args.src) or is_url(args.out)):
+        raise UserError(f"--split {args.split} adds SRC as one split of a local OUT: drop "
+                        "--val-fraction; SRC and OUT must be local folders")
     storage_options, policy = _storage(args)
     out_arg = args.out if args.out else args.src
     src_url = args.src if is_url(args.src) else None
@@ -222,6 +227,10 @@ def run_shard(args: argparse.Namespace) -> int:
         from ringfeed.shards.wds_index import index_shards
 
         run = index_shards(opts)
+    elif opts.split is not None:
+        from ringfeed.shards.addsplit import add_split
+
+        run = add_split(opts)
     elif opts.src_url or opts.out_url:
         from ringfeed.shards.remote_build import shard_remote
 

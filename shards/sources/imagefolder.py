@@ -112,14 +112,22 @@ def _pil_format(path: str) -> tuple[str | None, str | None]:
 class ImageFolder(Source):
     format = "imagefolder"
 
-    def __init__(self, opts: ShardOptions):
+    def __init__(self, opts: ShardOptions, class_names: list[str] | None = None):
+        """`class_names`: an existing set's (its ids kept), for SRC as its split `opts.split`
+        (shards/addsplit.py); else the sorted class folders of SRC."""
         super().__init__(opts)
         if not opts.src.is_dir():
             raise UserError(f"{opts.src}: not a folder (imagefolder expects SRC/<class>/<image files>)")
-        part_dirs = self._split_dirs(opts.src) or {"train": opts.src}
+        part_dirs = ({opts.split: opts.src} if class_names is not None
+                     else self._split_dirs(opts.src) or {"train": opts.src})
         classes = {part: [d for d in visible(path) if d.is_dir()] for part, path in part_dirs.items()}
-        self.class_names = sorted({d.name for dirs in classes.values() for d in dirs})
+        found_names = sorted({d.name for dirs in classes.values() for d in dirs})
+        self.class_names = found_names if class_names is None else class_names
         label_of = {name: i for i, name in enumerate(self.class_names)}
+        if unknown := [name for name in found_names if name not in label_of]:
+            raise UserError(f"{opts.src / unknown[0]}: class {unknown[0]!r} is not one of the "
+                            f"{len(label_of)} classes of the train split ({len(unknown)} such "
+                            "folder(s)); remove or rename it to one of the train split's")
         found: dict[str, list[_Found]] = {}
         for part, path in part_dirs.items():
             self.skipped += [{"path": str(f), "reason": "not inside a class folder"}
