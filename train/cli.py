@@ -102,9 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit code (ringfeed/errors.py's table, decided by exit_status:
     one line, no traceback, for everything but a crash and the user's own code). The
     command's user code (`args.user_code`) is the command's own: filled by what reads its
-    config, nothing kept from an earlier command in this process."""
+    config, nothing kept from an earlier command in this process. `argv` None: the process's
+    own command line (the console script, `python -m`), whose exit the command may bound
+    (`args.owns_process`); a caller's list runs it as a function."""
     args = build_parser().parse_args(argv)
     args.user_code = user_code = UserCode()
+    args.owns_process = argv is None
     try:
         return int(args.func(args) or 0)
     except (Exception, KeyboardInterrupt) as e:

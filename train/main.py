@@ -87,8 +87,15 @@ def run(args: argparse.Namespace) -> int:
     faults = FaultPlan.from_env(os.environ)  # tests only: RINGFEED_FAULT, RINGFEED_SLOW_RANK
     args.user_code.named.extend(user_code_named(cfg))
     from ringfeed.train.loop import train
+    from ringfeed.train.resilience.exit_bound import bound_exit
 
-    return train(cfg, user_code=args.user_code, faults=faults, startup=startup)
+    try:
+        return train(cfg, user_code=args.user_code, faults=faults, startup=startup)
+    finally:  # (what runs after this, at the process's exit, gets train.hang_timeout_s)
+        limit = hang_timeout_s(cfg)
+        if limit is not None and args.owns_process:
+            rank = os.environ.get("HOROVOD_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+            bound_exit(limit, cfg.output.dir, int(rank))
 
 
 def user_code_named(cfg: Any) -> list[tuple[str, str]]:

@@ -104,7 +104,7 @@ def _train(config: Path, overrides: list[str], user_code: UserCode) -> int:
 
     return int(train(argparse.Namespace(config=str(config), overrides=overrides, resume=None,
                                         elastic=False, profile=False, print_config=False,
-                                        user_code=user_code))
+                                        user_code=user_code, owns_process=False))
                or 0)
 
 
