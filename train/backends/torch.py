@@ -373,7 +373,10 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
         # gradient hooks, broadcasts and checkpoints all see the plain module
         self.forward = torch.compile(self.model) if t.compile else self.model
         self._moments_everywhere = False  # agreed: every rank's optimizer has its moments
-        self.optimizer = make_optimizer(cfg.optim, self.model.parameters())
+        # a model's own param_groups(weight_decay) (the built-in gpt: decay on matrices only)
+        groups = getattr(self.model, "param_groups", None)
+        self.optimizer = make_optimizer(cfg.optim, groups(cfg.optim.weight_decay)
+                                        if callable(groups) else self.model.parameters())
         if self.sync_every == 1:
             self.optimizer = hvd.DistributedOptimizer(
                 self.optimizer,

@@ -9,7 +9,9 @@ from collections.abc import Sequence
 import keras
 from keras import layers
 
+from ringfeed.errors import UserError
 from ringfeed.train.data import DataSpec
+from ringfeed.train.models.gpt_args import gpt_args
 
 
 def mlp(spec: DataSpec, num_classes: int, hidden: Sequence[int] = (256, 128),
@@ -33,25 +35,31 @@ def cnn(spec: DataSpec, num_classes: int, width: int = 32, hidden: int = 128,
     return keras.Model(inputs, _logits(layers.Dropout(dropout)(x), num_classes), name="cnn")
 
 
-def gpt(spec: DataSpec, vocab_size: int, n_layer: int = 2, n_head: int = 4, d_model: int = 128,
-        dropout: float = 0.0) -> keras.Model:
+def gpt(spec: DataSpec, vocab_size: int, block_size: int, n_layer: int = 2, n_head: int = 4,
+        d_model: int = 128, dropout: float = 0.0, bias: bool = True,
+        tie_embeddings: bool = False) -> keras.Model:
+    if tie_embeddings:
+        raise UserError("model.args.tie_embeddings: the built-in gpt ties its head to the "
+                        "token embedding under framework: torch only (leave it false for "
+                        "framework: tensorflow)")
     seq_len = spec.input_shape[0]
     init = keras.initializers.RandomNormal(stddev=0.02)
     tokens = keras.Input((seq_len,), dtype="int32")
     x = layers.Embedding(vocab_size, d_model, embeddings_initializer=init)(tokens)
-    positions = layers.Embedding(seq_len, d_model, embeddings_initializer=init)(
+    positions = layers.Embedding(block_size, d_model, embeddings_initializer=init)(
         keras.ops.arange(seq_len))
     x = layers.Dropout(dropout)(x + positions)
     for _ in range(n_layer):
-        h = layers.LayerNormalization(epsilon=1e-5)(x)
-        h = layers.MultiHeadAttention(n_head, d_model // n_head, dropout=dropout,
+        h = layers.LayerNormalization(epsilon=1e-5, center=bias)(x)
+        h = layers.MultiHeadAttention(n_head, d_model // n_head, dropout=dropout, use_bias=bias,
                                       kernel_initializer=init)(h, h, use_causal_mask=True)
         x = x + h
-        h = layers.LayerNormalization(epsilon=1e-5)(x)
-        h = layers.Dense(4 * d_model, activation="gelu", kernel_initializer=init)(h)
-        h = layers.Dense(d_model, kernel_initializer=init)(h)
+        h = layers.LayerNormalization(epsilon=1e-5, center=bias)(x)
+        h = layers.Dense(4 * d_model, activation="gelu", use_bias=bias,
+                         kernel_initializer=init)(h)
+        h = layers.Dense(d_model, use_bias=bias, kernel_initializer=init)(h)
         x = x + layers.Dropout(dropout)(h)
-    x = layers.LayerNormalization(epsilon=1e-5)(x)
+    x = layers.LayerNormalization(epsilon=1e-5, center=bias)(x)
     return keras.Model(tokens, _logits(x, vocab_size, use_bias=False, init=init), name="gpt")
 
 
@@ -61,6 +69,6 @@ def _logits(x, units: int, use_bias: bool = True, init="glorot_uniform"):
 
 def build(name: str, spec: DataSpec, **args) -> keras.Model:
     if name == "gpt":
-        return gpt(spec, spec.require("vocab_size"), **args)
+        return gpt(spec, **gpt_args(args, spec.require("vocab_size"), spec.input_shape[0]))
     num_classes = args.pop("num_classes", None) or spec.require("num_classes")
     return (mlp if name == "mlp" else cnn)(spec, num_classes, **args)

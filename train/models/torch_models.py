@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringfeed.train.data import DataSpec
+from ringfeed.train.models.gpt_args import gpt_args
 
 
 class MLP(nn.Module):
@@ -58,15 +59,15 @@ class CNN(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_head: int, dropout: float):
+    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool = True):
         super().__init__()
         self.n_head, self.dropout = n_head, dropout
-        self.ln1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
-                                 nn.Linear(4 * d_model, d_model), nn.Dropout(dropout))
+        self.ln1 = nn.LayerNorm(d_model, bias=bias)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
+        self.ln2 = nn.LayerNorm(d_model, bias=bias)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model, bias=bias), nn.GELU(),
+                                 nn.Linear(4 * d_model, d_model, bias=bias), nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -79,19 +80,28 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size: int, seq_len: int, n_layer: int = 2, n_head: int = 4,
-                 d_model: int = 128, dropout: float = 0.0):
+    """GPT-2's architecture as nanoGPT builds it (pre-LayerNorm blocks, GELU, learned
+    positions, GPT-2's init); `block_size` positions (the longest input), `bias` in every
+    Linear and LayerNorm, the head tied to the token embedding with `tie_embeddings`. Layer
+    names are kept across these options, so checkpoints and `ringfeed export` read every
+    variant alike."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int = 2, n_head: int = 4,
+                 d_model: int = 128, dropout: float = 0.0, bias: bool = True,
+                 tie_embeddings: bool = False):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
-        self.pos = nn.Embedding(seq_len, d_model)
+        self.pos = nn.Embedding(block_size, d_model)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout, bias) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model, bias=bias)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if name.endswith(("proj.weight", "mlp.2.weight")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
+        if tie_embeddings:  # one matrix: nanoGPT's `wte.weight = lm_head.weight`
+            self.head.weight = self.tok.weight
 
     @staticmethod
     def _init(module: nn.Module) -> None:
@@ -107,10 +117,21 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """The optimizer's groups: weight decay on the Linear layers' weight matrices only
+        (the head's included, so a tied embedding decays, as nanoGPT's does); none on
+        embeddings, LayerNorm weights and biases, whose decay pulls them toward zero for no
+        regularising gain (minGPT's and nanoGPT's rule). The backend builds its optimizer
+        from these when a model has this method."""
+        decayed = {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear)}
+        params = list(self.parameters())  # (a tied matrix once)
+        return [{"params": [p for p in params if id(p) in decayed], "weight_decay": weight_decay},
+                {"params": [p for p in params if id(p) not in decayed], "weight_decay": 0.0}]
+
 
 def build(name: str, spec: DataSpec, **args) -> nn.Module:
     if name == "gpt":
-        return GPT(spec.require("vocab_size"), spec.input_shape[0], **args)
+        return GPT(**gpt_args(args, spec.require("vocab_size"), spec.input_shape[0]))
     num_classes = args.pop("num_classes", None) or spec.require("num_classes")
     if name == "mlp":
         return MLP(math.prod(spec.input_shape), num_classes, **args)
