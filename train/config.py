@@ -256,6 +256,10 @@ class TrainSection(_Section):
     # (max_steps or epochs): what `ringfeed replay` sets
     stop_after_step: PositiveInt | None = None
     val_every: PositiveInt | None = None  # steps; null: at the end of every epoch
+    # batches per rank each validation reads, the first of the val split (the same ones every
+    # time, on every rank the same count: nanoGPT's eval_iters, torchtitan's validation
+    # steps); null: the whole split
+    val_steps: PositiveInt | None = None
     loss: str | None = None  # "module:function"(outputs, targets) -> per-sample losses
     metrics: str | None = None  # "module:function"(outputs, targets) -> {name: per-sample}
     # auto: regress (MSE loss; val mse/mae) when the target is a float, else classify (cross

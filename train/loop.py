@@ -41,10 +41,12 @@ after a reset).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,7 @@ from ringfeed.train.backends.base import Backend, Dist
 from ringfeed.train.backends.select import make_backend
 from ringfeed.train.checkpoint.checkpointer import Checkpointer, Saved
 from ringfeed.train.config import RunConfig
-from ringfeed.train.data import TrainPipeline
+from ringfeed.train.data import LM, DataSpec, TrainPipeline
 from ringfeed.train.feed import Feed
 from ringfeed.train.observe.profiler import StepProfiler
 from ringfeed.train.observe.reporter import Reporter, say_any
@@ -112,16 +114,19 @@ def micro_batch_groups(loader: Iterable, k: int, profiler: StepProfiler | None =
             group, waited = [], 0.0
 
 
-def evaluate(backend: Backend, pipe: TrainPipeline, loader: Iterable) -> dict[str, float]:
+def evaluate(backend: Backend, pipe: TrainPipeline, loader: Iterable, steps: int | None = None,
+             perplexity: bool = False) -> dict[str, float]:
     """Collective: exact validation metrics over the whole split, all ranks together (padding
-    masked); for a mixture also per source, as "{source}/{metric}". Local SGD's replicas are
-    averaged first: the score is the averaged model's, not each replica's."""
+    masked), or over its first `steps` batches on every rank (train.val_steps: every rank has
+    at least as many batches as any other, so all read the same count); for a mixture also per
+    source, as "{source}/{metric}". With `perplexity`, exp of the loss beside it. Local SGD's
+    replicas are averaged first: the score is the averaged model's, not each replica's."""
     backend.sync_replicas()
     if pipe.batches_remaining != pipe.batches_per_epoch:  # a pass left unfinished
         pipe.set_epoch(pipe.epoch + 1)
     names = pipe.source_names if pipe.mixture is not None else []
     sums: dict[str, float] = {}
-    for batch in loader:
+    for batch in loader if steps is None else islice(loader, steps):
         groups = (pipe.source_of(np.asarray(batch["__index__"]))[0], len(names)) if names \
             else None
         for name, value in backend.eval_batch(batch, groups).items():
@@ -138,7 +143,24 @@ def evaluate(backend: Backend, pipe: TrainPipeline, loader: Iterable) -> dict[st
         metrics.update({label + name[len(prefix):]: value / count for name, value in total.items()
                         if name.startswith(prefix) and name != prefix + "count"
                         and (prefix or "/" not in name)})
+        if perplexity:
+            metrics[label + "perplexity"] = perplexity_of(metrics[label + "loss"])
     return metrics
+
+
+def perplexity_of(loss: float) -> float:
+    """exp(loss), inf past float range. For the built-in LM loss the validation loss is the
+    token-weighted mean over every rank's tokens: each row's loss is the mean over its
+    positions, every row of a run has as many positions, and the sums of rows and row counts
+    are allreduced (evaluate), never a mean of per-rank or per-batch means, which weighs a
+    short last batch like a full one."""
+    return math.exp(loss) if loss < 709.0 else math.inf
+
+
+def reports_perplexity(cfg: RunConfig, spec: DataSpec | None) -> bool:
+    """Perplexity only where the loss is the built-in next-token cross entropy, unsmoothed."""
+    t = cfg.train
+    return spec is not None and spec.task == LM and t.loss is None and not t.label_smoothing
 
 
 class Trainer:
@@ -305,9 +327,10 @@ class Trainer:
         if self.feed.val_pipe is None:
             return
         self.phase("validate")
-        metrics = evaluate(self.backend, self.feed.val_pipe, self.feed.val_loader)
         self.state.last_val_step = self.state.step
-        self.reporter.on_validate(self.state, metrics)
+        self.reporter.on_validate(self.state, evaluate(
+            self.backend, self.feed.val_pipe, self.feed.val_loader, self.cfg.train.val_steps,
+            reports_perplexity(self.cfg, self.feed.spec)))
 
     def save(self, reason: str) -> None:
         """Collective: a checkpoint of this step (samples.jsonl covers it); a failed write under

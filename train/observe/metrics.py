@@ -200,8 +200,8 @@ class RunLogger:
             lines.append(f"  final train loss   {summary['final_loss']:.4f}")
         for k, v in (summary.get("train") or {}).items():
             lines.append(f"  final train {k:<6} {v:.4f}")
-        for k, v in (summary.get("val") or {}).items():
-            lines.append(f"  final val {k:<9}{v:.4f}")
+        for k, v in (summary.get("val") or {}).items():  # (a long name keeps a space)
+            lines.append(f"  final val {k + ' ' if len(k) >= 9 else k:<9}{v:.4f}")
         lines.append(f"  throughput         {summary['samples_per_s']:.1f} samples/s "
                      f"({summary['world_size']} ranks, global batch {self.global_batch})")
         lines.append(f"  data wait          {bottleneck_line(summary['data_wait_share'])}")
