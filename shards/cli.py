@@ -124,31 +124,9 @@ def _storage_option(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> ShardOptions:
     """Validate the command line; every problem is one UserError line."""
     from ringfeed.fsutil import parse_size
-    from ringfeed.shards.parts import part_from
     from ringfeed.shards.remote import default_staging, is_url
 
-    if args.src is None:
-        raise UserError("SRC is missing: ringfeed shard SRC OUT --format ... (or --merge OUT)")
-    if args.format is None:
-        raise UserError("--format is missing: ringfeed shard SRC OUT --format FORMAT "
-                        f"({', '.join(FORMATS)})")
-    if args.format not in FORMATS:
-        raise UserError(f"unknown --format {args.format!r} (choose from: {', '.join(FORMATS)})")
-    part, where = part_from(args.part, os.environ)
-    if part is not None and (args.format == "wds-index" or args.split is not None):
-        raise UserError(f"{where} ({part[0]}/{part[1]}): --format wds-index and --split run "
-                        "in one process, not in parts; run the command once")
-    if args.out is None and args.format != "wds-index":
-        raise UserError("OUT is missing: ringfeed shard SRC OUT --format ...")
-    for flag, value, formats in (("--field", args.field, (*TABLE_FORMATS, "npz", "npy")),
-                                 ("--features", args.features, TABLE_FORMATS),
-                                 ("--categorical", args.categorical, TABLE_FORMATS),
-                                 ("--fill", args.fill, TABLE_FORMATS),
-                                 ("--key", args.key_field, TABLE_FORMATS),
-                                 ("--split", args.split, ("wds-index", "imagefolder"))):
-        if value is not None and value != [] and args.format not in formats:
-            raise UserError(f"{flag} does not apply to --format {args.format} "
-                            f"(only to {', '.join(formats)})")
+    part = _check_command(args)
     fields = dict(_name_ext(spec, "--field", "label=cls") for spec in args.field)
     features = [_name_ext(spec, "--features", "'a,b,c=x.npy'", last=True)
                 for spec in args.features] or None
@@ -166,10 +144,6 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
             raise UserError(f"{flag} {value}: must be at least {low}")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val-fraction {args.val_fraction}: must be in [0, 1)")
-    if args.split is not None and args.format == "imagefolder" and (
-            args.val_fraction or is_url(args.src) or is_url(args.out)):
-        raise UserError(f"--split {args.split} adds SRC as one split of a local OUT: drop "
-                        "--val-fraction; SRC and OUT must be local folders")
     storage_options, policy = _storage(args)
     out_arg = args.out if args.out else args.src
     src_url = args.src if is_url(args.src) else None
@@ -197,6 +171,41 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
         tokenizer=args.tokenizer, text_field=args.text_field, glob=args.glob, split=args.split,
         progress=args.progress, out_url=out_url, src_url=src_url, part=part,
         storage_options=storage_options, staging=staging, policy=policy)
+
+
+def _check_command(args: argparse.Namespace) -> tuple[int, int] | None:
+    """What the command names and which flags apply to its format; the part it writes (None:
+    all of it)."""
+    from ringfeed.shards.parts import part_from
+    from ringfeed.shards.remote import is_url
+
+    if args.src is None:
+        raise UserError("SRC is missing: ringfeed shard SRC OUT --format ... (or --merge OUT)")
+    if args.format is None:
+        raise UserError("--format is missing: ringfeed shard SRC OUT --format FORMAT "
+                        f"({', '.join(FORMATS)})")
+    if args.format not in FORMATS:
+        raise UserError(f"unknown --format {args.format!r} (choose from: {', '.join(FORMATS)})")
+    part, where = part_from(args.part, os.environ)
+    if part is not None and (args.format == "wds-index" or args.split is not None):
+        raise UserError(f"{where} ({part[0]}/{part[1]}): --format wds-index and --split run "
+                        "in one process, not in parts; run the command once")
+    if args.out is None and args.format != "wds-index":
+        raise UserError("OUT is missing: ringfeed shard SRC OUT --format ...")
+    for flag, value, formats in (("--field", args.field, (*TABLE_FORMATS, "npz", "npy")),
+                                 ("--features", args.features, TABLE_FORMATS),
+                                 ("--categorical", args.categorical, TABLE_FORMATS),
+                                 ("--fill", args.fill, TABLE_FORMATS),
+                                 ("--key", args.key_field, TABLE_FORMATS),
+                                 ("--split", args.split, ("wds-index", "imagefolder"))):
+        if value is not None and value != [] and args.format not in formats:
+            raise UserError(f"{flag} does not apply to --format {args.format} "
+                            f"(only to {', '.join(formats)})")
+    if args.split is not None and args.format == "imagefolder" and (
+            args.val_fraction or is_url(args.src) or is_url(args.out)):
+        raise UserError(f"--split {args.split} adds SRC as one split of a local OUT: drop "
+                        "--val-fraction; SRC and OUT must be local folders")
+    return part
 
 
 def _name_ext(spec: str, flag: str, example: str, last: bool = False) -> tuple[str, str]:
