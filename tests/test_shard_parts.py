@@ -239,3 +239,45 @@ def test_mpirun_np_2_shards_one_folder(capsys, tmp_path, sources):
     for i in range(2):
         assert f"part {i}/2 (from mpirun's OMPI_COMM_WORLD_RANK" in result.stdout
     assert tree_bytes(out) == tree_bytes(tmp_path / "one")
+
+
+@pytest.mark.system
+@pytest.mark.timeout(240)
+def test_mpirun_across_two_netns_hosts_shards_one_folder(capsys, tmp_path, sources):
+    """Two "hosts" (network namespaces joined by a veth link, sshd in each, as in
+    test_multinode.py, own prefix and subnet so both may run at once) and one OUT on the
+    filesystem they share: `mpirun -np 2 -H A:1,B:1` starts part 0 in A and part 1 in B."""
+    import sys
+
+    from helpers import REPO
+    from netns_sshd import SSHD, root_sshd
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import netns_hosts
+
+    reason = netns_hosts.missing_prerequisite("rfsp", ("ip", "ssh", "ssh-keygen", "mpirun"))
+    if reason or not os.access(SSHD, os.X_OK):
+        pytest.skip(reason or f"{SSHD} not found")
+    src, args = sources["imagefolder"]
+    assert cli(capsys, "shard", src, tmp_path / "one", *args, *COMMON)[0] == 0
+    out, addresses = tmp_path / "out", ("192.168.79.1", "192.168.79.2")
+    with netns_hosts.two_hosts("rfsp", addresses) as pair, \
+            root_sshd(pair, addresses, tmp_path / "ssh") as wrapper_dir:
+        env = test_env(PATH=f"{wrapper_dir}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}")
+        deadline = time.monotonic() + 30
+        while subprocess.run(["ip", "netns", "exec", pair[0], "ssh", addresses[1], "true"],
+                             env=env, capture_output=True, timeout=15).returncode != 0:
+            assert time.monotonic() < deadline, "no ssh from host A to host B"
+            time.sleep(0.5)
+        result = subprocess.run(
+            ["ip", "netns", "exec", pair[0], "mpirun", "--allow-run-as-root", "-np", "2",
+             "-H", f"{addresses[0]}:1,{addresses[1]}:1", "--mca", "oob_tcp_if_include", "eth0",
+             "-x", "PATH", "-x", "PYTHONPATH", str(BIN / "ringfeed"), "shard", str(src),
+             str(out), *args, *COMMON],
+            env=env, capture_output=True, text=True, timeout=180)
+        logins = (tmp_path / "ssh" / f"sshd-{pair[1]}.log").read_text()
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert logins.count("Accepted publickey") >= 2  # the probe's, then mpirun's (part 1) on B
+    for i in range(2):
+        assert f"part {i}/2 (from mpirun's OMPI_COMM_WORLD_RANK" in result.stdout
+    assert tree_bytes(out) == tree_bytes(tmp_path / "one")
