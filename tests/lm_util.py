@@ -33,8 +33,9 @@ def token_shards(root: Path, documents: int = 6, words: int = 300, seq_len: int 
 
 
 def lm_config(shards: Path, out: Path, model_args: dict[str, Any] | None = None,
-              **sections: dict[str, Any]) -> dict[str, Any]:
+              framework: str = "torch", **sections: dict[str, Any]) -> dict[str, Any]:
     cfg: dict[str, Any] = {
+        "framework": framework,
         "model": {"name": "gpt", "args": {**GPT_ARGS, **(model_args or {})}},
         "data": {"train": str(shards), "batch_size": 8, "val_batch_size": 5},
         "optim": {"name": "adamw", "lr": 0.01, "weight_decay": 0.1},
@@ -48,10 +49,11 @@ def lm_config(shards: Path, out: Path, model_args: dict[str, Any] | None = None,
 
 
 def train_gpt(root: Path, shards: Path, name: str = "run", timeout: float = 300,
-              model_args: dict[str, Any] | None = None, **sections: dict[str, Any]) -> Path:
+              model_args: dict[str, Any] | None = None, framework: str = "torch",
+              **sections: dict[str, Any]) -> Path:
     """One process of `ringfeed train` on `shards`; its output.dir."""
     out = root / name
-    config = write_config(root / f"{name}.yaml", **lm_config(shards, out, model_args,
+    config = write_config(root / f"{name}.yaml", **lm_config(shards, out, model_args, framework,
                                                              **sections))
     res = run([BIN / "ringfeed", "train", config], timeout=timeout)
     assert res.returncode == 0, res.output[-4000:]

@@ -86,3 +86,28 @@ def test_what_generate_cannot_use_is_one_line(lm_run, tmp_path):
         assert code == 0 and out.startswith("x")
     finally:
         shutil.move(tmp_path / "elsewhere", shards)
+
+
+def test_a_checkpoint_in_a_bucket_samples_as_the_local_one(lm_run, s3_server):
+    import s3fs
+
+    run_dir, _ = lm_run
+    options = {"endpoint_url": s3_server, "key": "testing", "secret": "testing"}
+    fs = s3fs.S3FileSystem(**options)
+    fs.mkdir("ckpt")
+    checkpoint = newest_checkpoint(run_dir)
+    fs.put(str(checkpoint), f"ckpt/run/{checkpoint.name}", recursive=True)
+    greedy = ["--prompt", "dog ", "--temperature", "0", "--max-new-tokens", "20",
+              "--tokenizer", "bytes"]
+    code, remote, err = generate("s3://ckpt/run", "--storage-option",
+                                 f"endpoint_url={s3_server}", *greedy)
+    assert code == 0, err
+    assert remote == generate(run_dir, *greedy)[1]
+
+
+def test_a_tensorflow_run_is_refused_in_one_line(tmp_path):
+    shards = token_shards(tmp_path)
+    run_dir = train_gpt(tmp_path, shards, "tf", framework="tensorflow", train={"max_steps": 1})
+    code, _, err = generate(run_dir, "--prompt", "x")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "a tensorflow checkpoint" in err and "framework: torch" in err
