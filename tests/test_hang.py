@@ -217,7 +217,7 @@ def test_rank_0_stopped_the_others_decide_alone(tmp_path):
         for dog in job.dogs:
             dog.at(2, "data")
         time.sleep(2 * job.dogs[0].beat_s)
-        job.dogs[0].stop()  # the hub and rank 0's heartbeats gone
+        job.dogs[0]._stop.set()  # the hub and rank 0's heartbeats gone (no goodbye)
         assert wait_for(lambda: set(job.exits) == {1, 2}, timeout=15), job.exits
     finally:
         job.stop()
@@ -257,7 +257,8 @@ def test_a_stopped_rank_ends_the_job_with_its_name_and_ringfeed_run_finishes_it(
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "run.yaml", **toy_config(
         shards, run_dir, data={"batch_size": 4, "val_split": None},
-        train={"epochs": 2, "log_every": 5, "hang_timeout_s": HANG_TIMEOUT_S},
+        train={"epochs": 2, "log_every": 5, "hang_timeout_s": HANG_TIMEOUT_S,
+               "silent_timeout_s": HANG_TIMEOUT_S - 1},  # (it must be below hang_timeout_s)
         checkpoint={"every_steps": 10, "keep": 2},
         output={"dir": str(run_dir), "tensorboard": False}))
     job = start([BIN / "ringfeed", "run", "--max-restarts", "1", "--backoff", "0.2", "--",

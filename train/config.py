@@ -298,6 +298,13 @@ class TrainSection(_Section):
     # Added to hang_timeout_s at start-up (restore), the first step (tracing, compiling),
     # validation, checkpoints and the end (a long checkpoint write on rank 0)
     hang_grace_s: NonNegativeFloat = 600.0
+    # A rank whose heartbeats stop for this long (its host lost without a TCP reset, the
+    # process stopped; a live rank's watchdog thread beats whatever its main thread does) ends
+    # the job as a hang does, the line naming it and its host. Below hang_timeout_s; at least
+    # 1 s (a beat every tenth of the shorter bound, 0.2 s at least). While any rank restores,
+    # checkpoints or finishes (a live process may hold the GIL then) silence waits
+    # hang_timeout_s.
+    silent_timeout_s: float = Field(15.0, ge=1.0)
     # The slowest rank is named in the log when its own work per step (step time less the time
     # in the step's collective) exceeds the median rank's by this fraction of the step time
     straggler_margin: PositiveFloat = 0.2
@@ -306,6 +313,15 @@ class TrainSection(_Section):
     @classmethod
     def _hook(cls, v: str | None, info) -> str | None:
         return _import_path_or_none(v, f"train.{info.field_name}")
+
+    @model_validator(mode="after")
+    def _silence_below_hang(self) -> TrainSection:
+        # silence past hang_timeout_s is a hang already: a longer silent bound would never act
+        if self.hang_timeout_s is not None and self.silent_timeout_s >= self.hang_timeout_s:
+            raise ValueError(f"silent_timeout_s ({self.silent_timeout_s:g}) must be below "
+                             f"hang_timeout_s ({self.hang_timeout_s:g}): lower it or raise "
+                             "hang_timeout_s")
+        return self
 
 
 class CheckpointSection(_Section):

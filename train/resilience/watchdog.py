@@ -1,12 +1,13 @@
-"""The hang watchdog: a job in which no rank makes progress for `train.hang_timeout_s` ends with
-every live rank's Python stacks on disk, one line naming the rank(s) that stopped and where, and
-exit 76 (restartable: `ringfeed run` relaunches it with `--resume auto`).
+"""The hang watchdog: a job in which no rank makes progress for `train.hang_timeout_s`, or a rank
+is silent for `train.silent_timeout_s` (a lost host), ends with every live rank's Python stacks
+on disk, one line naming the rank(s) that stopped, where, and on which host, and exit 76
+(restartable: `ringfeed run` relaunches it with `--resume auto`).
 
 Progress cannot be learned through Horovod when a rank is stuck (every collective waits for
 it), so the watchdog talks over a side channel of its own: rank 0 hosts a small UDP hub, whose
 addresses reach the other ranks with one broadcast at start; every rank's watchdog thread sends
 it a heartbeat every `interval` seconds - (rank, steps done, phase, seconds since its position
-last changed) - and reads the verdict in the reply. UDP needs no shared filesystem and works
+last changed, host) - and reads the verdict (and rank 0's host) in the reply. UDP needs no shared filesystem and works
 across hosts (and under Gloo, MPI or NCCL alike); a lost datagram is only a missed beat.
 
 The rule (`judge`), on rank 0's hub:
@@ -19,6 +20,12 @@ The rule (`judge`), on rank 0's hub:
     `data.retry_budget_s` more (a storage outage ends itself: the pipeline's exit 75);
   - a rank whose heartbeats stopped (a stopped process, a frozen host; a live process beats
     whatever its main thread does) gets no allowance: its silence is not work;
+  - a lost rank is not a stall: heartbeats missing for longer than silent_timeout_s end the
+    job at once, the silent ranks named, grouped by host (`gone_ranks`). Not while any rank
+    is in LONG_CALL_PHASES (restore, checkpoint, end), where a live process may hold the GIL
+    for long and its watchdog thread cannot beat: silence there waits hang_timeout_s. A rank
+    whose watchdog stopped said goodbye (the end, or its own error on the way out) and is
+    not judged by it; neither is the time the hub itself was frozen (`Hub._thaw`);
   - named: the silent ranks if any, else the ranks furthest behind (all of them when every
     rank is at the same place: a collective that never completes).
 When the hub fires, each live rank gets the verdict with its next reply, writes its stacks
@@ -30,8 +37,9 @@ leaves with os._exit(76) (a thread cannot raise into a stuck collective); the la
 the stopped ones. No rank leaves before rank 0 has said everything: a launcher ends the whole
 job as soon as one rank exits. After its stacks, a rank's stdout and stderr go to /dev/null
 (the collectives failing as ranks leave would print tracebacks). If rank 0 is the one that
-stopped, each live rank decides alone: the hub silent and its own position unchanged for
-hang_timeout_s.
+stopped, each live rank decides alone, by the same bound for its own phase (the ranks move in
+step): the hub silent, no goodbye from it, and its own position unchanged for that long.
+Gloo's receive timeout stays above both bounds (gloo_timeout_s), so the watchdog speaks first.
 """
 
 from __future__ import annotations
@@ -60,6 +68,13 @@ HANG_LINE = "ringfeed: hang:"  # the one line; not the not-restartable `ringfeed
 PHASES = ("start", "report", "validate", "checkpoint", "data", "step", "end")
 BEFORE_STEP = frozenset({"start", "data", "step"})  # phases of the step after those done
 GRACE_PHASES = frozenset({"start", "validate", "checkpoint", "end"})
+# Phases in which a live process may hold the GIL for long, so its watchdog thread cannot beat:
+# restore pickles the optimizer state for its broadcast, a checkpoint write may go through
+# h5py or pickle, the end writes the last one (pickle.dumps of 512 MB held it 0.4 s on 2 cores,
+# str.join of 5M items 0.7 s). Measured not to hold it: torch ops, torch.save/load, TF steps,
+# the first step under torch.compile (max gap 0.3 s in 17 s), allreduces, data waits.
+# A rank silent while any rank is in one of these waits hang_timeout_s, not silent_timeout_s.
+LONG_CALL_PHASES = frozenset({"start", "checkpoint", "end"})
 PHASE_WORDS = {"start": "starting (restore, planning)", "data": "waiting for data",
                "step": "in the step (forward, backward, allreduce)",
                "report": "reporting (log gather)", "validate": "validating",
@@ -76,6 +91,20 @@ class Limits:
     timeout: float  # train.hang_timeout_s
     grace: float = 0.0  # train.hang_grace_s: start-up, first step, validation, checkpoints, end
     data: float = 0.0  # data.retry_budget_s: a storage outage ends itself (exit 75)
+    silent: float | None = None  # train.silent_timeout_s; None: silence waits `timeout` too
+
+    def silence(self, phases: set[str]) -> float:
+        """How long heartbeats may be missing while the job is in `phases` (the silent
+        rank's last one and the others'): silent_timeout_s, or hang_timeout_s where a live
+        process may hold the GIL for long (LONG_CALL_PHASES)."""
+        if self.silent is None or phases & LONG_CALL_PHASES:
+            return self.timeout
+        return min(self.silent, self.timeout)
+
+    @property
+    def shortest(self) -> float:
+        """The shorter of the two bounds: the heartbeat interval is a tenth of it."""
+        return min(self.timeout, self.silent or self.timeout)
 
     def allowed(self, phase: str, step: int, first_step: int, silent: bool) -> float:
         """The stall allowed while a (the) rank furthest behind is at (step, phase)."""
@@ -98,6 +127,9 @@ class Seen:
     moved_at: float = 0.0  # when its position last changed
     dumped: bool = False  # it wrote its stacks after a verdict
     heard: bool = True  # False until its first heartbeat: where it is is not known
+    host: str = ""  # its host (heartbeats carry it), named when it falls silent
+    left: bool = False  # it said goodbye (its watchdog stopped): its silence is not judged
+    peer: tuple[str, int] | None = None  # where its heartbeats come from (the hub's goodbye)
 
     @property
     def position(self) -> tuple[int, int]:
@@ -125,31 +157,53 @@ def judge(now: float, seen: dict[int, Seen], limits: Limits, first_step: int,
     stalled = now - max(s.moved_at for s in heard.values())
     silent = tuple(r for r, s in sorted(heard.items())
                    if now - s.heard_at > SILENT_BEATS * beat_s)
-    if silent:
-        named = silent
+    gone = gone_ranks(now, heard, silent, limits)
+    if gone:  # a lost rank or host: its silence says so long before a stall would
+        named = silent = gone
+        why = f"heartbeats missing for longer than train.silent_timeout_s ({limits.silent:g} s)"
     else:
-        lowest = min(s.position for s in heard.values())
-        named = tuple(r for r, s in sorted(heard.items()) if s.position == lowest)
-    allowed = min(limits.allowed(seen[r].phase, seen[r].step, first_step, r in silent)
-                  for r in named)
-    if stalled <= allowed:
-        return None
-    line = hang_line(now, heard, named, silent, stalled, limits.timeout, out_dir)
+        if silent:
+            named = silent
+        else:
+            lowest = min(s.position for s in heard.values())
+            named = tuple(r for r, s in sorted(heard.items()) if s.position == lowest)
+        allowed = min(limits.allowed(seen[r].phase, seen[r].step, first_step, r in silent)
+                      for r in named)
+        if stalled <= allowed:
+            return None
+        why = f"no rank progressed for {stalled:.0f} s (train.hang_timeout_s {limits.timeout:g})"
+    line = hang_line(now, heard, named, silent, why, out_dir)
     unheard = sorted(set(seen) - set(heard))
     if unheard:
         line += f" (rank(s) {ranges(unheard)} never reached the hub: not judged)"
     return Verdict(named, silent, stalled, line)
 
 
+def gone_ranks(now: float, heard: dict[int, Seen], silent: tuple[int, ...],
+               limits: Limits) -> tuple[int, ...]:
+    """The silent ranks (not those that said goodbye) whose heartbeats have been missing for
+    longer than `limits.silence` allows where the job is (every heard rank's phase)."""
+    bound = limits.silence({s.phase for s in heard.values()})
+    if bound >= limits.timeout:  # the stall rule names them, as it always did
+        return ()
+    return tuple(r for r in silent if not heard[r].left and now - heard[r].heard_at > bound)
+
+
 def hang_line(now: float, seen: dict[int, Seen], named: tuple[int, ...],
-              silent: tuple[int, ...], stalled: float, timeout: float, out_dir: str) -> str:
-    """`ringfeed: hang: <who, where>; ...; exit 76 (restartable)` on one line."""
+              silent: tuple[int, ...], why: str, out_dir: str) -> str:
+    """`ringfeed: hang: <who, where>; <why>; ...; exit 76 (restartable)` on one line. Silent
+    ranks are grouped by host and last place: a lost host is one phrase."""
     def where(r: int) -> str:
         return place(seen[r].step, seen[r].phase)
 
     if silent:
-        who = "; ".join(f"rank {r} stopped responding (no heartbeat for "
-                        f"{now - seen[r].heard_at:.0f} s; last heard {where(r)})" for r in silent)
+        lost: dict[tuple[str, str], list[int]] = {}
+        for r in silent:
+            lost.setdefault((seen[r].host, where(r)), []).append(r)
+        who = "; ".join(
+            f"rank{'s' * (len(rs) > 1)} {ranges(rs)} stopped responding{on_host(host)} (no "
+            f"heartbeat for {max(now - seen[r].heard_at for r in rs):.0f} s; last heard {at})"
+            for (host, at), rs in lost.items())
     elif len(named) == len(seen) > 1:
         who = f"every rank is stuck {where(named[0])}"
     else:
@@ -161,10 +215,24 @@ def hang_line(now: float, seen: dict[int, Seen], named: tuple[int, ...],
             places.setdefault(where(r), []).append(r)
         who += "; the others wait: " + "; ".join(f"rank{'s' * (len(rs) > 1)} {ranges(rs)} {p}"
                                                  for p, rs in places.items())
-    return (f"{HANG_LINE} {who}; no rank progressed for {stalled:.0f} s (train.hang_timeout_s "
-            f"{timeout:g}); Python stacks of rank(s) {ranges(live) if live else 'none'} in "
-            f"{Path(out_dir) / 'hang'}/ (on each rank's host); exit {EXIT_HANG} (restartable: "
+    return (f"{HANG_LINE} {who}; {why}; Python stacks of rank(s) "
+            f"{ranges(live) if live else 'none'} in {Path(out_dir) / 'hang'}/ (on each rank's host); exit {EXIT_HANG} (restartable: "
             "ringfeed run relaunches with --resume auto)")
+
+
+def on_host(host: str) -> str:
+    """" on host <host>", or nothing when it is not known."""
+    return f" on host {host}" if host else ""
+
+
+def host_label() -> str:
+    """This host as the line names it: its name, after the name the launcher gave it where
+    that differs (horovodrun's -H; hosts in network namespaces share one name)."""
+    name = socket.gethostname()
+    given = os.environ.get("HOROVOD_HOSTNAME", "")
+    if given and given != name and given != "localhost" and not given.startswith("127."):
+        return f"{given} ({name})"
+    return name
 
 
 def limits_for(cfg: Any) -> Limits | None:
@@ -174,7 +242,8 @@ def limits_for(cfg: Any) -> Limits | None:
     t = cfg.train
     if t.hang_timeout_s is None or cfg.elastic.enabled:
         return None
-    return Limits(t.hang_timeout_s, t.hang_grace_s, float(cfg.data.retry_budget_s))
+    return Limits(t.hang_timeout_s, t.hang_grace_s, float(cfg.data.retry_budget_s),
+                  t.silent_timeout_s)
 
 
 def hang_timeout_s(cfg: Any) -> float | None:
@@ -254,13 +323,16 @@ class Watchdog:
                  say: Callable[[str], None] | None = None):
         self.rank, self.size, self.limits = rank, size, limits
         self.out_dir = str(out_dir)
-        self.beat_s = interval_for(limits.timeout)
+        self.beat_s = interval_for(limits.shortest)
         self.say = say or say_on_stderr
+        self.host = ""  # this host as the line names it (host_label(), at start)
         self.pos = Position()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._sock: socket.socket | None = None  # this rank's socket to the hub
         self._hub_address: tuple[str, int] | None = None  # the hub's address
+        self._hub_host = ""  # rank 0's host, from the hub's replies
+        self._hub_left = False  # the hub said goodbye: its silence is not judged
         self.hub: Hub | None = None  # rank 0: the hub itself
         self.fired = False  # this rank acted on a verdict: its stacks are written
         # (tests replace these two: they leave the test process as it is)
@@ -285,10 +357,12 @@ class Watchdog:
         """Collective: rank 0 opens the hub and broadcasts its addresses; every rank starts
         its heartbeat thread. `first_step`: the steps done when training (re)starts."""
         self.at(first_step, "start")
+        self.host = host_label()
         addresses = None
         if self.rank == 0:
             self.hub = Hub(self.size, self.limits, self.beat_s, self.out_dir, self._stop,
                            report=self._report, exit=lambda code: self.exit(code))
+            self.hub.host = self.host
             addresses = self.hub.open(first_step)
             self._spawn(self.hub.serve, "ringfeed-watchdog-hub")
         addresses = [tuple(a) for a in broadcast(addresses)]
@@ -301,6 +375,14 @@ class Watchdog:
         verdict (the main thread's collective failed as the other ranks left), exit 76."""
         if self.fired:
             self.exit(EXIT_HANG)
+        # goodbyes first: a rank that leaves on its own (the end, an error it reports) is not
+        # a lost one, however long it takes to exit
+        if self._sock is not None and self._hub_address is not None and not self._stop.is_set():
+            with contextlib.suppress(OSError):
+                self._sock.sendto(json.dumps({"r": self.rank, "bye": 1}).encode(),
+                                  self._hub_address)
+        if self.hub is not None and not self._stop.is_set():
+            self.hub.goodbye()
         self._stop.set()
         hub_sock = self.hub.sock if self.hub is not None else None
         for s in (self._sock, hub_sock):  # wake the threads out of their recvfrom
@@ -347,63 +429,96 @@ class Watchdog:
 
     def _message(self, dumped: bool) -> bytes:
         pos = self.pos
-        return json.dumps({"r": self.rank, "s": pos.step, "p": pos.phase,
+        return json.dumps({"r": self.rank, "s": pos.step, "p": pos.phase, "h": self.host,
                            "age": time.monotonic() - pos.moved_at, "d": dumped}).encode()
 
     def _beat(self, addresses: list[tuple[str, int]]) -> None:
         """Every beat_s: tell the hub where this rank is; act on its verdict. Without replies
-        from the hub for hang_timeout_s while this rank is stuck too, decide alone."""
+        from the hub while this rank is stuck too, decide alone (`_hub_lost`)."""
         self._hub_address = self._reach(addresses)
         if self._hub_address is None:
             return
-        assert self._sock is not None
         replied_at = last = time.monotonic()
         dumped = False
         while not self._stop.is_set():
             sent = time.monotonic()
             if sent - last > SILENT_BEATS * self.beat_s:
                 # this process was frozen itself (SIGSTOP, then SIGCONT as a launcher ends
-                # the job): the hub's silence in that time says nothing about rank 0
+                # the job; a call that held the GIL): the hub's silence then says nothing
                 replied_at = sent
             last = sent
-            reply = None
-            with contextlib.suppress(OSError, ValueError):
-                self._sock.sendto(self._message(dumped), self._hub_address)
-                while reply is None and time.monotonic() - sent < self.beat_s \
-                        and not self._stop.is_set():
-                    data, _ = self._sock.recvfrom(65536)
-                    reply = json.loads(data)
-                    if "v" not in reply:
-                        reply = None
+            reply = self._exchange(dumped, sent)
             now = time.monotonic()
             if reply is not None:
                 replied_at = now
-                if self.rank == 0:  # the hub writes rank 0's stacks and takes it out
-                    dumped = reply["v"] is not None
-                elif reply.get("go"):  # rank 0 has written and said everything
-                    self.exit(EXIT_HANG)
+                answered = self._answer(reply, dumped)
+                if answered is None:  # told to go
                     return
-                elif reply["v"] is not None and not dumped:
-                    self.dump_stacks(reply["v"])
-                    self.fired = True
-                    self.silence()
-                    dumped = True
-            elif self.rank != 0 and now - replied_at > self.limits.timeout \
-                    and (dumped or now - self.pos.moved_at > self.limits.timeout):
-                if dumped:  # the hub left without a word: so does this rank
-                    self.exit(EXIT_HANG)
-                else:
-                    self._alone(now - replied_at)
+                dumped = answered
+            elif self._hub_lost(now - replied_at, dumped, now):
                 return
             self._stop.wait(max(0.0, self.beat_s - (time.monotonic() - sent)))
 
-    def _alone(self, silent_s: float) -> None:
+    def _exchange(self, dumped: bool, sent: float) -> dict[str, Any] | None:
+        """One heartbeat sent and the hub's reply to it (None: none within a beat). A
+        goodbye from the hub (it stopped: the run ended or rank 0 reports its own error)
+        is noted, not a reply."""
+        assert self._sock is not None and self._hub_address is not None
+        with contextlib.suppress(OSError, ValueError):
+            self._sock.sendto(self._message(dumped), self._hub_address)
+            while time.monotonic() - sent < self.beat_s and not self._stop.is_set():
+                data, _ = self._sock.recvfrom(65536)
+                reply = json.loads(data)
+                if "bye" in reply:
+                    self._hub_left = True
+                elif "v" in reply:
+                    return reply
+        return None
+
+    def _answer(self, reply: dict[str, Any], dumped: bool) -> bool | None:
+        """Act on the hub's reply: whether this rank's stacks are written now; None when
+        it was told to go (it has left)."""
+        self._hub_host = str(reply.get("h", self._hub_host))
+        if self.rank == 0:  # the hub writes rank 0's stacks and takes it out
+            return reply["v"] is not None
+        if reply.get("go"):  # rank 0 has written and said everything
+            self.exit(EXIT_HANG)
+            return None
+        if reply["v"] is not None and not dumped:
+            self.dump_stacks(reply["v"])
+            self.fired = True
+            self.silence()
+            return True
+        return dumped
+
+    def _hub_lost(self, silent_s: float, dumped: bool, now: float) -> bool:
+        """No reply from rank 0's hub for `silent_s`: past the bound of where this rank is
+        (Limits.silence of its phase; the ranks move in step, so rank 0 is in the same
+        phase) while this rank is stuck too, rank 0 is lost: decide alone. True when this
+        rank acted (it leaves)."""
+        if self.rank == 0 or self._hub_left:
+            return False
+        pos = self.pos
+        bound = self.limits.silence({pos.phase})
+        if silent_s <= bound or not (dumped or now - pos.moved_at > bound):
+            return False
+        if dumped:  # the hub left without a word: so does this rank
+            self.exit(EXIT_HANG)
+        else:
+            self._alone(silent_s, bound)
+        return True
+
+    def _alone(self, silent_s: float, bound: float) -> None:
         """Rank 0's hub went silent and this rank is stuck too: rank 0 stopped."""
         pos = self.pos
-        line = (f"{HANG_LINE} rank 0 stopped responding (no heartbeat reply for {silent_s:.0f} s;"
-                f" seen by rank {self.rank}, itself stuck {place(pos.step, pos.phase)}); Python "
-                f"stacks in {Path(self.out_dir) / 'hang'}/ (on each rank's host); exit {EXIT_HANG} (restartable: ringfeed run relaunches "
-                "with --resume auto)")
+        why = (f"heartbeats missing for longer than train.silent_timeout_s ({bound:g} s)"
+               if bound < self.limits.timeout else
+               f"no progress for train.hang_timeout_s ({bound:g} s)")
+        line = (f"{HANG_LINE} rank 0 stopped responding{on_host(self._hub_host)} (no heartbeat "
+                f"reply for {silent_s:.0f} s; seen by rank {self.rank}, itself stuck "
+                f"{place(pos.step, pos.phase)}); {why}; Python stacks in "
+                f"{Path(self.out_dir) / 'hang'}/ (on each rank's host); exit {EXIT_HANG} "
+                "(restartable: ringfeed run relaunches with --resume auto)")
         self.dump_stacks(line)
         self.fired = True
         self.say(line)
@@ -428,26 +543,29 @@ class Watchdog:
 
     # -- leaving --------------------------------------------------------------------------
     def dump_stacks(self, why: str) -> Path | None:
-        """Every thread's Python stack of this process into hang/rank-<r>.stacks (written
-        beside, then renamed); None when the directory cannot be written."""
-        directory = Path(self.out_dir) / "hang"
-        path = directory / f"rank-{self.rank}.stacks"
-        tmp = directory / f".rank-{self.rank}.stacks.tmp-{os.getpid()}"
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "w") as f:
-                pos = self.pos
-                f.write(f"rank {self.rank} of {self.size}, host {socket.gethostname()}, pid "
-                        f"{os.getpid()}, {place(pos.step, pos.phase)}, no progress for "
-                        f"{time.monotonic() - pos.moved_at:.1f} s\n{why}\n\n")
-                f.flush()
-                faulthandler.dump_traceback(f, all_threads=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            return path
-        except OSError:
-            return None
+        """This process's stacks into hang/rank-<r>.stacks (`write_stacks`)."""
+        return write_stacks(Path(self.out_dir) / "hang", self.rank, self.size, self.pos, why)
+
+
+def write_stacks(directory: Path, rank: int, size: int, pos: Position, why: str) -> Path | None:
+    """Every thread's Python stack of this process into <directory>/rank-<r>.stacks (written
+    beside, then renamed); None when the directory cannot be written."""
+    path = directory / f"rank-{rank}.stacks"
+    tmp = directory / f".rank-{rank}.stacks.tmp-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write(f"rank {rank} of {size}, host {socket.gethostname()}, pid {os.getpid()}, "
+                    f"{place(pos.step, pos.phase)}, no progress for "
+                    f"{time.monotonic() - pos.moved_at:.1f} s\n{why}\n\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+    except OSError:
+        return None
 
 
 class Hub:
@@ -462,6 +580,7 @@ class Hub:
         self.size, self.limits, self.beat_s, self.out_dir = size, limits, beat_s, out_dir
         self._stop, self.report, self.exit = stop, report, exit
         self.first_step = 0  # where training (re)started: its first step gets the grace
+        self.host = ""  # rank 0's host, in every reply (the others name it if it is lost)
         self.sock: socket.socket | None = None
         self.seen: dict[int, Seen] = {}
         self.verdict: Verdict | None = None
@@ -486,6 +605,7 @@ class Hub:
         assert sock is not None
         fired_at = leave_at = None
         told: set[int] = set()  # ranks told to go, after rank 0 reported
+        last = time.monotonic()
         while not self._stop.is_set():
             # (a datagram that is not a heartbeat of this job is ignored)
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
@@ -494,15 +614,19 @@ class Hub:
                 except TimeoutError:
                     data, peer = b"", None
                 beat = json.loads(data) if peer is not None else {}
-                if "r" in beat:
-                    self._record(beat)
-                if "r" in beat or "hello" in beat:
+                if "bye" in beat:
+                    self.seen[int(beat["r"])].left = True
+                elif "r" in beat:
+                    self._record(beat, peer)
+                if "p" in beat or "hello" in beat:
                     go = leave_at is not None
                     sock.sendto(json.dumps({"v": self.verdict.line if self.verdict else None,
-                                            "go": go}).encode(), peer)
+                                            "go": go, "h": self.host}).encode(), peer)
                     if go and "r" in beat:
                         told.add(int(beat["r"]))
             now = time.monotonic()
+            self._thaw(now - last)
+            last = now
             if self.verdict is None:
                 self.verdict = judge(now, self.seen, self.limits, self.first_step, self.beat_s,
                                      self.out_dir)
@@ -517,12 +641,32 @@ class Hub:
                 self.exit(EXIT_HANG)
                 return
 
-    def _record(self, beat: dict[str, Any]) -> None:
+    def goodbye(self) -> None:
+        """Tell every rank heard from that the hub stops (the run ended, or rank 0 leaves with
+        its own error): its silence from now on is not a lost rank 0. One datagram each (one
+        lost: the launcher ends that rank as rank 0 exits, as it always did)."""
+        if self.sock is None:
+            return
+        for seen in self.seen.values():
+            if seen.peer is not None:
+                with contextlib.suppress(OSError):
+                    self.sock.sendto(b'{"bye": 1}', seen.peer)
+
+    def _thaw(self, gap: float) -> None:
+        """After `gap` s between two turns of the loop: past a few beats, this process was
+        frozen (a call that held the GIL, SIGSTOP): nobody could be heard meanwhile, so the
+        silence clocks skip the gap."""
+        if gap > SILENT_BEATS * self.beat_s:
+            for seen in self.seen.values():
+                seen.heard_at += gap
+
+    def _record(self, beat: dict[str, Any], peer: tuple[str, int]) -> None:
         now = time.monotonic()
         if beat["p"] not in PHASES or int(beat["r"]) not in self.seen:
             raise ValueError(f"not a heartbeat of this job: {beat}")
         seen = self.seen[int(beat["r"])]
-        seen.heard_at, seen.heard = now, True
+        seen.heard_at, seen.heard, seen.peer = now, True, peer
+        seen.host = str(beat.get("h", ""))
         seen.moved_at = now - float(beat["age"])
         seen.step, seen.phase, seen.dumped = int(beat["s"]), str(beat["p"]), bool(beat["d"])
 
