@@ -45,8 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "shards as this split, with OUT's class ids")
     p.add_argument("--part", metavar="I/N",
                    help="write part I (0..N-1) of N of the shards, N processes on any machines "
-                        "(default: the rank/size of mpirun, horovodrun, srun or a Slurm array); "
-                        "the last part to finish writes the manifest")
+                        "(default: the rank/size of mpirun, horovodrun, srun or a Slurm array; "
+                        "--part 0/1: all of it in this process, whatever the launcher); the "
+                        "last part to finish writes the manifest")
     p.add_argument("--merge", metavar="OUT",
                    help="write OUT's manifest from its finished parts (naming any part that did "
                         "not finish); no SRC")
