@@ -162,7 +162,8 @@ def _shard_to_store(opts: ShardOptions, store: Store, start: float) -> ShardRun:
 
         _write_all(source, todo, opts, finished, ahead=2)  # staging: <= workers + 5 shards
         manifest = _finish(store, opts, source, (shards, mine, plan_id), infos, versions)
-        journal.remove()
+        if manifest is not None:  # a part's journal stays until the set is complete (a rerun
+            journal.remove()      # of a finished part keeps its shards)
     finally:
         source.close()
     remove_staging(opts)
