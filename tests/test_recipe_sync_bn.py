@@ -19,7 +19,17 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers import BIN, REPO, horovodrun, run, test_env
-from train_util import CLASSES, FEATURES, IMAGE, toy_arrays, toy_images, write_config
+from train_util import (
+    CLASSES,
+    FEATURES,
+    IMAGE,
+    bn_mlp,
+    toy_arrays,
+    toy_config,
+    toy_images,
+    write_config,
+    write_toy_shards,
+)
 
 WORKER = Path(__file__).resolve()
 GLOBAL_BATCH, STEPS = 16, 4
@@ -135,3 +145,32 @@ def test_sync_batchnorm_under_tensorflow_is_one_config_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.sync_batchnorm: torch only" in err[0], err
 
+
+
+def test_ringfeed_train_with_sync_batchnorm_validates_and_checkpoints(tmp_path):
+    """The key through `ringfeed train` under horovodrun: training, validation (running
+    statistics, no collective in eval mode) and a checkpoint that loads as a plain model's."""
+    import torch
+
+    from ringfeed.train.data import CLASSIFY, DataSpec
+
+    shards = write_toy_shards(tmp_path / "shards")
+    cfg = write_config(tmp_path / "run.yaml", **toy_config(
+        shards, tmp_path / "run", model={"name": "train_util:bn_mlp",
+                                         "args": {"num_classes": CLASSES},
+                                         "sync_batchnorm": True},
+        train={"max_steps": 10, "val_every": 5, "log_every": 5},
+        checkpoint={"every_steps": 10}))
+    res = horovodrun(2, [BIN / "ringfeed", "train", cfg], timeout=300,
+                     env=test_env(PYTHONPATH=f"{REPO}:{REPO / 'tests'}"))
+    assert res.returncode == 0, res.output[-4000:]
+    done = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert done["world_size"] == 2 and done["step"] == 10
+    records = [json.loads(line) for line in
+               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_accuracy" in r] == [5, 10]
+    state = torch.load(tmp_path / "run" / "checkpoints" / "ckpt-000000010" / "state.pt",
+                       weights_only=True)["model"]
+    plain = bn_mlp(DataSpec(CLASSIFY, "x.npy", "y.npy", (FEATURES,), num_classes=CLASSES),
+                   CLASSES)
+    plain.load_state_dict(state)  # the same keys as a plain BatchNorm model's
