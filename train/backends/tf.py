@@ -4,7 +4,8 @@ tf.train.Checkpoint for checkpoints.
 
 Accumulation: the k micro-batch gradients are summed locally with plain GradientTapes and
 reduced once per optimizer step with `hvd.grouped_allreduce` - the same call
-`hvd.DistributedGradientTape` makes for one tape, here applied to the accumulated sum. Horovod
+`hvd.DistributedGradientTape` makes for one tape, here applied to the accumulated sum
+(horovod.op: adasum: hvd.allreduce per tensor, train/backends/reduce_op.py). Horovod
 is handed the underlying tf.Variables (`v.value`): Keras 3 variables have no `.ref()`.
 The fp16 finite check (inside LossScaleOptimizer.apply) runs on the reduced gradients, which
 are identical on every rank, so an overflow on one rank skips the step on all of them.
