@@ -5,7 +5,8 @@
       with PyTorch, then the same config with TensorFlow -> validation accuracy of each.
 
 `make demo-lm` (`--lm`): byte-level token shards of Python's own standard library sources ->
-the small `gpt` for a few hundred steps on 2 ranks -> first and last loss.
+the small `gpt` for a few hundred steps on 2 ranks -> first and last loss, validation
+perplexity, and a sample of text from the trained model (`ringfeed generate`).
 
 Everything goes under demo-out/ (shards, runs with checkpoints, TensorBoard logs and
 metrics.jsonl). Shards are reused when present; training runs start fresh every time.
@@ -159,9 +160,13 @@ def lm_demo(out: Path, ranks: int, framework: str) -> int:
               if "loss" in r]
     print("\n== make demo-lm: results (gpt on byte-level Python source, 2 Horovod ranks)")
     print(f"  train loss {losses[0]:.3f} (first log window) -> "
-          f"{losses[-1]:.3f} (last), val loss {summary['val'].get('loss', float('nan')):.3f}, "
+          f"{losses[-1]:.3f} (last), val loss {summary['val'].get('loss', float('nan')):.3f} "
+          f"(perplexity {summary['val'].get('perplexity', float('nan')):.2f}), "
           f"{summary['samples_per_s']:.0f} samples/s")
     print(f"  {where(run_dir)}")
+    if framework == "torch":  # (ringfeed generate reads torch checkpoints)
+        sh([BIN / "ringfeed", "generate", rel(run_dir), "--prompt", "def ", "--seed", "0",
+            "--max-new-tokens", "300"], "a sample of the trained gpt")
     return 0 if losses[-1] < 0.75 * losses[0] else 1
 
 
