@@ -2,7 +2,8 @@
 order, give the bytes of one run (shards, sidecars, manifest.json, manifest.bin) for every
 source format, locally and to moto's S3; a part killed with SIGKILL and run again ends the same;
 `--merge` names a part that never ran; the part comes from mpirun's, srun's and a Slurm array's
-environment, and a real `mpirun -np 2` shards one folder into one output."""
+environment, and a real `mpirun -np 2`, on this host and across two network-namespace hosts,
+shards one folder into one output."""
 
 from __future__ import annotations
 
