@@ -11,6 +11,7 @@ import argparse
 import errno
 import importlib
 import sys
+import time
 from typing import IO, NoReturn
 
 from ringfeed.errors import (
@@ -24,6 +25,8 @@ from ringfeed.errors import (
     one_line,
 )
 from ringfeed.userhooks import UserCode, described
+
+LOST_RANK_EXIT_DELAY_S = 10.0
 
 COMMAND_MODULES = [
     "ringfeed.train.info",                  # ringfeed info
@@ -111,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (Exception, KeyboardInterrupt) as e:
-        return exit_status(e, sys.stderr, user_code)
+        code = exit_status(e, sys.stderr, user_code)
+        if is_lost_rank(e) and args.owns_process:
+            # A launcher passes on the status of the rank that exits first: the one whose
+            # own error ended the job (2, 3, 4, 75 ...) must beat the peers it took down.
+            time.sleep(LOST_RANK_EXIT_DELAY_S)
+        return code
 
 
 if __name__ == "__main__":
