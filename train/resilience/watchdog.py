@@ -7,8 +7,9 @@ Progress cannot be learned through Horovod when a rank is stuck (every collectiv
 it), so the watchdog talks over a side channel of its own: rank 0 hosts a small UDP hub, whose
 addresses reach the other ranks with one broadcast at start; every rank's watchdog thread sends
 it a heartbeat every `interval` seconds - (rank, steps done, phase, seconds since its position
-last changed, host) - and reads the verdict (and rank 0's host) in the reply. UDP needs no shared filesystem and works
-across hosts (and under Gloo, MPI or NCCL alike); a lost datagram is only a missed beat.
+last changed, host) - and reads the verdict (and rank 0's host) in the reply. UDP needs no
+shared filesystem and works across hosts (and under Gloo, MPI or NCCL alike); a lost datagram
+is only a missed beat.
 
 The rule (`judge`), on rank 0's hub:
   - a rank's position is (steps done, phase), phases in loop order (PHASES); it progresses
@@ -216,8 +217,8 @@ def hang_line(now: float, seen: dict[int, Seen], named: tuple[int, ...],
         who += "; the others wait: " + "; ".join(f"rank{'s' * (len(rs) > 1)} {ranges(rs)} {p}"
                                                  for p, rs in places.items())
     return (f"{HANG_LINE} {who}; {why}; Python stacks of rank(s) "
-            f"{ranges(live) if live else 'none'} in {Path(out_dir) / 'hang'}/ (on each rank's host); exit {EXIT_HANG} (restartable: "
-            "ringfeed run relaunches with --resume auto)")
+            f"{ranges(live) if live else 'none'} in {Path(out_dir) / 'hang'}/ (on each rank's "
+            f"host); exit {EXIT_HANG} (restartable: ringfeed run relaunches with --resume auto)")
 
 
 def on_host(host: str) -> str:
