@@ -215,6 +215,8 @@ def test_parts_to_s3(capsys, tmp_path, sources, s3_server):
     code, stdout, err = cli(capsys, "shard", src, "s3://bucket/p", *args, *COMMON, *flags,
                             "--part", "1/3", "--staging", tmp_path / "staging")
     assert code == 0 and "-> s3://bucket/p/manifest.json" in stdout, err
+    code, stdout, err = cli(capsys, "shard", "--merge", "s3://bucket/p", *flags)  # a no-op now
+    assert code == 0 and "40 samples" in stdout, err
     fs.invalidate_cache()
     got = {p[len("bucket/p/"):]: fs.cat_file(p) for p in fs.find("bucket/p/")}
     expected = tree_bytes(tmp_path / "one")
