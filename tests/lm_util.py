@@ -92,3 +92,32 @@ def token_rows(shards: Path, split: str) -> list[np.ndarray]:
                 if member.name.endswith(".npy"):
                     rows.append(np.load(io.BytesIO(f.extractfile(member).read())))
     return rows
+
+
+def changed_by_weight_decay(framework: str) -> list[str]:
+    """The gpt's variables that one AdamW step with weight decay 0.5 leaves other than the
+    same step with 0.1 (the Adam part is the same, so only decayed ones differ; 0 would be
+    refused by Keras' AdamW); run in a process of its own (it starts Horovod)."""
+    from ringfeed.train.backends.select import make_backend
+    from ringfeed.train.config import RunConfig
+    from ringfeed.train.data import LM, DataSpec
+
+    spec = DataSpec(LM, "tokens.npy", None, (8,), vocab_size=20)
+    batch = {"tokens.npy": np.random.default_rng(0).integers(0, 20, (4, 9))}
+    after = []
+    for decay in (0.1, 0.5):
+        cfg = RunConfig.model_validate({
+            "framework": framework, "data": {"train": "unused", "batch_size": 4},
+            "model": {"name": "gpt", "args": {"n_layer": 1, "n_head": 2, "d_model": 8}},
+            "optim": {"name": "adamw", "lr": 0.1, "weight_decay": decay},
+            "train": {"seed": 3}})
+        backend = make_backend(cfg)
+        backend.build(spec)
+        backend.sync_from_root(resumed=False)
+        backend.train_step([batch], lr=0.1)
+        after.append(backend.weights())
+    if framework == "torch":
+        names = list(backend.model.state_dict())
+    else:
+        names = [v.path for v in backend.model.variables]
+    return [n for n, a, b in zip(names, *after, strict=True) if not np.array_equal(a, b)]

@@ -4,10 +4,13 @@ layers' matrices only (in the optimizer a real run builds)."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run
 from lm_util import newest_checkpoint, token_shards, train_gpt
 from torch import nn
 
@@ -100,3 +103,22 @@ def test_keras_gpt_takes_the_same_names_and_refuses_tying():
     with pytest.raises(UserError, match="tie_embeddings: the built-in gpt ties its head to the "
                                         "token embedding under framework: torch only"):
         gpt("tensorflow", tie_embeddings=True)
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_one_adamw_step_decays_the_matrices_only(framework):
+    """One step with weight decay 0.5 against the same step with 0.1: only the Linear/Dense
+    (and attention) kernels differ; embeddings, LayerNorms and biases do not."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[2]); from lm_util import "
+            "changed_by_weight_decay as f; print(json.dumps(f(sys.argv[1])))")
+    res = run([sys.executable, "-c", code, framework, str(Path(__file__).parent)], timeout=240)
+    assert res.returncode == 0, res.output[-3000:]
+    changed = json.loads(res.stdout.strip().splitlines()[-1])
+    if framework == "torch":
+        assert sorted(changed) == sorted(["blocks.0.qkv.weight", "blocks.0.proj.weight",
+                                          "blocks.0.mlp.0.weight", "blocks.0.mlp.2.weight",
+                                          "head.weight"])
+    else:
+        assert changed and all(n.endswith("kernel") for n in changed)
+        assert len(changed) == 4 + 2 + 1  # query/key/value/output, the MLP's two, the head

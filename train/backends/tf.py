@@ -295,6 +295,9 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
             load_keras(self.model, cfg.model.init_from)
         self._output_fns(cfg, spec)
         self.inner_optimizer = make_optimizer(cfg.optim, t.grad_clip)
+        exempt = getattr(self.model, "no_weight_decay", None)  # the built-in gpt's rule
+        if callable(exempt):
+            self.inner_optimizer.exclude_from_weight_decay(var_list=exempt())
         self.optimizer = (keras.optimizers.LossScaleOptimizer(self.inner_optimizer)
                           if t.precision == "fp16" else self.inner_optimizer)
         self.optimizer.build(self.model.trainable_variables)

@@ -60,7 +60,12 @@ def gpt(spec: DataSpec, vocab_size: int, block_size: int, n_layer: int = 2, n_he
         h = layers.Dense(d_model, use_bias=bias, kernel_initializer=init)(h)
         x = x + layers.Dropout(dropout)(h)
     x = layers.LayerNormalization(epsilon=1e-5, center=bias)(x)
-    return keras.Model(tokens, _logits(x, vocab_size, use_bias=False, init=init), name="gpt")
+    model = keras.Model(tokens, _logits(x, vocab_size, use_bias=False, init=init), name="gpt")
+    # weight decay on the Dense and attention kernels only (torch_models.GPT.param_groups'
+    # rule): the TensorFlow backend exempts what this returns from the optimizer's decay
+    model.no_weight_decay = lambda: [v for v in model.trainable_variables
+                                     if not v.path.endswith("kernel")]
+    return model
 
 
 def _logits(x, units: int, use_bias: bool = True, init="glorot_uniform"):
