@@ -151,7 +151,7 @@ def test_normalize_is_the_cpu_paths_arithmetic():
     out = gpu_augment.augment_batch(images, params, scale=decoder.pixel_scale,
                                     shift=decoder.pixel_shift, channels_last=True)
     assert out.dtype == torch.float32 and out.is_contiguous(memory_format=torch.channels_last)
-    want = decoder._normalized(levels.permute(0, 2, 3, 1).numpy())  # the CPU batch's formula
+    want = decoder.normalized(levels.permute(0, 2, 3, 1).numpy())  # the CPU batch's formula
     assert np.allclose(out.permute(0, 2, 3, 1).numpy(), want, rtol=0, atol=1e-6)
 
 

@@ -96,6 +96,30 @@ def test_tf_counts_batches_the_caller_pulled_and_resumes(shard_dir, adapter):
     assert collect(head) + collect(tf_batches(make_batches(again))) == expected
 
 
+@pytest.mark.system
+def test_worker_batches_cross_as_uint8_and_are_normalized_bit_for_bit_in_the_trainer(shard_dir):
+    """Loader workers ship images uint8 (a quarter of the bytes through shared memory); the
+    training process normalizes them to exactly the floats the pipeline's own pass makes."""
+    import torch
+
+    from ringfeed.pipeline.torch import _worker_context, make_loader
+
+    normalize = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    expected = list(make(shard_dir, num_workers=2, normalize=normalize))  # (in threads)
+    loader = make_loader(make(shard_dir, num_workers=2, normalize=normalize), pin_memory=False)
+    assert loader.normalize_here
+    got = list(loader)
+    assert len(got) == len(expected)
+    for ours, theirs in zip(got, expected, strict=True):
+        assert ours["png"].dtype == torch.float32
+        assert np.array_equal(ours["png"].numpy(), theirs["png"])  # bit for bit
+        assert list(ours["__key__"]) == list(theirs["__key__"])
+    # not when a transform must see normalized samples, nor for batches pinned for CUDA
+    with_transform = make(shard_dir, normalize=normalize, transform=lambda sample: sample)
+    assert not _worker_context(with_transform.context, {}).decoder.normalize_later
+    assert not _worker_context(loader.pipe.context, {"pin_memory": True}).decoder.normalize_later
+
+
 def test_torch_persistent_workers_follow_epochs(shard_dir):
     from ringfeed.pipeline.torch import make_loader
 
