@@ -126,8 +126,8 @@ def _checkpoint_location(source: str, storage_specs: list[str]
             options
     try:
         section = (yaml.safe_load(config.read_text()) or {}).get("checkpoint") or {}
-    except (yaml.YAMLError, AttributeError) as e:
-        raise UserError(f"{config}: not a run's config ({type(e).__name__})") from None
+    except (OSError, yaml.YAMLError, AttributeError) as e:
+        raise UserError(f"{config}: not a readable run config ({type(e).__name__})") from None
     directory = checkpoint_dir(path, section.get("dir"))
     if not is_remote(directory) and not Path(directory).is_dir():
         raise UserError(f"{source}: no checkpoints ({directory} does not exist; a run writes "

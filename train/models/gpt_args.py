@@ -10,12 +10,13 @@ built (it was a TypeError naming GPT.__init__).
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 from ringfeed.errors import UserError
 
 # ringfeed's name -> (default, what it is); the model builders take these keywords
-GPT_ARGS: dict[str, tuple[Any, str]] = {
+GPT_ARGS: MappingProxyType[str, tuple[Any, str]] = MappingProxyType({
     "n_layer": (2, "transformer blocks"),
     "n_head": (4, "attention heads (must divide d_model)"),
     "d_model": (128, "width (nanoGPT: n_embd)"),
@@ -27,8 +28,8 @@ GPT_ARGS: dict[str, tuple[Any, str]] = {
     "tie_embeddings": (False, "the output head shares the token embedding (nanoGPT: true)"),
     "block_size": (None, "positions (nanoGPT's name; >= the data's context)"),
     "vocab_size": (None, "tokens (>= the data's vocabulary)"),
-}
-ALIASES = {"n_embd": "d_model"}
+})
+ALIASES = MappingProxyType({"n_embd": "d_model"})
 
 
 def gpt_args(args: dict[str, Any], vocab_size: int, seq_len: int) -> dict[str, Any]:
