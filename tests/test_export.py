@@ -15,7 +15,7 @@ from train_util import toy_config, write_config, write_toy_shards
 
 from ringfeed.train.generate import sample
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]  # (a module fixture trains)
 VARIANTS = {"nanogpt": {"tie_embeddings": True, "bias": False}, "default": {}}
 
 

@@ -12,7 +12,7 @@ import torch
 from helpers import BIN, run
 from lm_util import load_gpt, newest_checkpoint, token_shards, train_gpt
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]  # (a module fixture trains)
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,7 @@ def test_weight_decay_falls_on_the_linear_matrices_only():
 
 
 @pytest.mark.system
+@pytest.mark.timeout(600)
 def test_a_run_of_the_gpt_decays_only_its_matrices(tmp_path: Path):
     """The optimizer a real `ringfeed train` builds holds the model's two groups (its
     checkpoint says so), and the tied run trains."""

@@ -17,7 +17,7 @@ from helpers import horovodrun
 from lm_util import lm_config, load_gpt, token_rows, token_shards
 from train_util import write_config
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]  # (each test trains a gpt)
 
 
 def token_losses(model, rows: list[np.ndarray]) -> torch.Tensor:
@@ -40,7 +40,7 @@ def test_perplexity_is_exact_over_two_ranks_with_uneven_batches(tmp_path):
     out = tmp_path / "run"
     config = write_config(tmp_path / "run.yaml", **lm_config(
         shards, out, train={"max_steps": 4, "val_every": 2}))
-    res = horovodrun(2, ["ringfeed", "train", config], timeout=400)
+    res = horovodrun(2, ["ringfeed", "train", config], timeout=500)
     assert res.returncode == 0, res.output[-4000:]
 
     losses = token_losses(load_gpt(out), val_rows)
@@ -67,7 +67,7 @@ def test_val_steps_caps_every_validation_at_the_first_batches(tmp_path):
     config = write_config(tmp_path / "run.yaml", **lm_config(
         shards, out, train={"max_steps": 4, "val_every": 2, "val_steps": 2},
         data={"num_workers": 2}))
-    res = horovodrun(1, ["ringfeed", "train", config], timeout=400)
+    res = horovodrun(1, ["ringfeed", "train", config], timeout=500)
     assert res.returncode == 0, res.output[-4000:]
 
     pipe = make_pipeline(load_config(config, check_paths=False), "val", 0, 1)
