@@ -79,6 +79,8 @@ def test_weight_decay_falls_on_the_linear_matrices_only():
         n for n, p in model.named_parameters() if names[id(p)] not in decayed}
     assert not any(n.startswith(("ln", "pos")) or "ln" in n.split(".")[-2] for n in decayed)
     assert len(decay["params"]) + len(rest["params"]) == len(list(model.parameters()))
+    # no decay: one group, as the optimizer of a gpt run before these groups had
+    assert [len(g["params"]) for g in model.param_groups(0.0)] == [len(list(model.parameters()))]
 
 
 @pytest.mark.system

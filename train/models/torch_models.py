@@ -122,9 +122,12 @@ class GPT(nn.Module):
         (the head's included, so a tied embedding decays, as nanoGPT's does); none on
         embeddings, LayerNorm weights and biases, whose decay pulls them toward zero for no
         regularising gain (minGPT's and nanoGPT's rule). The backend builds its optimizer
-        from these when a model has this method."""
-        decayed = {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear)}
+        from these when a model has this method. Without decay, one group: the optimizer a
+        gpt had before these groups, so its checkpoints (those without decay) still resume."""
         params = list(self.parameters())  # (a tied matrix once)
+        if not weight_decay:
+            return [{"params": params, "weight_decay": 0.0}]
+        decayed = {id(m.weight) for m in self.modules() if isinstance(m, nn.Linear)}
         return [{"params": [p for p in params if id(p) in decayed], "weight_decay": weight_decay},
                 {"params": [p for p in params if id(p) not in decayed], "weight_decay": 0.0}]
 
