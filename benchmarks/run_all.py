@@ -64,6 +64,7 @@ BENCHES = [
     Bench("local_sgd", "local_sgd_bench.py", "issue 16: local SGD on a slow link"),
     Bench("startup", "startup_bench.py", "issue 17: a real run on 10^6 shards"),
     Bench("augment", "augment_bench.py", "issue 45: train-time augmentation"),
+    Bench("input_bound", "input_bound_bench.py", "issue 46: shards vs synthetic data"),
 ]
 NAMES = [b.name for b in BENCHES]
 README = HERE / "README.md"
