@@ -57,9 +57,10 @@ EXIT_STATUSES: tuple[ExitStatus, ...] = (
                "written (disk full, read-only, not a directory)", False),
     ExitStatus(EXIT_STORAGE_UNAVAILABLE, "ringfeed: storage unavailable:", "object storage "
                "failed for the whole data.retry_budget_s", True),
-    ExitStatus(EXIT_HANG, "ringfeed: hang:", "no rank made progress for train.hang_timeout_s "
-               "(the line names the rank(s) that stopped and where; every live rank's Python "
-               "stacks are in <output.dir>/hang/)", True),
+    ExitStatus(EXIT_HANG, "ringfeed: hang:", "no rank made progress for train.hang_timeout_s, "
+               "a rank was silent for train.silent_timeout_s, or a process did not end (the "
+               "line names the rank(s) and where; Python stacks are in <output.dir>/hang/)",
+               True),
     ExitStatus(EXIT_INTERRUPTED, "ringfeed: interrupted", "SIGINT (Ctrl-C)", False),
     ExitStatus(EXIT_PREEMPTED, "", "stopped by SIGTERM (after saving a checkpoint once "
                "training started)", True),

@@ -135,7 +135,11 @@ def test_the_key_is_validated_against_hang_timeout_and_the_heartbeat(tmp_path):
 
     write_toy_shards(tmp_path / "shards", n_train=8, n_val=4, per_shard=8)
     cfg = write_config(tmp_path / "c.yaml", **toy_config(tmp_path / "shards", tmp_path / "o"))
-    assert load_config(cfg).train.silent_timeout_s == 15.0
+    from ringfeed.train.resilience.watchdog import limits_for
+
+    assert limits_for(load_config(cfg)).silent == 15.0  # unset: 15 s below the 300 s default
+    short = load_config(cfg, ["train.hang_timeout_s=10"])  # unset, hang_timeout_s shorter:
+    assert limits_for(short).silent is None  # silence waits hang_timeout_s, nothing refused
     with pytest.raises(UserError, match=r"silent_timeout_s \(12\) must be below "
                                         r"hang_timeout_s \(10\)"):
         load_config(cfg, ["train.hang_timeout_s=10", "train.silent_timeout_s=12"])

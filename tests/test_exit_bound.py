@@ -36,8 +36,7 @@ def test_an_exit_handler_that_never_returns_ends_the_process_with_the_hang_line(
     shards = write_toy_shards(tmp_path / "shards", n_train=40, n_val=10, per_shard=20)
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "cfg.yaml", **toy_config(
-        shards, out, train={"max_steps": 6, "hang_timeout_s": 5, "hang_grace_s": 600,
-                            "silent_timeout_s": 4},  # (it must be below hang_timeout_s)
+        shards, out, train={"max_steps": 6, "hang_timeout_s": 5, "hang_grace_s": 600},
         data={"transform": "lingering_hooks:transform"}))
     env = test_env(PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}")
     res = ringfeed("train", str(cfg), timeout=240, env=env)

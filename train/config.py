@@ -301,10 +301,10 @@ class TrainSection(_Section):
     # A rank whose heartbeats stop for this long (its host lost without a TCP reset, the
     # process stopped; a live rank's watchdog thread beats whatever its main thread does) ends
     # the job as a hang does, the line naming it and its host. Below hang_timeout_s; at least
-    # 1 s (a beat every tenth of the shorter bound, 0.2 s at least). While any rank restores,
-    # checkpoints or finishes (a live process may hold the GIL then) silence waits
-    # hang_timeout_s.
-    silent_timeout_s: float = Field(15.0, ge=1.0)
+    # 1 s (a beat every tenth of the shorter bound, 0.2 s at least); null: 15 s, or no bound of
+    # its own when hang_timeout_s is not longer. While any rank restores, checkpoints or
+    # finishes (a live process may hold the GIL then) silence waits hang_timeout_s.
+    silent_timeout_s: float | None = Field(None, ge=1.0)
     # The slowest rank is named in the log when its own work per step (step time less the time
     # in the step's collective) exceeds the median rank's by this fraction of the step time
     straggler_margin: PositiveFloat = 0.2
@@ -317,7 +317,8 @@ class TrainSection(_Section):
     @model_validator(mode="after")
     def _silence_below_hang(self) -> TrainSection:
         # silence past hang_timeout_s is a hang already: a longer silent bound would never act
-        if self.hang_timeout_s is not None and self.silent_timeout_s >= self.hang_timeout_s:
+        if self.hang_timeout_s is not None and self.silent_timeout_s is not None \
+                and self.silent_timeout_s >= self.hang_timeout_s:
             raise ValueError(f"silent_timeout_s ({self.silent_timeout_s:g}) must be below "
                              f"hang_timeout_s ({self.hang_timeout_s:g}): lower it or raise "
                              "hang_timeout_s")

@@ -236,6 +236,10 @@ def host_label() -> str:
     return name
 
 
+# train.silent_timeout_s when unset, if hang_timeout_s is longer (else silence waits that)
+DEFAULT_SILENT_S = 15.0
+
+
 def limits_for(cfg: Any) -> Limits | None:
     """The watchdog's limits for a RunConfig; None when it is off (train.hang_timeout_s null,
     or an elastic run: Horovod Elastic handles a lost worker, and its Gloo timeout is how it
@@ -243,8 +247,10 @@ def limits_for(cfg: Any) -> Limits | None:
     t = cfg.train
     if t.hang_timeout_s is None or cfg.elastic.enabled:
         return None
-    return Limits(t.hang_timeout_s, t.hang_grace_s, float(cfg.data.retry_budget_s),
-                  t.silent_timeout_s)
+    silent = t.silent_timeout_s
+    if silent is None and t.hang_timeout_s > DEFAULT_SILENT_S:
+        silent = DEFAULT_SILENT_S
+    return Limits(t.hang_timeout_s, t.hang_grace_s, float(cfg.data.retry_budget_s), silent)
 
 
 def hang_timeout_s(cfg: Any) -> float | None:
