@@ -101,8 +101,10 @@ def _text_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=1024, metavar="N",
                    help="text: tokens per sample (default 1024)")
     p.add_argument("--tokenizer", default="bytes", metavar="SPEC",
-                   help="text: 'bytes' (ids 0..255, EOS 256; the default) or module:attr of an "
-                        "installed tokenizer")
+                   help="text: 'bytes' (ids 0..255, EOS 256; the default), a Hugging Face "
+                        "tokenizer.json (or its folder), or module:attr of an installed tokenizer "
+                        "(a factory with arguments: 'tiktoken:get_encoding(gpt2)'); append "
+                        "'#eos=TOKEN' to name the end-of-document token")
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="text: the document field of .jsonl files or column of .parquet files "
                         "(default text)")

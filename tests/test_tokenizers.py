@@ -93,7 +93,7 @@ def test_encode_ordinary_is_preferred_and_a_large_vocabulary_takes_uint32():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("gpt2", "expected 'bytes' or 'module:attribute'"),
+    ("gpt2", "expected 'bytes', a tokenizer.json file or folder, or 'module:attribute'"),
     ("no_such_module_x:T", "cannot import no_such_module_x"),
     ("test_tokenizers:Missing", "module test_tokenizers has no 'Missing'"),
     ("test_tokenizers:NoEos", "no eos_id or eos_token_id or eot_token attribute"),

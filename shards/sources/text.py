@@ -104,8 +104,12 @@ class Text(Source):
             raise UserError(f"--seq-len {opts.seq_len}: must be at least 1")
         self.tokenizer = load_tokenizer(opts.tokenizer)
         self.seq_len = opts.seq_len
-        self.options = {"seq_len": opts.seq_len, "tokenizer": opts.tokenizer,
+        # a tokenizer.json is recorded by its resolved path, and is an input of the plan (a
+        # changed file changes the tokens: a rerun does not resume the old shards)
+        self.options = {"seq_len": opts.seq_len, "tokenizer": self.tokenizer.name,
                         "text_field": opts.text_field, "glob": opts.glob}
+        if self.tokenizer.file is not None:
+            self.record_input(self.tokenizer.file)
         self._scratch = WorkDir(opts.out, opts.work_name)
         self._work = self._scratch.path
         self._tokens: dict[str, np.ndarray] = {}
