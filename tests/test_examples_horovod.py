@@ -114,6 +114,27 @@ def test_keras_imagenet_resnet50(tmp_path, shards):
     assert_checkpoint_every_epoch(run_dir)
 
 
+@pytest.mark.system  # TensorFlow's import starts a process
+def test_the_keras_recipe_regularizes_every_kernel_and_sets_batchnorm(monkeypatch):
+    """keras_imagenet_resnet50.py's rebuild, as horovod_models applies it (to the suite's
+    stand-in for ResNet50): an L2 loss per kernel, BatchNormalization momentum 0.9."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import horovod_models
+    import keras
+
+    model = horovod_models.keras_small(SimpleNamespace(input_shape=(8, 8, 3), num_classes=6),
+                                       weight_decay=0.5)
+    kernels = [layer for layer in model.layers if getattr(layer, "kernel_regularizer", None)]
+    assert len(kernels) == 2 and len(model.losses) == 2  # the conv and the dense layer
+    expected = sum(0.5 * float(keras.ops.sum(layer.kernel ** 2)) for layer in kernels)
+    assert float(sum(model.losses)) == pytest.approx(expected, rel=1e-5)
+    norms = [layer for layer in model.layers
+             if isinstance(layer, keras.layers.BatchNormalization)]
+    assert [(n.momentum, n.epsilon) for n in norms] == [(0.9, 1e-5)]
+
+
 @pytest.mark.system
 def test_pytorch_imagenet_resnet50_elastic(tmp_path, shards):
     script = tmp_path / "hosts.sh"
