@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -428,6 +429,9 @@ def test_token_run_reports_tokens_per_second(tmp_path: Path) -> None:
     assert rows and all(r["tokens_per_s"] == pytest.approx(32 * r["samples_per_s"])
                         for r in rows)
     assert "  tokens             " in res.stdout
+    for r in rows:  # the step line says tokens/s beside samples/s
+        assert re.search(rf"step {r['step']}/6 .* {r['samples_per_s']:.0f} samples/s  "
+                         rf"{r['tokens_per_s']:.0f} tokens/s  data-wait", res.output), res.output
 
 
 if __name__ == "__main__":

@@ -152,8 +152,10 @@ class RunLogger:
             record.update(self.accounting.rates(record["samples_per_s"]))
         self._record(record)
         shown = "".join(f"{name} {value:.4f}  " for name, value in self.train_metrics.items())
+        tokens = (f"{record['tokens_per_s']:.0f} tokens/s  " if "tokens_per_s" in record
+                  else "")
         text = (f"loss {record['loss']:.4f}  {shown}{record['samples_per_s']:.0f} samples/s  "
-                f"data-wait {100 * record['data_wait']:.0f}%  lr {lr:.3g}")
+                f"{tokens}data-wait {100 * record['data_wait']:.0f}%  lr {lr:.3g}")
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=True)
         else:
