@@ -15,7 +15,8 @@ Hugging Face publishes them (`train-00000-of-00002.parquet`, `test-...`), and th
 a Hugging Face `datasets` export's ClassLabel column (its schema's `huggingface` metadata) become
 the manifest's class_names when that column is the `cls` field.
 
-`--format text` reads a Parquet file's `--text-field` column as documents (`parquet_documents`).
+`--format text` reads a Parquet file's `--text-field` column as documents (`parquet_documents`),
+a run of row groups at a time when it tokenizes a large file in pieces (`row_group_runs`).
 """
 
 from __future__ import annotations
@@ -96,13 +97,15 @@ def batch_rows(pf: Any) -> int:
     return max(1, min(BATCH_ROWS, BATCH_BYTES * meta.num_rows // max(size, 1)))
 
 
-def _batches(pf: Any, path: Path, columns: list[str] | None = None,
-             close: bool = False) -> Iterator[Any]:
-    """The file's record batches (of `columns`); closes the file at the end when `close`."""
+def _batches(pf: Any, path: Path, columns: list[str] | None = None, close: bool = False,
+             row_groups: range | None = None) -> Iterator[Any]:
+    """The file's record batches (of `columns`, in `row_groups`: None for all); closes the file
+    at the end when `close`."""
     import pyarrow as pa
 
     try:
-        yield from pf.iter_batches(batch_size=batch_rows(pf), columns=columns)
+        yield from pf.iter_batches(batch_size=batch_rows(pf), columns=columns,
+                                   row_groups=None if row_groups is None else list(row_groups))
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"{path}: not readable ({str(e).splitlines()[0]})") from None
     finally:
@@ -210,8 +213,25 @@ def class_labels(metadata: dict[bytes, bytes] | None, path: Path) -> dict[str, l
             and isinstance(feature.get("names"), list)}
 
 
-def parquet_documents(path: Path, column: str) -> Iterator[str]:
-    """The non-null values of a Parquet file's text column, in order (`--format text`)."""
+def row_group_runs(path: Path, target: int) -> list[tuple[int, int]]:
+    """A Parquet file's row groups as runs [start, stop) of about `target` bytes each
+    (uncompressed), the last run what is left: pieces that `--format text` tokenizes apart."""
+    with closing(open_parquet(path)) as pf:
+        meta = pf.metadata
+        runs, start, size = [], 0, 0
+        for i in range(meta.num_row_groups):
+            size += meta.row_group(i).total_byte_size
+            if size >= target:
+                runs.append((start, i + 1))
+                start, size = i + 1, 0
+        if start < meta.num_row_groups:
+            runs.append((start, meta.num_row_groups))
+    return runs
+
+
+def parquet_documents(path: Path, column: str, row_groups: range | None = None) -> Iterator[str]:
+    """The non-null values of a Parquet file's text column (in `row_groups`: None for all), in
+    order (`--format text`)."""
     import pyarrow as pa
 
     pf = open_parquet(path)
@@ -223,7 +243,7 @@ def parquet_documents(path: Path, column: str) -> Iterator[str]:
             or pa.types.is_large_string(schema.field(column).type)):
         raise UserError(f"{path}: column {column!r} is {schema.field(column).type}, not text "
                         "(name the document column with --text-field)")
-    for batch in _batches(pf, path, [column], close=True):
+    for batch in _batches(pf, path, [column], close=True, row_groups=row_groups):
         for value in batch.column(0).to_pylist():
             if value is not None:
                 yield value

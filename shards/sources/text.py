@@ -7,6 +7,12 @@ tokenized in order, each followed by the end-of-document id, and the stream is c
 EOS id; the last incomplete sequence is dropped and counted). Tokens go to a work file under
 OUT, so shard writers in other processes map them instead of re-tokenizing.
 
+With `--workers K` (K > 1) and a tokenizer other than `bytes` (which is I/O), K processes
+tokenize files and pieces of large files (`Piece`: runs of a .parquet file's row groups,
+line-aligned byte ranges of a .jsonl file; a plain file is one document, kept whole), and this
+process writes their tokens in the files' order: the bytes do not depend on K. Each `--part`
+tokenizes the whole source the same way.
+
 `--val-fraction` draws whole documents (seeded by `--shuffle-seed`) into the val split, each
 split packed on its own: no document has sequences on both sides.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,35 +40,94 @@ from ringfeed.shards.tokenizers import Tokenizer, load_tokenizer
 
 MEMBER = "tokens.npy"
 READ_CHUNK = 1 << 24
+# with --workers K > 1 a .jsonl or .parquet file larger than this is tokenized in pieces of
+# about this size (line-aligned byte ranges, runs of row groups) that the workers share: one
+# large file is not one core's work; the pieces' tokens are written in the file's order
+SPLIT_BYTES = 8 << 20
 __all__ = ["WORK_DIR", "Text"]
 
 
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[bytes]:
+@dataclass(frozen=True)
+class Piece:
+    """A share of one file, tokenized as a unit: the whole file (`stop` None and `start` 0),
+    a .jsonl file's lines from byte `start` (a line start) to byte `stop`, or a .parquet file's
+    row groups `start` to `stop` - 1."""
+
+    path: Path
+    start: int = 0
+    stop: int | None = None
+
+
+def _pieces(path: Path) -> list[Piece]:
+    """`path` in pieces of about SPLIT_BYTES: .parquet by runs of row groups, .jsonl by byte
+    ranges cut at line starts; other files (one document each) whole."""
+    try:
+        size = path.stat().st_size
+        if size > SPLIT_BYTES and path.suffix == ".parquet":
+            from ringfeed.shards.sources.parquet import row_group_runs
+
+            runs = row_group_runs(path, SPLIT_BYTES)
+            return [Piece(path, a, b) for a, b in runs] if len(runs) > 1 else [Piece(path)]
+        if size > SPLIT_BYTES and path.suffix == ".jsonl":
+            starts = [0]
+            with open(path, "rb") as f:
+                for cut in range(SPLIT_BYTES, size, SPLIT_BYTES):
+                    f.seek(max(cut, starts[-1]) - 1)
+                    f.readline()  # to the end of the line holding byte cut - 1
+                    if f.tell() < size and f.tell() > starts[-1]:
+                        starts.append(f.tell())
+            return [Piece(path, a, b) for a, b in zip(starts, [*starts[1:], None], strict=True)]
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    return [Piece(path)]
+
+
+def _jsonl_documents(path: Path, text_field: str, start: int = 0,
+                     stop: int | None = None) -> Iterator[bytes]:
+    """The documents of the lines from byte `start` (a line start) to byte `stop`."""
     with open(path, "rb") as f:
+        f.seek(start)
+        at = start
         for number, line in enumerate(f, 1):
+            if stop is not None and at >= stop:
+                return
+            at += len(line)
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except ValueError as e:
-                raise UserError(f"{path}:{number}: not valid JSON ({e})") from None
+                raise UserError(f"{path}:{_line(path, start, number)}: not valid JSON ({e})"
+                                ) from None
             if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                raise UserError(f"{path}:{number}: no string field {text_field!r} "
-                                "(name the document field with --text-field)")
+                raise UserError(f"{path}:{_line(path, start, number)}: no string field "
+                                f"{text_field!r} (name the document field with --text-field)")
             yield row[text_field].encode()
 
 
-def _file_tokens(tokenizer: Tokenizer, path: Path, text_field: str
+def _line(path: Path, start: int, number: int) -> int:
+    """The file's line number of the `number`-th line from byte `start` (counted only for an
+    error message: a piece does not know the lines before it)."""
+    if start == 0:
+        return number
+    with open(path, "rb") as f:
+        return f.read(start).count(b"\n") + number
+
+
+def _file_tokens(tokenizer: Tokenizer, piece: Piece, text_field: str
                  ) -> Iterator[tuple[np.ndarray, int]]:
-    """(tokens, documents they end) for one file, in order; every document ends with EOS."""
+    """(tokens, documents they end) for one piece of a file, in order; every document ends
+    with EOS."""
+    path = piece.path
     try:
         if path.suffix == ".jsonl":
-            for doc in _jsonl_documents(path, text_field):
+            for doc in _jsonl_documents(path, text_field, piece.start, piece.stop):
                 yield tokenizer.tokens(doc, str(path)), 1
         elif path.suffix == ".parquet":  # one document per row of the text column
             from ringfeed.shards.sources.parquet import parquet_documents
 
-            for text in parquet_documents(path, text_field):
+            groups = None if piece.stop is None else range(piece.start, piece.stop)
+            for text in parquet_documents(path, text_field, groups):
                 yield tokenizer.tokens(text.encode(), str(path)), 1
         elif tokenizer.encode is None:  # byte-level: stream, the file need not fit in memory
             with open(path, "rb") as f:
@@ -74,9 +140,27 @@ def _file_tokens(tokenizer: Tokenizer, path: Path, text_field: str
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
 
 
-def _tokenize_file(shared: tuple[Tokenizer, str], path: Path) -> list[tuple[np.ndarray, int]]:
+def _tokenize_piece(shared: tuple[Tokenizer, str], piece: Piece) -> tuple[np.ndarray, np.ndarray]:
+    """In a pool worker: a piece's tokens, one array (one pickle), and its documents' lengths."""
     tokenizer, text_field = shared
-    return list(_file_tokens(tokenizer, path, text_field))
+    arrays = [tokens for tokens, _ in _file_tokens(tokenizer, piece, text_field)]
+    lengths = np.fromiter((a.size for a in arrays), np.int64, len(arrays))
+    return (np.concatenate(arrays) if arrays else np.empty(0, tokenizer.dtype)), lengths
+
+
+def _pooled_tokens(tokenizer: Tokenizer, files: list[Path], opts: ShardOptions,
+                   by_document: bool) -> Iterator[tuple[np.ndarray, int]]:
+    """(tokens, documents they end) of `files` in order, tokenized piece by piece in
+    `opts.workers` processes: each piece's documents at once, or one by one (`by_document`)."""
+    pieces = [piece for path in files for piece in _pieces(path)]
+    for tokens, lengths in parallel_map(_tokenize_piece, pieces, opts.workers,
+                                        (tokenizer, opts.text_field), 1):
+        if not by_document:
+            yield tokens, len(lengths)
+            continue
+        ends = np.cumsum(lengths)
+        for a, b in zip(ends - lengths, ends, strict=True):
+            yield tokens[a:b], 1
 
 
 def _count_documents(path: Path, text_field: str) -> int:
@@ -174,17 +258,16 @@ class Text(Source):
         self._work.mkdir(parents=True, exist_ok=True)
         parts = [part] if is_val is None else ["train", "val"]
         counts = {p: [0, 0] for p in parts}
+        blocks: Iterator[tuple[np.ndarray, int]]
         if self.tokenizer.encode is None or opts.workers <= 1:
-            pieces = (piece for path in files
-                      for piece in _file_tokens(self.tokenizer, path, opts.text_field))
-        else:  # a real tokenizer is the slow part: whole files in parallel, kept in order
-            pieces = (piece for file_pieces in parallel_map(
-                _tokenize_file, files, opts.workers, (self.tokenizer, opts.text_field), 1)
-                for piece in file_pieces)
+            blocks = (block for path in files
+                      for block in _file_tokens(self.tokenizer, Piece(path), opts.text_field))
+        else:  # a real tokenizer is the slow part: files and pieces of them in parallel, in order
+            blocks = _pooled_tokens(self.tokenizer, files, opts, is_val is not None)
         with ExitStack() as stack:
             outs = {p: stack.enter_context(open(self._work / f"{p}.tokens", "wb")) for p in parts}
             document, target = 0, part
-            for tokens, ended in pieces:
+            for tokens, ended in blocks:
                 if is_val is not None:
                     if document >= len(is_val):
                         raise UserError(f"{opts.src}: changed while sharding (more documents "
