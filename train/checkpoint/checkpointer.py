@@ -46,6 +46,7 @@ from typing import Any
 from ringfeed.errors import EXIT_CONFIG, EXIT_STORAGE_UNAVAILABLE, EXIT_WRITE, UserError
 from ringfeed.remote import RetryPolicy, StorageUnavailable
 from ringfeed.train.backends.base import Backend, StepResult
+from ringfeed.train.checkpoint.changes import resume_warnings
 from ringfeed.train.checkpoint.files import (
     CheckpointWriteError,
     find_resume_point,
@@ -195,6 +196,9 @@ class Checkpointer:
                             "this one away") from None
         self.say(f"resumed from {found['path']} at step {state.step} (epoch {state.epoch}, "
                  f"saved by {meta.get('world_size')} rank(s)){restart}")
+        for line in resume_warnings(meta.get("config") or {}, int(meta.get("world_size") or 0),
+                                    self.config, self.backend.dist.size, step):
+            self.say(line)
         return state
 
     def _find(self) -> dict[str, Any] | None:
