@@ -372,8 +372,7 @@ class Trainer:
 
     # -- elastic resets (train/resilience/elastic.py calls these) ----------------------------------
     def commit_values(self) -> tuple[dict[str, Any], dict[str, int]]:
-        """Collective: samples.jsonl flushed, then what an elastic commit holds as plain values:
-        (the TrainState with the train pipeline's state, the recovery counts)."""
+        """Collective: samples.jsonl flushed; an elastic commit's (progress, recovery counts)."""
         self.reporter.flush_samples()
         progress = {**self.state.as_plain(), "pipeline": self.feed.train_pipe.state_dict()}
         return progress, self.recovery_counts()
