@@ -43,14 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="wds-index: put every shard in this split (default: from the file "
                         "name, e.g. val-0001.tar, else train); imagefolder: add SRC to OUT's "
                         "shards as this split, with OUT's class ids")
-    p.add_argument("--part", metavar="I/N",
-                   help="write part I (0..N-1) of N of the shards, N processes on any machines "
-                        "(default: the rank/size of mpirun, horovodrun, srun or a Slurm array; "
-                        "--part 0/1: all of it in this process, whatever the launcher); the "
-                        "last part to finish writes the manifest")
-    p.add_argument("--merge", metavar="OUT",
-                   help="write OUT's manifest from its finished parts (naming any part that did "
-                        "not finish); no SRC")
+    _part_options(p)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: when stderr is a terminal)")
     _storage_option(p)
@@ -73,6 +66,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     i.add_argument("--workers", type=int, default=1, metavar="K")
     _storage_option(i)
     i.set_defaults(func=run_inspect)
+
+
+def _part_options(p: argparse.ArgumentParser) -> None:
+    """One set of shards written by N processes on any machines (shards/parts.py)."""
+    p.add_argument("--part", metavar="I/N",
+                   help="write part I (0..N-1) of N of the shards, N processes on any machines "
+                        "(default: the rank/size of mpirun, horovodrun, srun or a Slurm array; "
+                        "--part 0/1: all of it in this process, whatever the launcher); the "
+                        "last part to finish writes the manifest")
+    p.add_argument("--merge", metavar="OUT",
+                   help="write OUT's manifest from its finished parts (naming any part that did "
+                        "not finish); no SRC")
 
 
 def _table_options(p: argparse.ArgumentParser) -> None:
