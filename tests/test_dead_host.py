@@ -39,6 +39,7 @@ from fault_util import (
 )
 from helpers import BIN, REPO, run, test_env
 from train_util import finish, start, toy_config, write_config, write_toy_shards
+from watchdog_util import Job
 
 from ringfeed.errors import UserError
 from ringfeed.train.resilience.watchdog import (
@@ -150,39 +151,14 @@ def test_the_key_is_validated_against_hang_timeout_and_the_heartbeat(tmp_path):
 
 
 # -- two watchdogs over their real channel, in one process (integration) --------------------
-class Pair:
-    """Ranks 0 and 1 of a job in threads of this process, each its Watchdog over real UDP;
-    exits recorded, not taken."""
+class Pair(Job):
+    """Ranks 0 and 1, both heard in the step of step 4."""
 
     def __init__(self, out: Path, limits: Limits):
-        self.exits: dict[int, int] = {}
-        self.lines: list[str] = []
-        self.dogs = [Watchdog(r, 2, limits, out, say=self.lines.append) for r in range(2)]
-        for r, dog in enumerate(self.dogs):
-            dog.exit = lambda code, r=r: self.exits.setdefault(r, code)
-            dog.silence = lambda: None  # (the real one sends this process's output away)
-        box: list = []
-        ready = threading.Barrier(2)
-
-        def broadcast(value, r):
-            if r == 0:
-                box.append(value)
-            ready.wait()
-            return box[0]
-
-        threads = [threading.Thread(target=dog.start, args=(lambda v, r=r: broadcast(v, r),))
-                   for r, dog in enumerate(self.dogs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        super().__init__(out, limits, size=2)
         for dog in self.dogs:
             dog.at(3, "step")
         time.sleep(3 * self.dogs[0].beat_s)  # both heard in the step
-
-    def stop(self):
-        for dog in self.dogs:
-            dog.stop()
 
 
 LONG_HANG = Limits(timeout=600.0, silent=1.0)  # a hang would take 10 minutes

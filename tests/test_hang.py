@@ -12,15 +12,14 @@ import contextlib
 import json
 import re
 import signal
-import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 from fault_util import logged_step, wait_for, worker_processes
 from helpers import BIN, test_env
 from train_util import finish, start, toy_config, write_config, write_toy_shards
+from watchdog_util import Job
 
 from ringfeed.train.backends.horovod_env import apply_horovod_env, watchdog_env
 from ringfeed.train.observe.ranks import RankTimes, per_rank, straggler
@@ -29,7 +28,6 @@ from ringfeed.train.resilience.watchdog import (
     HANG_LINE,
     Limits,
     Seen,
-    Watchdog,
     gloo_timeout_s,
     judge,
 )
@@ -155,38 +153,6 @@ def test_rank_times_windows_and_percentiles():
 
 
 # -- three watchdogs over their real channel, in one process (integration) ------------------
-class Job:
-    """Ranks 0-2 of a job in threads of this process: each its Watchdog over real UDP, the
-    hub's addresses passed as Horovod's broadcast would; exits recorded, not taken."""
-
-    def __init__(self, out: Path, limits: Limits, size: int = 3):
-        self.exits: dict[int, int] = {}
-        self.lines: list[str] = []
-        self.dogs = [Watchdog(r, size, limits, out, say=self.lines.append) for r in range(size)]
-        for r, dog in enumerate(self.dogs):
-            dog.exit = lambda code, r=r: self.exits.setdefault(r, code)
-            dog.silence = lambda: None  # (the real one sends this process's output away)
-        box: list = []
-        ready = threading.Barrier(size)
-
-        def broadcast(value, r):
-            if r == 0:
-                box.append(value)
-            ready.wait()
-            return box[0]
-
-        threads = [threading.Thread(target=dog.start, args=(lambda v, r=r: broadcast(v, r),))
-                   for r, dog in enumerate(self.dogs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    def stop(self):
-        for dog in self.dogs:
-            dog.stop()
-
-
 @pytest.mark.integration
 def test_a_rank_that_stops_beating_is_named_and_the_live_ranks_write_their_stacks(tmp_path):
     job = Job(tmp_path, Limits(timeout=1.0))
