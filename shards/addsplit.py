@@ -18,7 +18,7 @@ import time
 from ringfeed.errors import UserError
 from ringfeed.formats.manifest import Manifest, ManifestError, ShardInfo, Split
 from ringfeed.formats.tarwrite import index_name
-from ringfeed.shards.build import ShardRun, _clean_out_dir, _resumable, _write_all
+from ringfeed.shards.build import ShardRun, _clean_out_dir, _resumable, write_journaled
 from ringfeed.shards.journal import Journal
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.packing import fingerprint, plan_shards, split_key
@@ -55,15 +55,8 @@ def _add_split(opts: ShardOptions, start: float) -> ShardRun:
     kept = _resumable(journal, plan_id, shards, opts)
     own = {s.name for s in shards} | {index_name(s.name) for s in shards} | {journal.path.name}
     _clean_out_dir(out, fresh=False, only=own)
-    journal.start(plan_id, kept)
     todo = [s for s in shards if s.name not in kept]
-    infos = dict(kept)
-
-    def finished(info: ShardInfo) -> None:
-        journal.record(info)
-        infos[info.name] = info
-
-    _write_all(source, todo, opts, finished)
+    infos = write_journaled(source, todo, opts, journal, plan_id, kept)
     stale = [i.name for i in manifest.splits.get(split, Split()).shards if i.name not in infos]
     _with_split(manifest, source, opts, [infos[s.name] for s in shards]).save(out)
     journal.remove()

@@ -92,15 +92,8 @@ def _shard(opts: ShardOptions, start: float) -> ShardRun:
         journal = Journal(opts.out, journal_name(opts.part))
         kept = _resumable(journal, plan_id, mine, opts)
         _clean_out_dir(opts.out, fresh=opts.overwrite, only=_own_files(opts, mine))
-        journal.start(plan_id, kept)
         todo = [s for s in mine if s.name not in kept]
-        infos = dict(kept)
-
-        def finished(info: ShardInfo) -> None:
-            journal.record(info)
-            infos[info.name] = info
-
-        _write_all(source, todo, opts, finished)
+        infos = write_journaled(source, todo, opts, journal, plan_id, kept)
         if opts.part is None:
             manifest: Manifest | None = _manifest(source, opts, shards, infos)
         else:
@@ -224,6 +217,22 @@ def _write_task(shared: tuple[Source, Path, Progress], shard: PlannedShard
                 ) -> tuple[ShardInfo, Path, Path]:
     source, out, progress = shared
     return write_shard(source, shard, out, progress.on_sample if progress.enabled else None)
+
+
+def write_journaled(source: Source, todo: list[PlannedShard], opts: ShardOptions,
+                    journal: Journal, plan_id: str, kept: dict[str, ShardInfo]
+                    ) -> dict[str, ShardInfo]:
+    """Write `todo` with the journal started for `plan_id` (keeping `kept`), each shard
+    recorded as it is published; every shard's info, the kept ones' included."""
+    journal.start(plan_id, kept)
+    infos = dict(kept)
+
+    def finished(info: ShardInfo) -> None:
+        journal.record(info)
+        infos[info.name] = info
+
+    _write_all(source, todo, opts, finished)
+    return infos
 
 
 def _write_all(source: Source, todo: list[PlannedShard], opts: ShardOptions,
