@@ -232,6 +232,19 @@ def row_group_runs(path: Path, target: int) -> list[tuple[int, int]]:
 def parquet_documents(path: Path, column: str, row_groups: range | None = None) -> Iterator[str]:
     """The non-null values of a Parquet file's text column (in `row_groups`: None for all), in
     order (`--format text`)."""
+    for batch in _text_batches(path, column, row_groups):
+        for value in batch.column(0).to_pylist():
+            if value is not None:
+                yield value
+
+
+def count_parquet_documents(path: Path, column: str) -> int:
+    """How many values `parquet_documents` yields, without making them Python strings (the
+    count before a val draw is read by one process)."""
+    return sum(b.num_rows - b.column(0).null_count for b in _text_batches(path, column))
+
+
+def _text_batches(path: Path, column: str, row_groups: range | None = None) -> Iterator[Any]:
     import pyarrow as pa
 
     pf = open_parquet(path)
@@ -243,7 +256,4 @@ def parquet_documents(path: Path, column: str, row_groups: range | None = None) 
             or pa.types.is_large_string(schema.field(column).type)):
         raise UserError(f"{path}: column {column!r} is {schema.field(column).type}, not text "
                         "(name the document column with --text-field)")
-    for batch in _batches(pf, path, [column], close=True, row_groups=row_groups):
-        for value in batch.column(0).to_pylist():
-            if value is not None:
-                yield value
+    yield from _batches(pf, path, [column], close=True, row_groups=row_groups)

@@ -167,9 +167,9 @@ def _count_documents(path: Path, text_field: str) -> int:
     """Documents in one file, as `_file_tokens` will find them: a file, a jsonl line, or a
     parquet row."""
     if path.suffix == ".parquet":
-        from ringfeed.shards.sources.parquet import parquet_documents
+        from ringfeed.shards.sources.parquet import count_parquet_documents
 
-        return sum(1 for _ in parquet_documents(path, text_field))
+        return count_parquet_documents(path, text_field)
     if path.suffix != ".jsonl":
         return 1
     try:
