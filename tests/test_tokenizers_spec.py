@@ -166,3 +166,23 @@ def test_shard_with_a_tokenizer_json_records_it(capsys, tmp_path, monkeypatch):
     assert cli(capsys, "verify", "out")[0] == 0
     encode, decode, codec_eos = text_codec(m["text"]["tokenizer"])
     assert codec_eos == eos and decode(encode("def add(a, b)")) == "def add(a, b)"
+
+
+def test_a_part_rerun_resumes_and_a_changed_tokenizer_file_is_another_plan(capsys, tmp_path,
+                                                                           monkeypatch):
+    """The tokenizer.json is an input of the plan: the same command again keeps the part's
+    shards; after the file changes, the run is refused as another plan (one line, exit 2)."""
+    monkeypatch.chdir(tmp_path)
+    bpe.save("tokenizer.json")
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    args = ["shard", "docs.jsonl", "out", "--format", "text", "--seq-len", "16", "--max-count",
+            "20", "--tokenizer", "tokenizer.json", "--part", "0/2"]
+    assert cli(capsys, *args)[0] == 0
+    code, out, err = cli(capsys, *args)
+    assert code == 0 and "kept" in out, err
+    train_bpe(["<|endoftext|>"]).save("tokenizer.json")  # another vocabulary: other tokens
+    code, _, err = cli(capsys, *args)
+    assert code == 2 and err.count("\n") == 1 and "other input or options" in err
+    code, _, err = cli(capsys, *[a if a != "tokenizer.json" else "tokenizer.json#eos=<x>"
+                                 for a in args])
+    assert code == 2 and err.count("\n") == 1 and "--tokenizer " in err and "Traceback" not in err
