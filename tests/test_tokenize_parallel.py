@@ -2,7 +2,7 @@
 shards/sources/text.py): a .parquet file is cut into runs of row groups and a .jsonl file into
 byte ranges at line starts, pieces the K workers share; the tokens are written in the file's
 order, so the shards are byte-identical for any K and any --part I/N. The piece size
-(text.SPLIT_BYTES, 8 MB) is made small here so that files of a few hundred KB make many
+(text.SPLIT_BYTES, 4 MB) is made small here so that files of a few hundred KB make many
 pieces; the tokenizer is this module's `Chars`, which notes the processes that ran it."""
 
 from __future__ import annotations

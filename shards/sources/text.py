@@ -43,7 +43,7 @@ READ_CHUNK = 1 << 24
 # with --workers K > 1 a .jsonl or .parquet file larger than this is tokenized in pieces of
 # about this size (line-aligned byte ranges, runs of row groups) that the workers share: one
 # large file is not one core's work; the pieces' tokens are written in the file's order
-SPLIT_BYTES = 8 << 20
+SPLIT_BYTES = 4 << 20
 __all__ = ["WORK_DIR", "Text"]
 
 
