@@ -12,6 +12,8 @@ from __future__ import annotations
 import io
 import json
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +133,12 @@ def test_a_bucket_that_does_not_exist_is_exit_4_naming_the_url(s3, tmp_path):
         write_checkpoint(store, 1, {}, payload("x"), keep=1)
 
 
+def pass_after_first_fault(proxy, kind: str) -> None:
+    while proxy.counters()["faults"].get(kind, 0) < 1:
+        time.sleep(0.02)
+    proxy.set_mode("pass")
+
+
 @pytest.mark.integration
 def test_a_storage_outage_is_waited_out_and_past_the_budget_is_exit_75(s3, tmp_path):
     """Promise: Checkpoints in object storage (train/RECOVERY.md)."""
@@ -144,8 +152,14 @@ def test_a_storage_outage_is_waited_out_and_past_the_budget_is_exit_75(s3, tmp_p
             "connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}}}
         store = open_store("s3://ckpt/outage", options, tmp_path / "staging",
                            RetryPolicy(budget_s=30, first_backoff_s=0.1, max_backoff_s=0.5))
-        proxy.outage("reset", 1.0)
+        # an outage that ends once it has reset a request (a timed one could end, on a loaded
+        # box, before the first request came)
+        proxy.set_mode("reset")
+        ended = threading.Thread(target=pass_after_first_fault, args=(proxy, "reset"),
+                                 daemon=True)
+        ended.start()
         write_checkpoint(store, 1, {}, payload("x"), keep=1)  # waited out
+        ended.join(timeout=30)
         assert proxy.counters()["faults"]["reset"] >= 1
         hit = find_resume_point("auto", store, print)
         assert hit.meta["step"] == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import signal
 import sys
 import time
 from typing import IO, NoReturn
@@ -117,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_status(e, sys.stderr, user_code)
         if is_lost_rank(e) and args.owns_process:
             # A launcher passes on the status of the rank that exits first: the one whose
-            # own error ended the job (2, 3, 4, 75 ...) must beat the peers it took down.
+            # own error ended the job (2, 3, 4, 75 ...) must beat the peers it took down. The
+            # launcher's SIGTERM meanwhile just ends this one (the run is over, nothing to save).
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(LOST_RANK_EXIT_DELAY_S)
         return code
 
