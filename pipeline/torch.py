@@ -252,17 +252,21 @@ def _worker_context(context: StreamContext, loader_kwargs: dict[str, Any]) -> St
     return replace(context, decoder=replace(decoder, normalize_later=True))
 
 
+def _normalized(pixels: torch.Tensor, decoder: Decoder) -> torch.Tensor:
+    """uint8 pixels as x * scale - shift in float32 on their device: Decoder.normalized's
+    floats, bit for bit."""
+    scale = torch.as_tensor(decoder.pixel_scale, device=pixels.device)
+    shift = torch.as_tensor(decoder.pixel_shift, device=pixels.device)
+    return pixels.float().mul_(scale).sub_(shift)
+
+
 def _normalize_images(batch: dict[str, Any], decoder: Decoder) -> None:
     """The uint8 image fields of a batch from a worker that left them so, normalized in place
-    of them: x * scale - shift in float32, as Decoder._normalized does."""
-    scale = torch.from_numpy(decoder.pixel_scale)
-    shift = torch.from_numpy(decoder.pixel_shift)
+    of them."""
     for name in decoder.image_fields(batch):
         value = batch[name]
         if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
-            out = torch.empty(value.shape, dtype=torch.float32)
-            torch.mul(value, scale, out=out)
-            batch[name] = out.sub_(shift)
+            batch[name] = _normalized(value, decoder)
         elif isinstance(value, list):
             batch[name] = [decoder.normalized(np.asarray(v)) for v in value]
 
@@ -351,11 +355,7 @@ class TorchLoader:
                 continue
             pixels = decode_jpeg_batch(list(batch[name]), decoder.image_size, device,
                                        decoder.channels)
-            if decoder.normalize is not None:
-                scale = torch.as_tensor(decoder.pixel_scale, device=device)
-                shift = torch.as_tensor(decoder.pixel_shift, device=device)
-                pixels = pixels.float() * scale - shift
-            batch[name] = pixels
+            batch[name] = pixels if decoder.normalize is None else _normalized(pixels, decoder)
         return batch
 
     def _batches(self) -> Iterator[tuple[int, dict[str, Any]]]:
