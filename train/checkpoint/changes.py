@@ -25,8 +25,6 @@ def global_batch(config: dict[str, Any], world_size: int) -> int | None:
 
 def batch_change(saved: dict[str, Any], saved_world: int, config: dict[str, Any],
                  world: int) -> str | None:
-    if saved_world < 1:  # (meta.json without it)
-        return None
     before, after = global_batch(saved, saved_world), global_batch(config, world)
     if before is None or after is None or before == after:
         return None
@@ -39,8 +37,6 @@ def lr_rise(saved: dict[str, Any], saved_world: int, config: dict[str, Any], wor
             step: int) -> str | None:
     """When both configs count steps (train.max_steps; no epoch-based warmup or milestones),
     the checkpoint's rate for the next step against this config's."""
-    if saved_world < 1:
-        return None
     rates = []
     for cfg, size in ((saved, saved_world), (config, world)):
         optim, train = cfg.get("optim", {}), cfg.get("train", {})
@@ -71,6 +67,8 @@ def resume_warnings(saved: dict[str, Any], saved_world: int, config: dict[str, A
                     world: int, step: int) -> list[str]:
     """The lines for a resume at `step` of a checkpoint written under `saved` on `saved_world`
     ranks, by a run of `config` on `world` ranks."""
+    if saved_world < 1:  # (a meta.json without it: nothing to compare)
+        return []
     lines = [batch_change(saved, saved_world, config, world),
              lr_rise(saved, saved_world, config, world, step)]
     return [line for line in lines if line is not None]
