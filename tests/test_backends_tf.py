@@ -97,6 +97,8 @@ def test_the_optimizer_of_each_config(tfb, section, cls, settings):
     for key, value in settings.items():
         assert config[key] == pytest.approx(value)
     assert tfb.make_optimizer(OptimSection(), None).weight_decay is None  # 0: none at all
+    # AdamW with weight decay 0 (its default here): Keras' AdamW refuses None
+    assert tfb.make_optimizer(OptimSection(name="adamw"), None).weight_decay == 0.0
 
 
 def test_the_elastic_state_restores_the_committed_variables_and_values(tf, tfb):

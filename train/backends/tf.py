@@ -117,14 +117,17 @@ def accuracy(logits: tf.Tensor, targets: tf.Tensor,
 
 def make_optimizer(optim, grad_clip: float | None) -> keras.optimizers.Optimizer:
     """Keras' weight_decay is decoupled (AdamW-style) for every optimizer, unlike torch's SGD
-    and Adam, which add it to the gradient."""
+    and Adam, which add it to the gradient. SGD and Adam take None for none at all; AdamW
+    requires a float, 0 included."""
     common = {"learning_rate": optim.lr, "global_clipnorm": grad_clip,
               "weight_decay": optim.weight_decay or None}
     if optim.name == "sgd":
         return keras.optimizers.SGD(momentum=optim.momentum, **common)
-    cls = keras.optimizers.Adam if optim.name == "adam" else keras.optimizers.AdamW
     beta_1, beta_2 = optim.betas
-    return cls(beta_1=beta_1, beta_2=beta_2, epsilon=1e-8, **common)
+    if optim.name == "adamw":
+        common["weight_decay"] = optim.weight_decay
+        return keras.optimizers.AdamW(beta_1=beta_1, beta_2=beta_2, epsilon=1e-8, **common)
+    return keras.optimizers.Adam(beta_1=beta_1, beta_2=beta_2, epsilon=1e-8, **common)
 
 
 def _write_tf_checkpoint(checkpoint: tf.train.Checkpoint, directory: Path) -> None:
