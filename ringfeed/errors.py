@@ -138,6 +138,16 @@ def model_mismatch(checkpoint: object, differences: list[str]) -> UserError:
                      "start afresh with --resume none or another checkpoint.dir)")
 
 
+def optimizer_mismatch(checkpoint: object, error: Exception) -> UserError:
+    """A checkpoint whose optimizer state does not fit the configured optimizer's parameter
+    groups (optim changed since it was written, or a built-in gpt checkpoint from before its
+    weight decay skipped norms, biases and embeddings): one line, exit 2."""
+    return UserError(f"checkpoint {checkpoint}: its optimizer state does not fit the config's "
+                     f"optimizer ({one_line(str(error))}); resume with the optim settings and "
+                     "ringfeed version it was written with, or start afresh with --resume none "
+                     "or another checkpoint.dir")
+
+
 def state_dict_differences(saved: dict[str, tuple[int, ...]],
                            live: dict[str, tuple[int, ...]]) -> list[str]:
     """What differs between a checkpoint's tensors and the model's, by name and shape:
