@@ -39,7 +39,8 @@ def test_nanogpt_names_build_the_same_model():
 
 @pytest.mark.parametrize(("args", "expected"), [
     ({"n_embdd": 32}, "model.args.n_embdd: not an argument of the built-in gpt (valid: n_layer, "
-                      "n_head, d_model, dropout, bias, tie_embeddings, block_size, vocab_size, "
+                      "n_head, d_model, dropout, bias, tie_embeddings, document_mask, block_size, "
+                      "vocab_size, "
                       "n_embd (= d_model))"),
     ({"n_embd": 32, "d_model": 64}, "model.args: n_embd and d_model are the same argument"),
     ({"block_size": 8}, "model.args.block_size: 8 is less than the data's 16"),
@@ -99,13 +100,16 @@ def test_a_run_of_the_gpt_decays_only_its_matrices(tmp_path: Path):
 
 
 @pytest.mark.system  # (TensorFlow starts a subprocess when it loads)
-def test_keras_gpt_takes_the_same_names_and_refuses_tying():
+def test_keras_gpt_takes_the_same_names_and_refuses_tying_and_document_masks():
     model = gpt("tensorflow", n_layer=1, n_head=2, n_embd=16, bias=False)
     assert model.output_shape == (None, 16, 50)
     assert not [w for w in model.weights if "bias" in w.path or "beta" in w.path]
     with pytest.raises(UserError, match="tie_embeddings: the built-in gpt ties its head to the "
                                         "token embedding under framework: torch only"):
         gpt("tensorflow", tie_embeddings=True)
+    with pytest.raises(UserError, match="^model.args.document_mask: the built-in gpt masks "
+                                        "documents under framework: torch only"):
+        gpt("tensorflow", document_mask=True)
 
 
 @pytest.mark.system

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 
-from ringfeed.errors import model_mismatch, state_dict_differences
+from ringfeed.errors import UserError, model_mismatch, state_dict_differences
+from ringfeed.formats.tokens import DOC_IDS
 from ringfeed.train.backends.base import (
     Dist,
     Groups,
@@ -79,6 +80,21 @@ def accuracy(logits: torch.Tensor, targets: torch.Tensor,
         target_logit = logits.gather(-1, targets.long().unsqueeze(-1))
         metrics[f"top{topk}"] = ((logits > target_logit).sum(-1) < topk).float()
     return {name: v.mean(1) if v.dim() == 2 else v for name, v in metrics.items()}
+
+
+def document_inputs(model: torch.nn.Module, batch: dict[str, Any], device: torch.device
+                    ) -> dict[str, torch.Tensor]:
+    """What a model takes beside its inputs: one with `document_mask` set (the built-in gpt's
+    option) gets the batch's DOC_IDS as `doc_ids`, sliced as split_batch slices the tokens into
+    inputs; any other, nothing. UserError (exit 2) when the batches carry none."""
+    if not getattr(model, "document_mask", False):
+        return {}
+    ids = batch.get(DOC_IDS)
+    if ids is None:
+        raise UserError(f"model.args.document_mask: the batches have no {DOC_IDS} field (the "
+                        "shards do not record documents: shard the text again with `ringfeed "
+                        "shard --format text`, or leave document_mask false)")
+    return {"doc_ids": torch.as_tensor(ids)[:, :-1].to(device, non_blocking=True)}
 
 
 def make_optimizer(optim, params) -> torch.optim.Optimizer:
@@ -505,7 +521,7 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
             x, y = self._inputs(x), torch.as_tensor(y).to(self.device, non_blocking=True)
             samples += len(y)
             with span("ringfeed.forward"), self._autocast():
-                out = self.forward(x)
+                out = self.forward(x, **document_inputs(self.model, batch, self.device))
                 loss = self.loss_fn(out, y).float().mean()
             if metrics_fn is not None:
                 with torch.no_grad():  # (from the outputs the step has: no second forward)
@@ -557,7 +573,7 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
         try:
             x, y, valid = self._prepare(batch)
             with self._autocast():
-                out = self.forward(x)
+                out = self.forward(x, **document_inputs(self.model, batch, self.device))
             per_sample = {"loss": self.loss_fn(out, y), **self.metrics_fn(out, y)}
         finally:
             self.model.train()

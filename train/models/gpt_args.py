@@ -26,6 +26,9 @@ GPT_ARGS: MappingProxyType[str, tuple[Any, str]] = MappingProxyType({
     # untied run resumed as a tied one would silently load the head over the embedding; the
     # Keras gpt (framework: tensorflow) has no tied head. nanoGPT's setting: true.
     "tie_embeddings": (False, "the output head shares the token embedding (nanoGPT: true)"),
+    # Needs shards that record documents (the batch's doc_ids); torch only.
+    "document_mask": (False, "a token attends only to earlier tokens of its own document "
+                             "(block-causal), positions restarting at each document"),
     "block_size": (None, "positions (nanoGPT's name; >= the data's context)"),
     "vocab_size": (None, "tokens (>= the data's vocabulary)"),
 })

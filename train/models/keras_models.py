@@ -37,7 +37,10 @@ def cnn(spec: DataSpec, num_classes: int, width: int = 32, hidden: int = 128,
 
 def gpt(spec: DataSpec, vocab_size: int, block_size: int, n_layer: int = 2, n_head: int = 4,
         d_model: int = 128, dropout: float = 0.0, bias: bool = True,
-        tie_embeddings: bool = False) -> keras.Model:
+        tie_embeddings: bool = False, document_mask: bool = False) -> keras.Model:
+    if document_mask:  # (the TensorFlow backend does not pass the batch's doc_ids)
+        raise UserError("model.args.document_mask: the built-in gpt masks documents under "
+                        "framework: torch only (leave it false for framework: tensorflow)")
     if tie_embeddings:
         raise UserError("model.args.tie_embeddings: the built-in gpt ties its head to the "
                         "token embedding under framework: torch only (leave it false for "

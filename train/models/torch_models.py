@@ -69,27 +69,48 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model, bias=bias), nn.GELU(),
                                  nn.Linear(4 * d_model, d_model, bias=bias), nn.Dropout(dropout))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: (batch, 1, t, t) booleans, True where a token may attend (block_causal);
+        None: causal over the whole window."""
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            dropout_p=self.dropout if self.training else 0.0)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
         return x + self.mlp(self.ln2(x))
 
 
+def block_causal(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, positions) of windows whose tokens carry document indexes (batch, t), as
+    ringfeed.formats.tokens.DOC_IDS gives them (non-decreasing along a window): the mask
+    (batch, 1, t, t) lets a token attend to earlier tokens of its own document only
+    (torchtitan's block_causal); positions count from 0 at each document's first token, so a
+    document packed after another is computed as it would be alone (and as `ringfeed
+    generate` feeds a prompt, from position 0)."""
+    t = doc_ids.shape[1]
+    index = torch.arange(t, device=doc_ids.device)
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    mask = (same & (index[:, None] >= index[None, :]))[:, None]
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(starts, index, 0).cummax(dim=1).values  # each token's document start
+    return mask, index - first
+
+
 class GPT(nn.Module):
     """GPT-2's architecture as nanoGPT builds it (pre-LayerNorm blocks, GELU, learned
     positions, GPT-2's init); `block_size` positions (the longest input), `bias` in every
-    Linear and LayerNorm, the head tied to the token embedding with `tie_embeddings`. Layer
-    names are kept across these options, so checkpoints and `ringfeed export` read every
-    variant alike."""
+    Linear and LayerNorm, the head tied to the token embedding with `tie_embeddings`,
+    `document_mask`: a token attends within its own document only (block_causal; the torch
+    backend then passes the batch's doc_ids). Layer names are kept across these options, so
+    checkpoints and `ringfeed export` read every variant alike."""
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int = 2, n_head: int = 4,
                  d_model: int = 128, dropout: float = 0.0, bias: bool = True,
-                 tie_embeddings: bool = False):
+                 tie_embeddings: bool = False, document_mask: bool = False):
         super().__init__()
+        self.document_mask = document_mask  # the backend's cue to pass doc_ids
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(block_size, d_model)
         self.drop = nn.Dropout(dropout)
@@ -110,11 +131,16 @@ class GPT(nn.Module):
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of `idx` (batch, t); with `doc_ids` (batch, t) block-causal (block_causal),
+        without them causal over the window (one document)."""
+        mask = None
         positions = torch.arange(idx.shape[1], device=idx.device)
+        if doc_ids is not None:
+            mask, positions = block_causal(doc_ids)
         x = self.drop(self.tok(idx) + self.pos(positions))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(self.ln_f(x))
 
     def param_groups(self, weight_decay: float) -> list[dict]:
