@@ -511,8 +511,23 @@ def s3_epochs(folder: Path, contenders: list[tuple[str, str]], per_shard: int, r
             moto.kill()
     return {"images": want["samples"], "per_shard": per_shard, "batch": batch, "workers": 2,
             "bandwidth": link[0], "latency_s": link[1], "runs": runs,
+            "seconds": s3_seconds(runs),
             "prepared": {t: {k: p[k] for k in ("seconds", "bytes", "files")}
                          for t, p in prepared.items()}}
+
+
+def s3_seconds(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per tool, the cold epoch's and its first batch's seconds over the repeats (median,
+    min, max), printed."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name in dict.fromkeys(r["name"] for r in runs):
+        epochs = [r["epochs"][0] for r in runs if r["name"] == name and not r["problems"]]
+        if epochs:
+            out[name] = {k: spread([e[k] for e in epochs]) for k in ("seconds", "first_batch_s")}
+            print(f"  S3 {name:11s} " + ", ".join(
+                f"{k} {v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]"
+                for k, v in out[name].items()), flush=True)
+    return out
 
 
 def cold_line(epoch: dict[str, Any], bandwidth: float) -> str:
@@ -662,26 +677,14 @@ def measure(args, work: Path) -> tuple[dict[str, Any], list[Row]]:
     small = photos(args.images or (128 if q else 1024))
     large = photos(args.images or (128 if q else 2048))
     with_peers = not q or args.peers
-    dali_skipped = dali_missing() if with_peers else "full mode only"
+    dali_skipped = ("not asked" if args.s3_only else dali_missing() if with_peers
+                    else "full mode only")
     rounds = args.rounds or (1 if q else 5)
     data: dict[str, Any] = {"uptime_start": uptime(), "photos": folder_facts(small),
                             "photos_large": folder_facts(large), "augment": AUGMENT,
-                            "size": SIZE}
+                            "size": SIZE, "dali_skipped": dali_skipped}
     print(f"augment_bench: {data['photos']}", flush=True)
-    try:
-        data["one_core"] = one_core(small, shards_of(small, 256), data["photos"]["images"], 64,
-                                    rounds, not q, dali_skipped, work)
-    except RuntimeError as e:
-        data["one_core"] = {"error": f"failed: {str(e)[:300]}"}
-    rows = one_core_rows(data["one_core"])
-    print_profiles(data["one_core"].get("profile", {}))
-    try:
-        data["two_cores"] = two_cores(large, shards_of(large, 256),
-                                      data["photos_large"]["images"], 32 if q else 128,
-                                      args.rounds or (1 if q else 3), not q, work)
-    except RuntimeError as e:
-        data["two_cores"] = {"error": f"failed: {str(e)[:300]}"}
-    rows += two_core_rows(data["two_cores"])
+    rows = [] if args.s3_only else local_rows(args, data, small, large, rounds, work)
     if not with_peers:
         data["s3"] = {"error": "full mode only"}
     elif peers_python() is None:
@@ -698,6 +701,26 @@ def measure(args, work: Path) -> tuple[dict[str, Any], list[Row]]:
     return data, rows
 
 
+def local_rows(args, data: dict[str, Any], small: Path, large: Path, rounds: int,
+               work: Path) -> list[Row]:
+    """Rows 1-4 (one core, two cores), their data into `data`."""
+    q = args.quick
+    try:
+        data["one_core"] = one_core(small, shards_of(small, 256), data["photos"]["images"], 64,
+                                    rounds, not q, data["dali_skipped"], work)
+    except RuntimeError as e:
+        data["one_core"] = {"error": f"failed: {str(e)[:300]}"}
+    rows = one_core_rows(data["one_core"])
+    print_profiles(data["one_core"].get("profile", {}))
+    try:
+        data["two_cores"] = two_cores(large, shards_of(large, 256),
+                                      data["photos_large"]["images"], 32 if q else 128,
+                                      args.rounds or (1 if q else 3), not q, work)
+    except RuntimeError as e:
+        data["two_cores"] = {"error": f"failed: {str(e)[:300]}"}
+    return rows + two_core_rows(data["two_cores"])
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="128 images, 1 round, no peers")
@@ -707,6 +730,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--images", type=int, help="images (1 core and 2 cores, S3)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (1 core, 2 cores)")
     parser.add_argument("--repeats", type=int, help="S3 repeats")
+    parser.add_argument("--s3-only", action="store_true", help="only row 5, from S3")
     # the contenders' own processes
     parser.add_argument("--serve", choices=["pil", "ringfeed", "e2e"], help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
