@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import json
 import re
+import shutil
 from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import asdict, dataclass
@@ -36,6 +37,7 @@ from ringfeed.shards.packing import PlannedShard, split_key
 
 MARKER = re.compile(r"^\.ringfeed-part-(\d+)-of-(\d+)\.json$")
 PART_JOURNAL = re.compile(r"^\.ringfeed-journal-part-(\d+)-of-(\d+)\.jsonl$")
+SHARED_SCAN = re.compile(r"^\.ringfeed-scan-[0-9a-f]+$")  # sources/base.py's SharedScan folder
 PART_SPEC = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 
 # (launcher, rank variable, size variable), in the order they are looked for: mpirun and
@@ -59,7 +61,7 @@ def journal_name(part: tuple[int, int] | None) -> str:
 
 
 def is_part_file(name: str) -> bool:
-    return bool(MARKER.match(name) or PART_JOURNAL.match(name))
+    return bool(MARKER.match(name) or PART_JOURNAL.match(name) or SHARED_SCAN.match(name))
 
 
 def parse_part(spec: str, where: str = "--part") -> tuple[int, int]:
@@ -148,6 +150,8 @@ class LocalFiles:
 
     def remove(self, names: list[str]) -> None:
         for name in names:
+            if (self.out / name).is_dir():  # a shared scan
+                shutil.rmtree(self.out / name, ignore_errors=True)
             (self.out / name).unlink(missing_ok=True)
 
 

@@ -85,6 +85,49 @@ def test_parts_give_the_bytes_of_one_run(capsys, tmp_path, sources, fmt):
         assert tree_bytes(out) == expected, f"{n} parts"  # no marker, journal or work dir left
 
 
+def _scans(out: Path) -> list[str]:
+    return [n for n in os.listdir(out) if n.startswith(".ringfeed-scan-")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_a_part_takes_the_scan_another_part_wrote(capsys, tmp_path, sources, fmt):
+    """Part 0 shares its scan; part 1 reads it, not the table: a table overwritten since with
+    as many zero bytes (its mtime put back) still gives the bytes of one run of the real one."""
+    src, args = sources[fmt]
+    copy = tmp_path / src.name
+    shutil.copy2(src, copy)
+    assert cli(capsys, "shard", copy, tmp_path / "one", *args, *COMMON)[0] == 0
+    out = tmp_path / "out"
+    assert cli(capsys, "shard", copy, out, *args, *COMMON, "--part", "0/2")[0] == 0
+    assert len(_scans(out)) == 1
+    st = copy.stat()
+    copy.write_bytes(bytes(st.st_size))
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    code, _, err = cli(capsys, "shard", copy, out, *args, *COMMON, "--part", "1/2")
+    assert code == 0, err
+    assert tree_bytes(out) == tree_bytes(tmp_path / "one")  # and the shared scan is gone
+
+
+@pytest.mark.timeout(120)
+def test_a_stale_scan_is_not_read(capsys, tmp_path, sources):
+    """A scan of the table as it was (then changed) is not taken: the parts give the bytes of
+    one run of the changed table."""
+    src, args = sources["csv"]
+    copy = tmp_path / "t.csv"
+    shutil.copy2(src, copy)
+    out = tmp_path / "out"
+    assert cli(capsys, "shard", copy, out, *args, *COMMON, "--part", "0/2")[0] == 0
+    copy.write_text(copy.read_text().replace("row 1", "row 9"))
+    assert cli(capsys, "shard", copy, tmp_path / "one", *args, *COMMON)[0] == 0
+    for i in (0, 1):
+        code, _, err = cli(capsys, "shard", copy, out, *args, *COMMON, "--part", f"{i}/2",
+                           "--overwrite")
+        assert code == 0, err
+        assert len(_scans(out)) == (0 if i else 2)  # the stale one and this table's, then none
+    assert tree_bytes(out) == tree_bytes(tmp_path / "one")
+
+
 @pytest.mark.timeout(120)
 def test_merge_names_a_part_that_never_ran_and_completes_the_set(capsys, tmp_path, sources):
     src, args = sources["jsonl"]

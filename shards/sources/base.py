@@ -8,6 +8,8 @@ before any is written; `sample(part, i)` then produces the members, in any proce
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 from abc import ABC, abstractmethod
@@ -27,6 +29,9 @@ from ringfeed.shards.options import ShardOptions
 SPLIT_NAMES = {"train": "train", "training": "train", "val": "val", "valid": "val",
                "validation": "val", "dev": "val", "test": "test"}
 WORK_DIR = ".ringfeed-work"  # a scan's scratch files under OUT (check_out_dir tolerates it)
+SCAN_PREFIX = ".ringfeed-scan-"  # + a scan's key: the scan parts of one OUT share (SharedScan)
+SCAN_VERSION = 1  # bumped when what a shared scan holds changes: older ones are not read
+FACTS = "facts.json"
 
 
 @dataclass
@@ -79,6 +84,13 @@ class Source(ABC):
     def describe(self) -> dict[str, Any]:
         return {"format": self.format, "path": str(self.path), "options": self.options}
 
+    def scan_key(self) -> str:
+        """What a scan's result depends on: the format, its options and the inputs (each
+        file's path, size and mtime, recorded by then); another key is another scan."""
+        return hashlib.sha256(json.dumps(
+            {"scan": SCAN_VERSION, **self.describe(), "inputs": self.inputs},
+            sort_keys=True).encode()).hexdigest()[:32]
+
 
 class WorkDir:
     """A scan's scratch files in OUT/.ringfeed-work, so shard writers in other processes read
@@ -102,6 +114,41 @@ class WorkDir:
         if self._made_out:
             with suppress(OSError):  # removed only while empty
                 self.out.rmdir()
+
+
+class SharedScan:
+    """A scan the parts of one local OUT share: `OUT/.ringfeed-scan-<key>/`, a scan's work
+    folder (its files) with `facts.json` (what else the scan learned) added, published by a
+    rename, so it is there whole or not at all. The first part to finish its scan publishes
+    it; a part that finds the one of its key reads it instead of scanning. Inputs changed
+    since: another key, so a stale scan is never read. Removed with the parts' markers."""
+
+    def __init__(self, out: Path, key: str):
+        self.key = key
+        self.path = out / f"{SCAN_PREFIX}{key}"
+
+    def facts(self) -> dict[str, Any] | None:
+        """The published facts, or None (no scan of this key, or not ours)."""
+        try:
+            facts = json.loads((self.path / FACTS).read_bytes())
+        except (OSError, ValueError):
+            return None
+        return facts if isinstance(facts, dict) and facts.get("key") == self.key else None
+
+    def publish(self, work: Path, facts: dict[str, Any]) -> bool:
+        """Make the work folder `work` (holding the scan's files) this shared scan, with
+        `facts`; False when it cannot (another part published first, facts not JSON)."""
+        try:
+            data = json.dumps({**facts, "key": self.key}).encode()
+        except (TypeError, ValueError):  # a value JSON cannot hold (a Parquet date vocabulary)
+            return False
+        try:
+            (work / FACTS).write_bytes(data)
+            os.rename(work, self.path)  # a folder's rename: atomic; fails if one is there
+        except OSError:
+            (work / FACTS).unlink(missing_ok=True)
+            return False
+        return True
 
 
 def class_record(counts: Counter, num_classes: int | None = None) -> dict[str, Any] | None:

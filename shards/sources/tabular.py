@@ -51,6 +51,7 @@ from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.sources.base import (
     SPLIT_NAMES,
     Part,
+    SharedScan,
     Source,
     WorkDir,
     class_record,
@@ -123,10 +124,12 @@ class _Store:
     sample in any process. Per sample: its offset, each member's length (-1: absent) and
     whether the member is an image file path to read at write time (CSV/JSONL images)."""
 
+    INDEX = ("starts", "lengths", "paths")  # index()'s kinds of arrays
+
     def __init__(self, path: Path, exts: list[str]):
         self.path = path
         self.exts = exts
-        self._out: IO[bytes] | None = open(path, "wb")
+        self._out: IO[bytes] | None = None  # opened by the first add()
         self._size = 0
         self.starts: dict[str, array] = {}
         self.lengths: dict[str, array] = {}
@@ -139,7 +142,8 @@ class _Store:
             self.starts[part], self.lengths[part], self.paths[part] = (
                 array("q"), array("q"), array("b"))
         self.starts[part].append(self._size)
-        assert self._out is not None
+        if self._out is None:
+            self._out = open(self.path, "wb")
         for ext in self.exts:
             data = members.get(ext)
             self.lengths[part].append(-1 if data is None else len(data))
@@ -152,6 +156,21 @@ class _Store:
         if self._out is not None:
             self._out.close()
             self._out = None
+
+    def index(self) -> dict[str, np.ndarray]:
+        """Where each sample's members are (a shared scan's `index.npz`)."""
+        return {f"{kind}:{part}": np.frombuffer(table[part], dtype)
+                for kind, table, dtype in (("starts", self.starts, np.int64),
+                                           ("lengths", self.lengths, np.int64),
+                                           ("paths", self.paths, np.int8))
+                for part in table}
+
+    def adopt(self, path: Path, index: dict[str, np.ndarray]) -> None:
+        """Read a finished store at `path` (a shared scan's) with `index()`'s arrays."""
+        self.path = path
+        for name, values in index.items():
+            kind, part = name.split(":", 1)
+            getattr(self, kind)[part] = array("b" if kind == "paths" else "q", values.tobytes())
 
     def read(self, part: str, index: int) -> tuple[dict[str, bytes], set[str]]:
         if self._fd_pid != os.getpid():  # a forked writer opens its own descriptor
@@ -211,6 +230,8 @@ class TableSource(Source):
         self._scratch: WorkDir | None = None
         self._store: _Store | None = None
         self._stat_files: dict[str, Path] = {}
+        # a part of a local OUT shares its scan with the other parts (SharedScan)
+        self._share = opts.part is not None and not opts.out_url
 
     # -- what a format provides ---------------------------------------------------------------
     def type_file(self, path: Path) -> None:
@@ -261,6 +282,11 @@ class TableSource(Source):
         for files in part_files.values():
             for path in files:
                 self.record_input(path)
+        shared = SharedScan(self._out, self.scan_key()) if self._share else None
+        if shared is not None and adopt_scan(self, shared):
+            return
+        for files in part_files.values():
+            for path in files:
                 self.type_file(path)
         if not self._columns:  # the typing pass met no row (a header alone, or nothing)
             raise UserError(f"{self.path}: no rows to shard (a header alone, or empty); "
@@ -278,6 +304,8 @@ class TableSource(Source):
         if rest_seen:
             self.fields[REST] = "json"
         self._record_classes()
+        if shared is not None:
+            publish_scan(self, shared)
 
     def _scan_part(self, part: str, files: list[Path]) -> bool:
         """Encode one part's rows into the store and its stats file; sets self.parts[part].
@@ -395,6 +423,61 @@ class TableSource(Source):
             self._store.close()
         if self._scratch is not None:
             self._scratch.remove()
+
+
+def publish_scan(src: TableSource, shared: SharedScan) -> None:
+    """Share this finished scan (its work folder, with what else it learned) with the other
+    parts; when another part's is there first, keep this one's own."""
+    assert src._scratch is not None and src._store is not None and src._encoder is not None
+    work = src._scratch.path
+    np.savez(work / "index.npz", **src._store.index(),
+             **{f"sizes:{n}": p.sizes for n, p in src.parts.items()},
+             **{f"labels:{n}": p.labels for n, p in src.parts.items() if p.labels is not None})
+    facts = {"columns": [{**vars(c), "kinds": sorted(c.kinds),
+                          "vocab": None if c.vocab is None else list(c.vocab)}
+                         for c in src._columns.values()],
+             "fields": src.fields, "class_names": src.class_names, "classes": src.classes,
+             "filled": dict(src._encoder.filled), "arrays": src._encoder.arrays,
+             "rows": {n: len(p) for n, p in src.parts.items()},
+             "keys": None if src._key_field is None else {n: list(p.keys)
+                                                          for n, p in src.parts.items()},
+             "store_bytes": src._store.path.stat().st_size}
+    if shared.publish(work, facts):
+        src._store.path = shared.path / src._store.path.name
+        src._stat_files = {n: shared.path / f.name for n, f in src._stat_files.items()}
+
+
+def adopt_scan(src: TableSource, shared: SharedScan) -> bool:
+    """Take the shared scan of this source's key, if one is published and whole (its files'
+    sizes as recorded): the plan from its columns, the rows from its store; else False."""
+    facts = shared.facts()
+    try:
+        if facts is None or (shared.path / "rows.bin").stat().st_size != facts["store_bytes"]:
+            return False
+        with np.load(shared.path / "index.npz", allow_pickle=False) as z:
+            index = {name: z[name] for name in z.files}
+    except (OSError, ValueError, KeyError):
+        return False
+    for c in facts["columns"]:
+        src._columns[c["name"]] = Column(**{
+            **c, "kinds": set(c["kinds"]), "vocab": None if c["vocab"] is None else set(c["vocab"]),
+            "first_text": None if c["first_text"] is None else tuple(c["first_text"])})
+    src.plan = plan_table(src._columns, src.spec, src.format, src.path)
+    src.check_plan(src.plan)
+    src._encoder = RowEncoder(src.plan, src.format, src.spec.fill, src.list_dtype)
+    src._encoder.filled.update(facts["filled"])
+    src._encoder.arrays = {ext: (dtype, None if shape is None else tuple(shape))
+                           for ext, (dtype, shape) in facts["arrays"].items()}
+    src._store = _Store(shared.path / "rows.bin", [*src.plan.exts, REST])
+    src._store.adopt(shared.path / "rows.bin",
+                     {k: v for k, v in index.items() if k.split(":")[0] in _Store.INDEX})
+    for name, rows in facts["rows"].items():
+        keys = NumberedKeys(rows) if facts["keys"] is None else facts["keys"][name]
+        src.parts[name] = Part(keys, index[f"sizes:{name}"], index.get(f"labels:{name}"))
+        src._stat_files[name] = shared.path / f"{name}.stats"
+    src.fields, src.class_names, src.classes = (facts["fields"], facts["class_names"],
+                                                facts["classes"])
+    return True
 
 
 class Tabular(TableSource):
