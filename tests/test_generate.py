@@ -111,3 +111,20 @@ def test_a_tensorflow_run_is_refused_in_one_line(tmp_path):
     code, _, err = generate(run_dir, "--prompt", "x")
     assert code == 2 and err.count("\n") == 1, err
     assert "a tensorflow checkpoint" in err and "framework: torch" in err
+
+
+def test_a_resume_whose_optimizer_groups_differ_is_one_line(lm_run, tmp_path):
+    """The run decays the gpt's matrices only (two optimizer groups); resumed without weight
+    decay the optimizer has one group, as a gpt checkpoint from before the groups had: torch's
+    ValueError becomes one line naming the checkpoint, exit 2."""
+    run_dir, _ = lm_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    res = run([BIN / "ringfeed", "train", run_dir.parent / f"{run_dir.name}.yaml", "--resume",
+               "auto", "--set", f"output.dir={copy}", "--set", "optim.weight_decay=0",
+               "--set", "train.max_steps=9"], timeout=180)
+    assert not res.timed_out
+    err = res.stderr.strip()
+    assert res.returncode == 2 and err.count("\n") == 0 and "Traceback" not in err, res.output
+    assert f"checkpoint {newest_checkpoint(copy)}" in err, err
+    assert "optimizer state does not fit" in err and "--resume none" in err, err

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 
-from ringfeed.errors import UserError, model_mismatch, state_dict_differences
+from ringfeed.errors import UserError, model_mismatch, optimizer_mismatch, state_dict_differences
 from ringfeed.formats.tokens import DOC_IDS
 from ringfeed.train.backends.base import (
     Dist,
@@ -246,7 +246,10 @@ class TorchCheckpoints:
         if differences:
             raise model_mismatch(directory, differences)
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:  # torch names only the groups' sizes
+            self.optimizer.load_state_dict(state["optimizer"])
+        except ValueError as e:
+            raise optimizer_mismatch(directory, e) from None
         self.scaler.load_state_dict(state["scaler"])
         self._loaded_rng = state["rng"]
         self._local_steps = int(state.get("local_sgd_steps", 0))
