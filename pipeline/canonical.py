@@ -33,7 +33,7 @@ import numpy as np
 
 from ringfeed.pipeline.config import PipelineConfig, canonical_rule_error, resolved_streams
 from ringfeed.pipeline.errors import PipelineError
-from ringfeed.pipeline.plan import SegmentConfig, SegmentPlan, WorkerPlan, shuffle_order
+from ringfeed.pipeline.plan import SegmentConfig, SegmentPlan, WorkerPlan
 from ringfeed.pipeline.stream import Booked, StreamContext, WorkerStream
 
 
@@ -158,7 +158,7 @@ class GlobalStream:
         span = (len(plan.remaining) // plan.config.world_size) // g * g
         positions, valid = plan.slot_positions(c, 0, span)
         ids = plan.remaining.ids(positions)
-        emitted = shuffle_order(span, plan.config.shuffle_buffer, plan.stream_rng(c, 0))
+        emitted = plan.stream_order(c, 0, span)
         if len(self.skip):
             emitted = emitted[~np.isin(ids[emitted], self.skip)]
         chunks = emitted[:plan.batches * g].reshape(plan.batches, g)

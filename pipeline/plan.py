@@ -19,7 +19,9 @@ Epoch `e`:
      each worker taking a contiguous slice of the rank's slots. Global batch t of the rank comes
      from worker t % W (torch's DataLoader round-robin), local batch t // W.
   5. Within a worker a shuffle buffer of K slots, driven by rng(seed, e, k, rank, w), picks the
-     emission order from slot positions alone, never from content.
+     emission order from slot positions alone, never from content. It starts emitting once it
+     holds I slots (`shuffle_initial`, K // 10 by default) and grows to K as it emits
+     (`shuffle_order`).
 
 Cost per rank (issue 17): no list is materialised beyond the rank's own slots. L is never built:
 a position of L maps to its id through prefix sums of the shard counts in epoch order
@@ -33,7 +35,7 @@ same batches (tests/test_plan_scale.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -51,10 +53,26 @@ class SegmentConfig:
     batch_size: int
     shuffle_buffer: int
     balance: str
+    # slots held at the buffer's first emission; None: default_initial(shuffle_buffer).
+    # shuffle_buffer + 1 is the order of states saved before it existed (full before emitting)
+    shuffle_initial: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.shuffle_initial is None:
+            object.__setattr__(self, "shuffle_initial", default_initial(self.shuffle_buffer))
 
     @property
     def streams(self) -> int:
         return max(1, self.num_workers)
+
+    @property
+    def initial(self) -> int:
+        return int(self.shuffle_initial or 1)
+
+    def same_but_initial(self, other: SegmentConfig) -> bool:
+        """The same settings but perhaps the initial fill: a state saved before the fill was
+        recorded finishes its epoch in its own order, as one segment."""
+        return replace(self, shuffle_initial=other.shuffle_initial) == other
 
 
 @dataclass
@@ -66,14 +84,18 @@ class Segment:
         c = self.config
         return {"world_size": c.world_size, "num_workers": c.num_workers,
                 "batch_size": c.batch_size, "shuffle_buffer": c.shuffle_buffer,
-                "balance": c.balance, "batches_consumed": self.batches_consumed}
+                "balance": c.balance, "shuffle_initial": c.initial,
+                "batches_consumed": self.batches_consumed}
 
     @classmethod
     def from_dict(cls, d: dict, defaults: dict) -> Segment:
+        """A segment a state recorded; without `shuffle_initial` (saved before it existed) its
+        buffer emitted only once full, so the resumed epoch keeps that order."""
         merged = {**defaults, **d}
+        buffer = int(merged["shuffle_buffer"])
         config = SegmentConfig(int(merged["world_size"]), int(merged["num_workers"]),
-                               int(merged["batch_size"]), int(merged["shuffle_buffer"]),
-                               str(merged["balance"]))
+                               int(merged["batch_size"]), buffer, str(merged["balance"]),
+                               int(merged.get("shuffle_initial", buffer + 1)))
         return cls(config, int(merged["batches_consumed"]))
 
 
@@ -168,60 +190,109 @@ class EpochOrder:
         return self.layout.offsets[shard] + (positions - self.starts[j])
 
 
-def shuffle_order(n: int, buffer: int, rng: np.random.Generator | None,
-                  limit: int | None = None) -> np.ndarray:
-    """Emission order of n slots through a shuffle buffer holding `buffer` slots.
+def default_initial(buffer: int) -> int:
+    """Slots a buffer of `buffer` holds at its first emission: a tenth (webdataset's
+    shuffle(1000, initial=100)), so a worker's first batch waits for ~K/10 + 2b slots, not K + b."""
+    return max(1, buffer // 10)
 
-    Slots enter in order; once the buffer overflows, a uniformly drawn resident leaves; at the
-    end the rest drain in random order. Decisions use positions only, so the order is a pure
-    function of (n, buffer, rng). `limit` stops after that many emissions (for replay); the
-    first `limit` emissions need only the first `limit` draws, so a replay costs O(limit + K).
-    Vectorised while slots still enter (see `_fill_phase`); the final drain of <= `buffer`
-    slots is a Python loop. Same order, draw for draw, as tests/plan_reference.py:shuffle_order.
+
+def shuffle_order(n: int, buffer: int, rng: np.random.Generator | None,
+                  limit: int | None = None, initial: int | None = None) -> np.ndarray:
+    """Emission order of n slots through a shuffle buffer of `buffer` slots that starts
+    emitting once it holds `initial` (default_initial(buffer); clipped to 1..buffer + 1).
+
+    Slots enter in order. Emission j takes a uniformly drawn resident once slots
+    0..E(j)-1 have entered, E(j) = min(n, I + 2j, K + 1 + j): the buffer grows by one slot per
+    emission from I to K + 1 residents (webdataset's shuffle(bufsize, initial)), then one slot
+    enters per emission, and at the end the rest drain. So emission j comes from the first
+    E(j) slots (the first from the first I): less mixing early in the stream, the price of a
+    first batch after ~I + 2b slots. I = K + 1 is the buffer that emits only once full.
+    Decisions use positions only, so the order is a pure function of (n, K, I, rng). `limit`
+    stops after that many emissions (for replay); emission j uses draw j, so a replay costs
+    O(limit + K). Vectorised while one slot enters per emission (`_fill_phase`); the growth
+    and the drain (<= K + 1 emissions each) are Python loops. Same order, draw for draw, as
+    tests/plan_reference.py:shuffle_order.
     """
     limit = n if limit is None else max(0, min(limit, n))
     if rng is None or buffer <= 0 or n <= 1:
         return np.arange(limit, dtype=np.int64)
+    first = min(max(1, default_initial(buffer) if initial is None else initial), buffer + 1)
     draws = rng.random(limit)  # emission j uses draw j (a prefix of rng.random(n))
     out = np.empty(limit, dtype=np.int64)
-    fill = min(limit, max(0, n - buffer))  # emissions made while slots still enter
-    resident = _fill_phase(draws[:fill], buffer, out) if n > buffer else np.arange(n)
-    if limit > fill:  # every slot has entered: the residents drain
-        res, d = resident.tolist(), draws[fill:].tolist()
-        for j in range(fill, limit):
-            i = int(d[j - fill] * len(res))
-            out[j] = res[i]
-            res[i] = res[-1]
-            res.pop()
+    steps = _Steps(n, buffer, first, draws.tolist(), out)
+    grown = min(limit, buffer + 2 - first)  # from here on one slot enters per emission
+    steps.run(0, grown)
+    fill = min(limit, n - buffer)  # emissions j with K + 1 + j <= n
+    if fill > grown:
+        steps.resident = _fill_phase(draws[grown:fill], np.array(steps.resident, np.int64),
+                                     buffer + grown, out[grown:fill]).tolist()
+        steps.entered = buffer + fill
+    steps.run(max(grown, fill), limit)
     return out
 
 
-def _fill_phase(draws: np.ndarray, buffer: int, out: np.ndarray) -> np.ndarray:
-    """Emissions 0..F-1 while slots enter, written to out[:F]; returns the buffer afterwards.
+@dataclass
+class _Steps:
+    """shuffle_order's emissions one at a time: slots enter up to E(j), a drawn one leaves."""
 
-    Emission s happens when slot K+s enters a full buffer of K slots: pick p = floor(d_s (K+1));
+    n: int
+    buffer: int
+    initial: int
+    draws: list[float]
+    out: np.ndarray
+    resident: list[int] = field(default_factory=list)
+    entered: int = 0
+
+    def run(self, lo: int, hi: int) -> None:
+        res, n, k, first, d = self.resident, self.n, self.buffer, self.initial, self.draws
+        for j in range(lo, hi):
+            target = min(n, first + 2 * j, k + 1 + j)
+            res.extend(range(self.entered, target))
+            self.entered = max(self.entered, target)
+            i = int(d[j] * len(res))
+            self.out[j] = res[i]
+            res[i] = res[-1]
+            res.pop()
+
+
+def entered_after(emitted: IntOrArray, slots: IntOrArray, buffer: int, initial: int
+                  ) -> IntOrArray:
+    """Slots that entered a shuffled stream's buffer by its `emitted`-th emission (0 before
+    the first): E(emitted - 1) of `shuffle_order`."""
+    last = np.maximum(emitted - 1, 0)
+    entered = np.minimum(slots, np.minimum(initial + 2 * last, buffer + 1 + last))
+    return _as_int(np.where(np.asarray(emitted) > 0, entered, 0))
+
+
+def _fill_phase(draws: np.ndarray, resident: np.ndarray, first: int, out: np.ndarray
+                ) -> np.ndarray:
+    """Emissions while one slot enters per emission, written to out[:F] (F = len(draws));
+    returns the buffer afterwards. `resident`: the K slots it holds before, `first`: the
+    first slot to enter.
+
+    Emission s happens when slot first+s enters the K residents: pick p = floor(d_s (K+1));
     p == K sends the entering slot straight out, else the resident at p leaves and the entering
-    slot takes its place. So emission s is the value last written at p before step s: K+s' for
-    the previous step s' that picked p, or p itself (the buffer starts as 0..K-1). A stable sort
-    by p finds every previous step at once.
+    slot takes its place. So emission s is the value last written at p before step s: first+s'
+    for the previous step s' that picked p, or resident[p]. A stable sort by p finds every
+    previous step at once.
     """
-    k, steps = buffer, len(draws)
+    k, steps = len(resident), len(draws)
     pick = (draws * (k + 1)).astype(np.int64)
-    out[:steps] = np.arange(k, k + steps)
+    out[:steps] = np.arange(first, first + steps)
     stays = np.flatnonzero(pick < k)
     # (positions fit 16 bits for the usual buffers: numpy's stable sort is then a radix sort)
     by_pos = np.argsort(pick[stays].astype(np.int16 if k < 2**15 else np.int64), kind="stable")
     pos, step = pick[stays][by_pos], stays[by_pos]
-    first = np.ones(len(pos), dtype=bool)
-    first[1:] = pos[1:] != pos[:-1]
-    left = np.where(first, pos, 0)
-    left[~first] = k + step[np.flatnonzero(~first) - 1]
+    is_first = np.ones(len(pos), dtype=bool)
+    is_first[1:] = pos[1:] != pos[:-1]
+    left = np.where(is_first, resident[pos], 0)
+    left[~is_first] = first + step[np.flatnonzero(~is_first) - 1]
     out[step] = left
-    resident = np.arange(k, dtype=np.int64)
+    after = resident.copy()
     last = np.ones(len(pos), dtype=bool)
     last[:-1] = pos[:-1] != pos[1:]
-    resident[pos[last]] = k + step[last]
-    return resident
+    after[pos[last]] = first + step[last]
+    return after
 
 
 @dataclass(frozen=True)
@@ -277,8 +348,14 @@ class SegmentPlan:
         count = worker_batches(self.batches, c.streams, w)
         positions, valid = self.slot_positions(rank, first * c.batch_size,
                                                (first + count) * c.batch_size)
-        order = shuffle_order(len(positions), c.shuffle_buffer, self.stream_rng(rank, w), limit)
+        order = self.stream_order(rank, w, len(positions), limit)
         return WorkerPlan(self.remaining.ids(positions), valid, order, count, c.batch_size)
+
+    def stream_order(self, rank: int, w: int, n: int, limit: int | None = None) -> np.ndarray:
+        """Emission order of stream (rank, w)'s n slots (shuffle_order at this segment's
+        buffer)."""
+        c = self.config
+        return shuffle_order(n, c.shuffle_buffer, self.stream_rng(rank, w), limit, c.initial)
 
     def stream_rng(self, rank: int, w: int) -> np.random.Generator | None:
         if self.config.shuffle_buffer <= 0:
@@ -291,7 +368,7 @@ class Carried:
 
     Segment k cut L_k into stream ranges, one per old (rank, worker), plus (drop) the unused
     tail. Stream i's range starts at a_i, holds v_i valid slots and emitted k_i slots; its
-    emissions lie within its first e_i slots (e_i = min(slots, k_i + K) once it emitted), so
+    emissions lie within its first e_i slots (e_i = `entered_after`(k_i)), so
     what it left of its range, in order, is: the h_i slots of its first e_i still resident in
     its buffer ("holes"), then slots e_i..v_i-1 untouched. Counts come from arithmetic; the
     holes of a stream are found by re-simulating its buffer, only when a position asked for
@@ -318,8 +395,9 @@ class Carried:
         self.emitted = np.minimum(consumed_by_worker(batches_consumed, streams, self.ws) * b,
                                   self.slots)
         shuffled = (buffer > 0) & (self.slots > 1)
-        entered = np.where(self.emitted > 0,
-                           np.minimum(self.slots, self.emitted + buffer * shuffled), 0)
+        entered = np.where(shuffled,
+                           entered_after(self.emitted, self.slots, buffer, c.initial),
+                           self.emitted)
         self._sims: dict[int, np.ndarray] = {}  # stream -> its emitted slot indices
         consumed = self.emitted.copy()
         for i in np.flatnonzero(entered > valid).tolist():  # may have emitted pad repeats
@@ -361,8 +439,8 @@ class Carried:
         """Slot indices stream i emitted, from a replay of its buffer (remembered)."""
         if i not in self._sims:
             rank, w = int(self.ranks[i]), int(self.ws[i])
-            self._sims[i] = shuffle_order(int(self.slots[i]), self.plan.config.shuffle_buffer,
-                                          self.plan.stream_rng(rank, w), int(self.emitted[i]))
+            self._sims[i] = self.plan.stream_order(rank, w, int(self.slots[i]),
+                                                   int(self.emitted[i]))
         return self._sims[i]
 
 

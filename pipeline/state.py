@@ -92,7 +92,7 @@ class PipelineState:
             raise PipelineError(f"malformed pipeline state ({e!r})") from None
         if not segments:
             raise PipelineError("malformed pipeline state (no segments)")
-        if self.order == "global" and any(seg.config != c for seg in segments):
+        if self.order == "global" and any(not seg.config.same_but_initial(c) for seg in segments):
             other = segments[-1].config
             raise PipelineError(
                 f"pipeline state has canonical_streams={other.world_size}, "
@@ -102,7 +102,7 @@ class PipelineState:
                 "only with the same ones")
         with self.lock:
             self.epoch, self.segments = epoch, segments
-            if segments[-1].config != self.config and not self._epoch_complete():
+            if not segments[-1].config.same_but_initial(c) and not self._epoch_complete():
                 # a segment that consumed nothing changes nothing: replace it, don't stack it
                 while len(self.segments) > 1 and self.segments[-1].batches_consumed == 0:
                     self.segments.pop()

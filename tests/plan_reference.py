@@ -17,7 +17,8 @@ import numpy as np
 
 # Nothing is imported from the planner this checks: the arithmetic below is written out again,
 # the plain way. It reads only the sample counts of a layout and the settings of a segment
-# (config: world_size, streams, batch_size, shuffle_buffer, balance; batches_consumed).
+# (config: world_size, streams, batch_size, shuffle_buffer, shuffle_initial, balance;
+# batches_consumed).
 
 
 def batches_for(n: int, world_size: int, batch_size: int, balance: str) -> int:
@@ -61,31 +62,37 @@ def epoch_order(layout: Any, seed: int, epoch: int, shuffle: bool) -> np.ndarray
 
 
 def shuffle_order(n: int, buffer: int, rng: np.random.Generator | None,
-                  limit: int | None = None) -> np.ndarray:
-    """Emission order of n slots through a shuffle buffer (one Python step per slot)."""
+                  limit: int | None = None, initial: int | None = None) -> np.ndarray:
+    """Emission order of n slots through a shuffle buffer (one Python step per slot): it emits
+    first once it holds `initial` slots (buffer // 10, at least 1), then after every second
+    slot until it holds buffer + 1 at an emission, then after every slot; the rest drain."""
     limit = n if limit is None else min(limit, n)
     if rng is None or buffer <= 0 or n <= 1:
         return np.arange(limit, dtype=np.int64)
+    first = max(1, buffer // 10) if initial is None else initial
+    first = min(max(1, first), buffer + 1)
     draws = rng.random(n)
     out = np.empty(limit, dtype=np.int64)
     resident: list[int] = []
     emitted = 0
-    for i in range(n):
-        if emitted >= limit:
-            return out
-        resident.append(i)
-        if len(resident) > buffer:
-            j = int(draws[emitted] * len(resident))
-            out[emitted] = resident[j]
-            resident[j] = resident[-1]
-            resident.pop()
-            emitted += 1
-    while emitted < limit:
+
+    def emit() -> None:
+        nonlocal emitted
         j = int(draws[emitted] * len(resident))
         out[emitted] = resident[j]
         resident[j] = resident[-1]
         resident.pop()
         emitted += 1
+
+    for i in range(n):
+        if emitted >= limit:
+            return out
+        resident.append(i)
+        due = min(first + 2 * emitted, buffer + 1 + emitted)  # slots in by the next emission
+        if i + 1 == due:
+            emit()
+    while emitted < limit:
+        emit()
     return out
 
 
@@ -124,7 +131,7 @@ class ReferenceSegmentPlan:
         ids, valid = ids[lo:hi], valid[lo:hi]
         rng = (np.random.default_rng([self.seed, self.epoch, self.index, rank, w])
                if c.shuffle_buffer > 0 else None)
-        order = shuffle_order(len(ids), c.shuffle_buffer, rng, limit)
+        order = shuffle_order(len(ids), c.shuffle_buffer, rng, limit, c.shuffle_initial)
         return ReferenceWorkerPlan(ids, valid, order, count, c.batch_size)
 
     def consumed_ids(self, batches_consumed: int) -> np.ndarray:

@@ -25,9 +25,13 @@ def random_layout(rng: np.random.Generator, max_shards: int = 12, max_count: int
 
 
 def random_config(rng: np.random.Generator) -> P.SegmentConfig:
+    """Random settings; the buffer's initial fill the default, any of 1..K+1 or K+1 (the
+    order of states saved before it existed)."""
+    buffer = int(rng.integers(0, 12))
+    initial = [None, int(rng.integers(1, buffer + 2)), buffer + 1][int(rng.integers(3))]
     return P.SegmentConfig(int(rng.integers(1, 6)), int(rng.integers(0, 4)),
-                           int(rng.integers(1, 5)), int(rng.integers(0, 12)),
-                           str(rng.choice(P.BALANCE_POLICIES)))
+                           int(rng.integers(1, 5)), buffer,
+                           str(rng.choice(P.BALANCE_POLICIES)), initial)
 
 
 def segments_with_progress(rng: np.random.Generator, layout: P.Layout, configs, shuffle: bool
@@ -76,13 +80,33 @@ def test_shuffle_order_equals_the_reference(seed):
     cases = [(int(rng.integers(0, 300)), int(rng.integers(0, 40))) for _ in range(300)]
     cases += [(20_000, 1000), (5000, 7), (999, 1000), (1000, 1000), (1001, 1000), (2, 1)]
     for n, buffer in cases:
-        for limit in (None, 0, 1, int(rng.integers(0, n + 2)), max(0, n - buffer), n + 5):
+        initials = (None, 1, int(rng.integers(1, buffer + 2)), buffer + 1, buffer + 9)
+        for limit, initial in zip((None, 0, 1, int(rng.integers(0, n + 2)),
+                                   max(0, n - buffer), n + 5), initials * 2, strict=False):
             draws = int(rng.integers(1 << 30))
             new = P.shuffle_order(n, buffer, np.random.default_rng(draws) if buffer else None,
-                                  limit)
+                                  limit, initial)
             old = R.shuffle_order(n, buffer, np.random.default_rng(draws) if buffer else None,
-                                  limit)
-            assert np.array_equal(new, old), (n, buffer, limit)
+                                  limit, initial)
+            assert np.array_equal(new, old), (n, buffer, limit, initial)
+
+
+def test_the_buffer_emits_once_it_holds_initial_and_grows():
+    """Emission j comes from the first min(I + 2j, K + 1 + j) slots (webdataset's growing
+    buffer): the first from the first I = K // 10 by default (a buffer that emitted only once
+    full drew it from the first K + 1), and every slot of that window is drawn sometimes."""
+    n, k = 3000, 1000
+    firsts, lasts = [], []
+    for seed in range(300):
+        order = P.shuffle_order(n, k, np.random.default_rng(seed))
+        j = np.arange(n)
+        window = np.minimum(n, np.minimum(100 + 2 * j, k + 1 + j))
+        assert (order < window).all()
+        assert sorted(order.tolist()) == list(range(n))
+        firsts.append(int(order[0]))
+        lasts.append(int(order[127]))  # the last of a first batch of 128
+    assert max(firsts) < 100 <= max(lasts) < 100 + 2 * 127
+    assert len(set(firsts)) > 80  # drawn over the 100, not a fixed few
 
 
 @pytest.mark.parametrize("seed", range(6))
