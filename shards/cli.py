@@ -102,9 +102,11 @@ def _table_options(p: argparse.ArgumentParser) -> None:
 
 
 def _text_options(p: argparse.ArgumentParser) -> None:
-    """text: tokenising documents into fixed-length samples."""
-    p.add_argument("--seq-len", type=int, default=1024, metavar="N",
-                   help="text: tokens per sample (default 1024)")
+    """text: tokenising documents into flat token shards, or rows of --seq-len tokens."""
+    p.add_argument("--seq-len", type=int, metavar="N",
+                   help="text: write the row layout, N tokens per sample, the context fixed "
+                        "here (default: flat token shards, the context chosen in training by "
+                        "data.seq_len; --max-count then caps tokens per shard)")
     p.add_argument("--tokenizer", default="bytes", metavar="SPEC",
                    help="text: 'bytes' (ids 0..255, EOS 256; the default), a Hugging Face "
                         "tokenizer.json (or its folder), or module:attr of an installed tokenizer "

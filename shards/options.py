@@ -32,7 +32,9 @@ class ShardOptions:
     workers: int = 1
     strict: bool = False
     overwrite: bool = False
-    seq_len: int = 2048
+    # text: tokens per row of the row layout (one `tokens.npy` member each); None: flat
+    # token shards (ringfeed/formats/tokens.py), the context chosen at train time
+    seq_len: int | None = None
     tokenizer: str = "bytes"
     text_field: str = "text"
     glob: str = "*"
@@ -54,14 +56,24 @@ class ShardOptions:
         """The scan's scratch folder under OUT: one per part, since parts may share OUT."""
         return ".ringfeed-work" + (f"/part-{self.part[0]}-of-{self.part[1]}" if self.part else "")
 
-    def limits(self) -> tuple[int | None, int | None]:
-        """(max bytes, max samples) per shard; None = no limit."""
+    @property
+    def flat_text(self) -> bool:
+        """--format text without --seq-len: flat token shards."""
+        return self.format == "text" and self.seq_len is None
+
+    def size_limits(self) -> tuple[int | None, int | None]:
+        """(max bytes, max samples; flat text: max tokens) per shard, as given; None = no limit."""
         if self.max_size is None and self.max_count is None:
             return DEFAULT_MAX_SIZE, None
         return self.max_size, self.max_count
 
+    def limits(self) -> tuple[int | None, int | None]:
+        """(max bytes, max samples) per shard for the packing; None = no limit. A flat token
+        shard is one sample that the text source cut to size_limits()."""
+        return (None, 1) if self.flat_text else self.size_limits()
+
     def plan_options(self) -> dict:
         """What decides the shards' bytes (not --workers): recorded in the manifest."""
-        max_size, max_count = self.limits()
+        max_size, max_count = self.size_limits()
         return {"max_size": max_size, "max_count": max_count, "val_fraction": self.val_fraction,
                 "shuffle_seed": self.shuffle_seed}

@@ -30,7 +30,16 @@ import numpy as np
 
 from ringfeed.errors import UserError
 from ringfeed.formats.members import npy_bytes
-from ringfeed.formats.tarblocks import member_tar_bytes
+from ringfeed.formats.tarblocks import END, RECORD, member_tar_bytes
+from ringfeed.formats.tokens import (
+    DOCS_MEMBER,
+    FLAT,
+    TOKENS_MEMBER,
+    doc_dtype,
+    document_starts,
+    flat_members,
+    npy_size,
+)
 from ringfeed.shards.keys import NumberedKeys
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.parallel import parallel_map
@@ -38,7 +47,8 @@ from ringfeed.shards.sources.base import WORK_DIR, Part, Source, WorkDir, int_si
 from ringfeed.shards.split import draw_val
 from ringfeed.shards.tokenizers import Tokenizer, load_tokenizer
 
-MEMBER = "tokens.npy"
+MEMBER = TOKENS_MEMBER  # the row layout's one member
+FLAT_OVERHEAD = 2560  # a flat shard's members' tar and .npy headers and padding, at most
 READ_CHUNK = 1 << 24
 # with --workers K > 1 a .jsonl or .parquet file larger than this is tokenized in pieces of
 # about this size (line-aligned byte ranges, runs of row groups) that the workers share: one
@@ -184,10 +194,10 @@ class Text(Source):
 
     def __init__(self, opts: ShardOptions):
         super().__init__(opts)
-        if opts.seq_len < 1:
+        if opts.seq_len is not None and opts.seq_len < 1:
             raise UserError(f"--seq-len {opts.seq_len}: must be at least 1")
         self.tokenizer = load_tokenizer(opts.tokenizer)
-        self.seq_len = opts.seq_len
+        self.seq_len = opts.seq_len  # None: flat token shards
         # a tokenizer.json is recorded by its resolved path, and is an input of the plan (a
         # changed file changes the tokens: a rerun does not resume the old shards)
         self.options = {"seq_len": opts.seq_len, "tokenizer": self.tokenizer.name,
@@ -197,39 +207,94 @@ class Text(Source):
         self._scratch = WorkDir(opts.out, opts.work_name)
         self._work = self._scratch.path
         self._tokens: dict[str, np.ndarray] = {}
+        self._shard_tokens: dict[str, int] = {}  # flat: tokens per shard of each part
         stats = {"documents": 0, "tokens": 0, "dropped_tokens": 0}
         try:
-            splits = source_splits(opts.src)
-            if opts.val_fraction and not splits:  # whole documents to val
-                files = self._files(opts.src, opts.glob)
-                counts = self._tokenize(files, opts, self._val_documents(files, opts))
+            counts = self._scan(opts)
+            if self.val_drawn:
                 stats["val_documents"] = counts["val"][0]
-                self.val_drawn = True
-            else:
-                counts = {}
-                for part, path in (splits or {"train": opts.src}).items():
-                    counts.update(self._tokenize(self._files(path, opts.glob), opts, part=part))
             for part, (docs, total) in counts.items():
-                count = total // self.seq_len
-                if count == 0 and self.val_drawn:
-                    raise UserError(f"{opts.src}: the {part} documents hold {total} tokens, fewer "
-                                    f"than --seq-len {self.seq_len}; change --val-fraction")
-                if count == 0:
-                    where = (splits or {}).get(part, opts.src)
-                    raise UserError(f"{where}: {total} tokens, fewer than --seq-len {self.seq_len}")
                 tokens = np.memmap(self._work / f"{part}.tokens", dtype=self.tokenizer.dtype,
-                                   mode="r", shape=(total,))
+                                   mode="r", shape=(total,)) if total else np.empty(0)
                 self._tokens[part] = tokens
-                size = member_tar_bytes(len(npy_bytes(tokens[: self.seq_len])))
-                self.parts[part] = Part(NumberedKeys(count), int_sizes(np.full(count, size)))
+                used = self._flat(part, tokens, opts) if self.seq_len is None \
+                    else self._rows(part, total, opts)
                 stats["documents"] += docs
                 stats["tokens"] += total
-                stats["dropped_tokens"] += total - count * self.seq_len
+                stats["dropped_tokens"] += total - used
         except BaseException:
             self.close()
             raise
-        self.fields = {MEMBER: "npy"}
-        self.text = {**self.tokenizer.describe(), "seq_len": self.seq_len, **stats}
+        if self.seq_len is None:
+            self.fields = {TOKENS_MEMBER: "npy", DOCS_MEMBER: "npy"}
+            self.text = {**self.tokenizer.describe(), "layout": FLAT,
+                         "shard_tokens": self._shard_tokens, **stats}
+        else:
+            self.fields = {MEMBER: "npy"}
+            self.text = {**self.tokenizer.describe(), "seq_len": self.seq_len, **stats}
+
+    def _scan(self, opts: ShardOptions) -> dict[str, tuple[int, int]]:
+        """Tokenize the source into work files: {part: (documents, tokens)}."""
+        splits = source_splits(opts.src)
+        if opts.val_fraction and not splits:  # whole documents to val
+            files = self._files(opts.src, opts.glob)
+            self.val_drawn = True
+            return self._tokenize(files, opts, self._val_documents(files, opts))
+        counts = {}
+        for part, path in (splits or {"train": opts.src}).items():
+            counts.update(self._tokenize(self._files(path, opts.glob), opts, part=part))
+        return counts
+
+    def _too_few(self, part: str, total: int, need: int, opts: ShardOptions) -> UserError:
+        what = f"--seq-len {need}" if self.seq_len is not None else "one token"
+        if self.val_drawn:
+            return UserError(f"{opts.src}: the {part} documents hold {total} tokens, fewer "
+                             f"than {what}; change --val-fraction")
+        where = (source_splits(opts.src) or {}).get(part, opts.src)
+        return UserError(f"{where}: {total} tokens, fewer than {what}")
+
+    def _rows(self, part: str, total: int, opts: ShardOptions) -> int:
+        """The row layout's part: `total // seq_len` rows; the tokens it keeps."""
+        assert self.seq_len is not None
+        count = total // self.seq_len
+        if count == 0:
+            raise self._too_few(part, total, self.seq_len, opts)
+        size = member_tar_bytes(len(npy_bytes(self._tokens[part][: self.seq_len])))
+        self.parts[part] = Part(NumberedKeys(count), int_sizes(np.full(count, size)))
+        return count * self.seq_len
+
+    def _flat(self, part: str, tokens: np.ndarray, opts: ShardOptions) -> int:
+        """The flat layout's part: k shards of equal tokens (the last k - 1 tokens at most
+        dropped), as many as --max-size (and --max-count, in tokens) ask; the tokens it keeps.
+        Equal shards make the manifest's per-shard count one number, whatever order
+        --shuffle-seed puts them in."""
+        total = len(tokens)
+        if total == 0:
+            raise self._too_few(part, total, 1, opts)
+        max_size, max_count = opts.size_limits()
+        itemsize = np.dtype(self.tokenizer.dtype).itemsize
+        doc_bytes = doc_dtype(total).itemsize * (int(np.count_nonzero(
+            tokens[:-1] == self.tokenizer.eos_id)) + 1)
+        k = 1
+        if max_size:  # the packing's budget (whole tar records, the end blocks), less headers
+            budget = (max_size // RECORD) * RECORD - END - FLAT_OVERHEAD
+            k = max(k, -(-(total * itemsize + doc_bytes) // max(budget, 1)))
+        if max_count:
+            k = max(k, -(-total // max_count))
+        k = min(k, total)
+        per = total // k
+        eos, docs = self.tokenizer.eos_id, doc_dtype(per)
+        sizes = [member_tar_bytes(npy_size(tokens.dtype, per)) + member_tar_bytes(npy_size(
+            docs, len(document_starts(tokens, i * per, (i + 1) * per, eos)))) for i in range(k)]
+        self.parts[part] = Part(NumberedKeys(k), int_sizes(sizes))
+        self._shard_tokens[part] = per
+        return k * per
+
+    def _chunk(self, part: str, per: int, index: int) -> dict[str, bytes]:
+        """Flat shard `index` of `part` (`per` tokens each): its members."""
+        tokens = self._tokens[part]
+        starts = document_starts(tokens, index * per, (index + 1) * per, self.tokenizer.eos_id)
+        return flat_members(tokens[index * per:(index + 1) * per], starts)
 
     @staticmethod
     def _val_documents(files: list[Path], opts: ShardOptions) -> np.ndarray:
@@ -280,9 +345,12 @@ class Text(Source):
         return {p: (docs, total) for p, (docs, total) in counts.items()}
 
     def sample(self, part: str, index: int) -> dict[str, Any]:
+        key = self.parts[part].keys[index]
+        if self.seq_len is None:
+            return {"__key__": key, **self._chunk(part, self._shard_tokens[part], index)}
         start = index * self.seq_len
         tokens = self._tokens[part][start: start + self.seq_len]
-        return {"__key__": self.parts[part].keys[index], MEMBER: npy_bytes(tokens)}
+        return {"__key__": key, MEMBER: npy_bytes(tokens)}
 
     def close(self) -> None:
         self._tokens.clear()
