@@ -327,3 +327,26 @@ def test_mpirun_across_two_netns_hosts_shards_one_folder(capsys, tmp_path, sourc
     for i in range(2):
         assert f"part {i}/2 (from mpirun's OMPI_COMM_WORLD_RANK" in result.stdout
     assert tree_bytes(out) == tree_bytes(tmp_path / "one")
+
+
+def test_array_sources_size_classes_and_map_npz_as_a_part_repeats_it(tmp_path):
+    """What every part repeats for npz/npy, vectorised: a class array's member sizes are
+    encode's (signs, widths, unsigned), and an uncompressed .npz is mapped, not read whole
+    (the arrays np.load gives: C and Fortran order, strings); a compressed one is np.load's."""
+    from ringfeed.formats.members import encode
+    from ringfeed.formats.tarblocks import member_tar_bytes
+    from ringfeed.shards.sources.arrays import _int_member_sizes, _stored_npz
+
+    for a in (np.array([0, -1, 7, 10, -100, 2**62, -2**63], np.int64),
+              np.arange(3000, dtype=np.uint16)):
+        expected = [member_tar_bytes(len(encode("cls", v, "here"))) for v in a]
+        assert _int_member_sizes(a).tolist() == expected
+    arrays = {"x": np.arange(12.0).reshape(3, 4), "y": np.asfortranarray(np.arange(6).reshape(2, 3)),
+              "s": np.array(["ab", "c"])}
+    np.savez(tmp_path / "d.npz", **arrays)
+    mapped = _stored_npz(tmp_path / "d.npz")
+    assert mapped is not None and all(isinstance(a, np.memmap) for a in mapped.values())
+    for name, a in arrays.items():
+        assert mapped[name].dtype == a.dtype and np.array_equal(mapped[name], a)
+    np.savez_compressed(tmp_path / "c.npz", **arrays)
+    assert _stored_npz(tmp_path / "c.npz") is None

@@ -30,6 +30,7 @@ from ringfeed.shards.sources.base import (
 )
 
 NPY_MAGIC = b"\x93NUMPY"  # how every .npy file begins
+CHUNK = 1 << 20  # samples per numpy pass over a class array
 
 
 class Arrays(Source):
@@ -78,6 +79,9 @@ class Arrays(Source):
             return {p.stem: self._load_npy(p) for p in files}
         if path.suffix == ".npz" or zipfile.is_zipfile(path):
             self.record_input(path)
+            mapped = _stored_npz(path)
+            if mapped:
+                return mapped
             try:
                 with np.load(path, allow_pickle=False) as npz:
                     # read once: an NpzFile re-reads (and inflates) an array on every access
@@ -110,6 +114,8 @@ class Arrays(Source):
             raise UserError(f"{where}: object arrays are not supported (use numeric or string dtypes)")
         if kind_of(ext) == "npy":  # every sample has the same shape, so the same .npy size
             return np.full(len(array), member_tar_bytes(len(encode(ext, array[0], where))))
+        if kind_of(ext) == "int" and array.ndim == 1 and array.dtype.kind in "iu":
+            return _int_member_sizes(array)
         return int_sizes([member_tar_bytes(len(encode(ext, v, f"{where}[{i}]")))
                           for i, v in enumerate(array)])
 
@@ -118,3 +124,42 @@ class Arrays(Source):
         where = f"{self.path} sample {index}"
         return {"__key__": self.parts[part].keys[index],
                 **{self._exts[n]: encode(self._exts[n], a[index], where) for n, a in arrays.items()}}
+
+
+def _int_member_sizes(array: np.ndarray) -> np.ndarray:
+    """Tar bytes of each integer's `cls` member (its decimal digits, as encode writes it),
+    counted by numpy in chunks: a part repeats this over every sample."""
+    sizes = np.empty(len(array), np.int64)
+    for at in range(0, len(array), CHUNK):
+        digits = np.char.str_len(np.asarray(array[at:at + CHUNK]).astype(str))
+        lengths, inverse = np.unique(digits, return_inverse=True)
+        sizes[at:at + len(digits)] = np.array(
+            [member_tar_bytes(int(n)) for n in lengths], np.int64)[inverse.reshape(-1)]
+    return sizes
+
+
+def _stored_npz(path: Path) -> dict[str, np.ndarray] | None:
+    """An .npz whose arrays are stored uncompressed (np.savez) as memory maps of them, so a
+    part reads only its samples' pages; None for any other (np.load reads it whole)."""
+    try:
+        with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+            arrays = {}
+            for info in z.infolist():
+                if info.compress_type != zipfile.ZIP_STORED or not info.filename.endswith(".npy"):
+                    return None
+                f.seek(info.header_offset)
+                local = f.read(30)  # the local file header: name and extra field lengths last
+                f.seek(info.header_offset + 30 + int.from_bytes(local[26:28], "little")
+                       + int.from_bytes(local[28:30], "little"))
+                version = np.lib.format.read_magic(f)
+                if version not in ((1, 0), (2, 0)):
+                    return None
+                shape, fortran, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                                         else np.lib.format.read_array_header_2_0(f))
+                if dtype.hasobject:
+                    return None
+                arrays[info.filename[:-4]] = np.memmap(
+                    path, dtype, "r", f.tell(), shape, "F" if fortran else "C")
+            return arrays or None
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return None  # np.load says what is wrong
