@@ -123,6 +123,15 @@ class PipelineConfig(BaseModel):
                             "world size the run uses; auto: gcd(global batch, 192), so every "
                             "world size dividing both works (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, "
                             "48, 64, 96, 192 ranks)")
+    seq_len: PositiveInt | None = Field(
+        None, description="flat token shards (ringfeed shard --format text without --seq-len): "
+                          "tokens a sample feeds the model; each sample is a window of "
+                          "seq_len + 1 tokens (inputs t[:-1], targets t[1:]) with its doc_ids; "
+                          "needed for them, refused for other shards")
+    random_windows: bool = Field(
+        False, description="with seq_len: windows start at an offset in [0, seq_len] drawn "
+                           "per (seed, epoch, shard) instead of 0 (one window fewer per shard "
+                           "at most; ringfeed train: training only, validation stays packed)")
     skip: list[NonNegativeInt] | PathStr | None = Field(
         None, description="sample ids (__index__) left out of every epoch: a list, or a file "
                           "of ids (whitespace/comma separated, or samples.jsonl lines)")
@@ -145,6 +154,13 @@ class PipelineConfig(BaseModel):
     def _augment_size(self) -> PipelineConfig:
         for name in ("augment", "val_augment"):
             parse_augment(getattr(self, name), as_size(self.image_size), name)
+        return self
+
+    @model_validator(mode="after")
+    def _windows_indexed(self) -> PipelineConfig:
+        if self.seq_len is not None and not self.indexed:
+            raise ValueError("seq_len: windows of flat token shards are read through the tar "
+                             "index; set indexed: true")
         return self
 
     @field_validator("decoded_cache")

@@ -51,6 +51,7 @@ from ringfeed.pipeline.source import (
     is_shard_list,
     manifest_refs,
     sample_counts,
+    windowed,
 )
 from ringfeed.pipeline.state import PipelineState
 from ringfeed.pipeline.stats import PipelineStats
@@ -219,8 +220,8 @@ class ShardPipeline:
         make the streams' context. The first pass calls it (so does `context`); once."""
         if self._context is None:
             c = self.config
-            store = decoded_store(
-                c.decoded_cache, c.cache_limit, Path(self.cache.cache_dir), self.decoder,
+            store = decoded_store(  # (a window's tokens depend on the epoch: not cached)
+                c.decoded_cache if c.seq_len is None else False, c.cache_limit, Path(self.cache.cache_dir), self.decoder,
                 self.layout.num_samples, lambda: first_raw(self.refs, self.cache, self.indexes))
             decoder = self.decoder
             if store is not None and decoder.augments_per_epoch:
@@ -525,6 +526,7 @@ def resolve_one(source: Any, config: PipelineConfig, cache: ShardCache,
         manifest, refs = manifest_refs(location, split, config.storage_options, cache.policy,
                                        Path(cache.cache_dir) / "manifests")
         check_pipe_allowed(refs.urls_starting_with("pipe:"), allow_pipe)
+    refs = windowed(manifest, refs, split, config.seq_len, config.random_windows, str(source))
     if not len(refs) or not sample_counts(refs).any():
         raise PipelineError(f"{source}: no samples (split {split!r})")
     return manifest, refs

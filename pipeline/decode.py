@@ -8,6 +8,8 @@ extension, else from the member name's last extension:
         `ringfeed train` hands torch models a (N, C, H, W) view of the NHWC batch
         (model.input_layout).
   npy   -> np.load (no pickles); token fields (extension starting with "tokens") -> int64
+  a flat token shard's window (a TokenSpan, read by shardread.py) -> its seq_len + 1 tokens
+        (int64) and DOC_IDS (int32), the offset drawn from (seed, epoch, shard key) when random
   int   (cls, ...) -> int (batched as int64)
   json  -> object (batched as a list)
   text  (txt) -> str (batched as a list)
@@ -36,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ringfeed.formats.kinds import kind_of
+from ringfeed.formats.tokens import DOC_IDS, TOKENS_MEMBER, TokenSpan
 from ringfeed.pipeline.augment import Augment
 from ringfeed.pipeline.augment_pixels import (
     SourceImage,
@@ -50,7 +53,7 @@ from ringfeed.pipeline.errors import PipelineDataError
 # numpy parses a .npy header with ast.literal_eval, and CPython 3.11's AST construction is not
 # thread-safe (python/cpython#106905): two decode threads at once sporadically raised
 # "SystemError: AST constructor recursion depth mismatch", and the sample was skipped as bad.
-_NPY_LOCK = threading.Lock()
+NPY_LOCK = threading.Lock()
 
 SampleFn = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -131,12 +134,14 @@ class Decoder:
         sample = {k: v for k, v in raw.items() if not k.startswith("__")}
         if self.decode is not None:
             sample = self.user(self.decode, sample)
-        for name, value in sample.items():
+        for name, value in list(sample.items()):
             if isinstance(value, (bytes, bytearray)):
                 try:
                     sample[name] = self.decode_field(name, value, key, epoch)
                 except Exception as e:
                     raise DecodeError(f"field {name!r}: {type(e).__name__}: {e}") from e
+            elif isinstance(value, TokenSpan):
+                sample[name], sample[DOC_IDS] = value.window(self.seed, epoch or 0)
         return self.renamed(sample)
 
     @staticmethod
@@ -174,12 +179,13 @@ class Decoder:
 
     def columns(self, raws: list[dict[str, Any]], epoch: int | None = None
                 ) -> dict[str, list[Any]] | None:
-        """base(raw, epoch) of raw samples one field at a time: {field: decoded values}, with
-        no per-sample dict; None when the samples do not all have the same fields. Raises on
-        a value that does not decode (without saying which sample: base() does that)."""
+        """base(raw, epoch) a field at a time ({field: values}, no per-sample dict; windows: tokens
+        and DOC_IDS); None when fields differ. Raises on a bad value (base() names the sample)."""
         names = raws[0].keys()
         if any(raw.keys() != names for raw in raws):
             return None
+        if type(raws[0].get(TOKENS_MEMBER)) is TokenSpan:  # (WindowReader's: tokens alone)
+            return windows([raw[TOKENS_MEMBER] for raw in raws], self.seed, epoch or 0)
         keys = [raw.get("__key__", "") for raw in raws]
         return self.renamed({name: self.decode_column(name, [raw[name] for raw in raws],
                                                       keys, epoch)
@@ -291,7 +297,7 @@ class Decoder:
         if kind == "image":
             return self.image_decoder(epoch)(data, key) if self.decode_images else data
         if kind == "npy":
-            with _NPY_LOCK:
+            with NPY_LOCK:
                 array = np.load(io.BytesIO(data), allow_pickle=False)
             return array.astype(np.int64) if name.startswith("tokens") else array
         if kind == "int":
@@ -316,6 +322,12 @@ class Decoder:
             settings.update(augment="random" if self.augment.random else repr(self.augment),
                             source_side=self.source_side, resizer=resizer())
         return settings
+
+
+def windows(spans: list[TokenSpan], seed: int, epoch: int) -> dict[str, list[Any]]:
+    """The windows of `spans` for `epoch` as columns: their tokens and their DOC_IDS."""
+    cut = [span.window(seed, epoch) for span in spans]
+    return {TOKENS_MEMBER: [tokens for tokens, _ in cut], DOC_IDS: [ids for _, ids in cut]}
 
 
 _pools: dict[tuple[int, int], ThreadPoolExecutor] = {}

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import mmap
 import os
 from collections import OrderedDict
@@ -29,9 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
+from ringfeed.formats.tokens import DOCS_MEMBER, TOKENS_MEMBER, TokenSpan
 from ringfeed.fsutil import atomic_write_bytes
 from ringfeed.pipeline.cache import COMPRESSED_SUFFIXES as COMPRESSED_SUFFIXES
 from ringfeed.pipeline.cache import ShardHandle, is_compressed, shard_identity
+from ringfeed.pipeline.decode import NPY_LOCK
 from ringfeed.pipeline.source import ShardRef, is_local_url, local_path
 from ringfeed.remote import RetryPolicy, StorageUnavailable, read_url, retrying
 
@@ -210,8 +215,15 @@ def open_samples(handle: ShardHandle, indexes: IndexStore | None,
                  wanted: set[int] | None = None) -> ShardSamples:
     """Random access to `handle`'s samples: indexed when it can be (a plain tar, or the plain
     copy of a compressed one), else sequential (which holds the `wanted` positions read past
-    until they are asked for)."""
+    until they are asked for). A flat token shard's samples are its windows (WindowReader),
+    read indexed only."""
     if indexes is None or (is_compressed(handle.ref.url) and not handle.plain_of):
+        if handle.ref.windows is not None:
+            from ringfeed.pipeline.errors import PipelineDataError
+
+            handle.close()
+            raise PipelineDataError(f"{handle.ref.url}: the windows of a flat token shard are "
+                                    "read through its tar index (compressed: unreadable)")
         return SequentialSamples(handle, wanted)
     return IndexedSamples(handle, *indexes.opened(handle))
 
@@ -236,8 +248,11 @@ class IndexedSamples:
                           f"{expected}")
             # else: build_index's own one-line reason, naming where the tar broke
         self._reason = reason
+        self._windows = WindowReader(self) if handle.ref.windows is not None else None
 
     def get(self, position: int) -> dict[str, Any] | BadSample:
+        if self._windows is not None:
+            return self._windows.get(position)
         if position >= self.intact:
             return BadSample(self.url, position, None, self._reason or "no such sample")
         start, end, members = self._spans[position]
@@ -264,6 +279,8 @@ class IndexedSamples:
     def get_many(self, positions: list[int]) -> list[dict[str, Any] | BadSample]:
         """get() of each position; consecutive small samples (manifest order, a resume) come
         from one pread of their joint span, sliced."""
+        if self._windows is not None:
+            return [self._windows.get(p) for p in positions]
         out: list[dict[str, Any] | BadSample] = []
         spans, keys, n, i = self._spans, self._keys, len(positions), 0
         while i < n:
@@ -298,6 +315,61 @@ class IndexedSamples:
 
     def close(self) -> None:
         self.handle.close()
+
+
+class WindowReader:
+    """The windows of an indexed flat token shard (ringfeed/formats/tokens.py): window i is
+    one pread of its tokens (from i (seq_len + 1), seq_len + 1 of them, or 2 seq_len + 1 with
+    random windows: the decoder cuts the epoch's window), beside the document starts in them.
+    The tokens' .npy header and the document offsets are read once, when the shard opens."""
+
+    def __init__(self, samples: IndexedSamples) -> None:
+        windows = samples.handle.ref.windows
+        assert windows is not None
+        self.samples, self.windows = samples, windows
+        self.bad: str | None = None
+        members = {}
+        if samples.intact:
+            start, _, spans = samples._spans[0]
+            members = {field: (start + lo, start + hi) for field, lo, hi in spans}
+        if TOKENS_MEMBER not in members or DOCS_MEMBER not in members:
+            self.bad = samples._reason or f"not a flat token shard (no {TOKENS_MEMBER} and " \
+                f"{DOCS_MEMBER})"
+            return
+        self.key = samples._keys[0]
+        fd = samples._fd
+        lo, hi = members[DOCS_MEMBER]
+        with NPY_LOCK:
+            self.starts = np.load(io.BytesIO(os.pread(fd, hi - lo, lo))).astype(np.int64)
+        lo, hi = members[TOKENS_MEMBER]
+        head = io.BytesIO(os.pread(fd, min(hi - lo, 4096), lo))
+        version = np.lib.format.read_magic(head)
+        with NPY_LOCK:
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, _, self.dtype = read(head)
+        self.data = lo + head.tell()
+        if shape != (windows.tokens,):
+            self.bad = (f"{TOKENS_MEMBER} holds {shape} tokens, the manifest says "
+                        f"({windows.tokens},): the manifest is out of date")
+        samples.bytes_read += hi - self.data
+
+    def get(self, position: int) -> dict[str, Any] | BadSample:
+        samples, w = self.samples, self.windows
+        if self.bad is not None or position >= w.count:
+            return BadSample(samples.url, position, None, self.bad or "no such window")
+        first = position * (w.seq_len + 1)
+        n = min(2 * w.seq_len + 1 if w.random else w.seq_len + 1, w.tokens - first)
+        size = self.dtype.itemsize
+        data = os.pread(samples._fd, n * size, self.data + first * size)
+        samples.bytes_read += len(data)
+        if len(data) != n * size:
+            return BadSample(samples.url, position, self.key,
+                             "corrupt or truncated tar (the file is shorter than its index)")
+        lo, hi = np.searchsorted(self.starts, (first, first + n))
+        span = TokenSpan(np.frombuffer(data, self.dtype), self.starts[lo:hi] - first, w.seq_len,
+                         w.random, self.key)
+        return {"__key__": f"{self.key}/{position}", TOKENS_MEMBER: span}
 
 
 class SequentialSamples:

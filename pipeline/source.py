@@ -1,6 +1,9 @@
 """Resolve a pipeline source (a shard directory/URL with manifest.json, or shard URLs) into
 an ordered list of `ShardRef`s with sample counts.
 
+A split of flat token shards (ringfeed/formats/tokens.py) read with a `seq_len` is seen as
+windows (`windowed`): a shard's sample count is its window count, from the manifest's tokens.
+
 Sample counts drive all planning (rank balance, resume), so they are needed before any data is
 read: they come from the manifest when there is one (its memory-mapped binary index, so a
 10^6-shard manifest costs a rank milliseconds, not a JSON parse); for a bare list of shard URLs
@@ -14,7 +17,7 @@ import functools
 import os
 import posixpath
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import braceexpand
@@ -23,8 +26,23 @@ import numpy as np
 from ringfeed.formats.manifest import MANIFEST_NAME, Manifest, ManifestError
 from ringfeed.formats.manifest_index import SplitIndex, index_of_bytes, load_index
 from ringfeed.formats.tarread import TAR_SUFFIXES
+from ringfeed.formats.tokens import FLAT, window_count
 from ringfeed.pipeline.errors import PipelineError
 from ringfeed.remote import RetryPolicy, read_url, retrying
+
+
+@dataclass(frozen=True)
+class Windows:
+    """A flat token shard (ringfeed/formats/tokens.py) read as windows of seq_len + 1 tokens:
+    its samples are windows, not tar samples."""
+
+    tokens: int  # the shard's tokens (the manifest's shard_tokens)
+    seq_len: int
+    random: bool  # from an offset drawn per (seed, epoch, shard), else packed from 0
+
+    @property
+    def count(self) -> int:
+        return int(window_count(self.tokens, self.seq_len, self.random))
 
 
 @dataclass(frozen=True)
@@ -36,6 +54,7 @@ class ShardRef:
     bytes: int | None = None
     sha256: str | None = None
     index: str | None = None  # the tar index sidecar `ringfeed shard` wrote, if any
+    windows: Windows | None = None  # a flat token shard read as windows (num_samples: 1)
 
     @property
     def is_local(self) -> bool:
@@ -161,6 +180,67 @@ class ShardRefs(Sequence[ShardRef]):
         """URLs of the shards whose name starts with `prefix` (names that are URLs are used
         as they are), found without making every ShardRef."""
         return [self[int(i)].url for i in self.shards.names_starting_with(prefix)]
+
+
+class WindowRefs(Sequence[ShardRef]):
+    """A split of flat token shards whose samples are windows: `counts` are window counts
+    (what the plan sees as samples), each ShardRef carries its `Windows` for the reader."""
+
+    def __init__(self, refs: Sequence[ShardRef], tokens: np.ndarray, seq_len: int,
+                 random: bool) -> None:
+        self.refs, self.tokens, self.seq_len, self.random = refs, tokens, seq_len, random
+
+    @functools.cached_property
+    def counts(self) -> np.ndarray:
+        return window_count(self.tokens, self.seq_len, self.random).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    @property
+    def all_local(self) -> bool | None:
+        return getattr(self.refs, "all_local", None)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        windows = Windows(int(self.tokens[i]), self.seq_len, self.random)
+        return replace(self.refs[i], windows=windows)
+
+    def __iter__(self) -> Iterator[ShardRef]:
+        return (self[i] for i in range(len(self)))
+
+    def urls_starting_with(self, prefix: str) -> list[str]:
+        return [r.url for r in self.refs if r.url.startswith(prefix)]
+
+
+def windowed(manifest: Manifest | None, refs: Sequence[ShardRef], split: str,
+             seq_len: int | None, random: bool, where: str) -> Sequence[ShardRef]:
+    """`refs` as windows when the manifest says flat token shards (a `seq_len` is then
+    needed), else as they are (a `seq_len` is then refused: rows have their length)."""
+    text = manifest.text if manifest is not None else None
+    if not text or text.get("layout") != FLAT:
+        if seq_len is not None:
+            held = f"rows of {text['seq_len']} tokens" if text and text.get("seq_len") else \
+                "no flat token shards"
+            raise PipelineError(f"seq_len {seq_len}: {where} holds {held} (written with "
+                                "--seq-len, or not text); drop seq_len, or shard the text "
+                                "again without --seq-len")
+        return refs
+    if seq_len is None:
+        raise PipelineError(f"{where}: flat token shards: set seq_len (ringfeed train: "
+                            "data.seq_len), the tokens a training window feeds the model")
+    per_shard = (text.get("shard_tokens") or {}).get(split)
+    if per_shard is None:
+        raise PipelineError(f"{where}: the manifest has no shard_tokens for split {split!r} "
+                            "(written by another ringfeed?): shard the text again")
+    tokens = np.broadcast_to(np.asarray(per_shard, dtype=np.int64), (len(refs),))
+    out = WindowRefs(refs, tokens, seq_len, random)
+    if len(refs) and not out.counts.any():
+        raise PipelineError(f"{where}: split {split!r} has no window of seq_len + 1 = "
+                            f"{seq_len + 1} tokens ({int(tokens.max())} tokens per shard): "
+                            "use a smaller seq_len")
+    return out
 
 
 def sample_counts(refs: Sequence[ShardRef]) -> np.ndarray:

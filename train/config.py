@@ -182,6 +182,7 @@ class DataSection(PipelineConfig):
             global_batch_size=(self.global_batch_size // accumulate
                                if training and self.global_batch_size else None),
             skip=self.skip if training else None,
+            random_windows=self.random_windows and training,  # (validation: the same windows)
             batch_size=self.batch_size if training else self.val_batch_size or self.batch_size,
         )
         return pipeline_config(None, keys)
