@@ -5,12 +5,15 @@ one; a run whose shards record no documents is refused in one line."""
 
 from __future__ import annotations
 
+import json
+import math
+import random
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import BIN, run
-from lm_util import lm_config, token_shards
+from helpers import BIN, horovodrun, run
+from lm_util import WORDS, lm_config, newest_checkpoint, token_shards
 from train_util import write_config
 
 from ringfeed.train.data import LM, DataSpec
@@ -119,3 +122,42 @@ def test_shards_without_documents_are_refused_in_one_line(tmp_path: Path):
     assert lines == ["ringfeed: error: model.args.document_mask: the batches have no doc_ids "
                      "field (the shards do not record documents: shard the text again with "
                      "`ringfeed shard --format text`, or leave document_mask false)"], res.output
+
+
+def flat_shards(root: Path) -> Path:
+    """Flat token shards (no --seq-len) of 80 short word documents, byte-level: a window of
+    32 tokens holds two or three of them."""
+    rng = random.Random(0)
+    text = root / "text"
+    text.mkdir(parents=True)
+    for d in range(80):
+        (text / f"d{d:02d}.txt").write_text(" ".join(rng.choice(WORDS)
+                                                     for _ in range(rng.randint(2, 5))))
+    out = root / "flat"
+    res = run([BIN / "ringfeed", "shard", text, out, "--format", "text", "--val-fraction",
+               "0.25", "--shuffle-seed", "0", "--no-progress"], timeout=120)
+    assert res.returncode == 0, res.output[-3000:]
+    return out
+
+
+@pytest.mark.system
+@pytest.mark.timeout(900)
+def test_two_ranks_train_on_flat_shards_with_the_document_mask(tmp_path: Path):
+    """2 ranks, data.seq_len 32, windows packing several documents: the run (training and
+    validation) takes the batches' doc_ids, and its weights are not those of the same run
+    without the mask."""
+    shards = flat_shards(tmp_path)
+    weights = {}
+    for masked in (True, False):
+        name = "masked" if masked else "plain"
+        config = write_config(tmp_path / f"{name}.yaml", **lm_config(
+            shards, tmp_path / name, {"document_mask": masked},
+            data={"seq_len": 32, "batch_size": 4}, train={"max_steps": 4, "val_every": 2}))
+        res = horovodrun(2, ["ringfeed", "train", config], timeout=400)
+        assert res.returncode == 0, res.output[-4000:]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["world_size"] == 2 and math.isfinite(summary["val"]["loss"]), summary
+        weights[name] = torch.load(newest_checkpoint(tmp_path / name) / "state.pt",
+                                   weights_only=True)["model"]
+    assert not torch.allclose(weights["masked"]["blocks.0.qkv.weight"],
+                              weights["plain"]["blocks.0.qkv.weight"], atol=1e-6)
