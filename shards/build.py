@@ -82,6 +82,21 @@ def shard_dataset(opts: ShardOptions, start: float | None = None) -> ShardRun:
                         "command again (finished shards are kept)") from e
 
 
+def share_scan(opts: ShardOptions) -> Path:
+    """`--scan`: scan SRC and leave the scan in OUT (SharedScan) for the parts to read; no
+    shards. A scan already there is kept."""
+    check_out_dir(opts.out, False, opts.src, parts=True)
+    source = open_source(opts)
+    try:
+        if source.shared is None:
+            raise UserError(f"{opts.src}: its scan cannot be shared (a --categorical column of "
+                            "values JSON cannot hold, such as dates); run the parts without "
+                            "--scan (each scans)")
+        return source.shared
+    finally:
+        source.close()
+
+
 def _shard(opts: ShardOptions, start: float) -> ShardRun:
     source = open_source(opts)
     try:

@@ -78,6 +78,9 @@ def _part_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge", metavar="OUT",
                    help="write OUT's manifest from its finished parts (naming any part that did "
                         "not finish); no SRC")
+    p.add_argument("--scan", action="store_true",
+                   help="csv/jsonl/parquet: only scan SRC, leaving the scan in OUT for the parts "
+                        "started next (with the same options) to read instead of each scanning")
 
 
 def _table_options(p: argparse.ArgumentParser) -> None:
@@ -180,6 +183,7 @@ def options_from_args(args: argparse.Namespace) -> ShardOptions:
         strict=args.strict, overwrite=args.overwrite, seq_len=args.seq_len,
         tokenizer=args.tokenizer, text_field=args.text_field, glob=args.glob, split=args.split,
         progress=args.progress, out_url=out_url, src_url=src_url, part=part,
+        scan_only=args.scan,
         storage_options=storage_options, staging=staging, policy=policy)
 
 
@@ -202,6 +206,11 @@ def _check_command(args: argparse.Namespace) -> tuple[int, int] | None:
                         "in one process, not in parts; run the command once")
     if args.out is None and args.format != "wds-index":
         raise UserError("OUT is missing: ringfeed shard SRC OUT --format ...")
+    if args.scan and (args.format not in TABLE_FORMATS or part is not None
+                      or is_url(args.src) or is_url(args.out)):
+        raise UserError("--scan: for a csv, jsonl or parquet SRC and a local OUT, in one process "
+                        "before the parts (not with --part, under a launcher or with URLs); "
+                        "drop --scan")
     for flag, value, formats in (("--field", args.field, (*TABLE_FORMATS, "npz", "npy")),
                                  ("--features", args.features, TABLE_FORMATS),
                                  ("--categorical", args.categorical, TABLE_FORMATS),
@@ -237,6 +246,12 @@ def run_shard(args: argparse.Namespace) -> int:
     if args.merge is not None:
         return _run_merge(args)
     opts = options_from_args(args)
+    if opts.scan_only:
+        from ringfeed.shards.build import share_scan
+
+        print(f"ringfeed shard: scan shared in {share_scan(opts)}; now run the parts (--part "
+              "I/N) with the same SRC, OUT and options", flush=True)
+        return 0
     if opts.part is not None:
         from ringfeed.shards.parts import part_from
 

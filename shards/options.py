@@ -42,6 +42,8 @@ class ShardOptions:
     # --part I/N (or the launcher's rank/size): this process writes part I of N of the plan's
     # shards (parts.py); None: all of them, and the manifest
     part: tuple[int, int] | None = None
+    # --scan: only scan, and leave the scan in OUT for the parts (tables; sources/base.py)
+    scan_only: bool = False
     progress: bool | None = None  # None: a bar only when stderr is a terminal
     # object storage (remote.py): OUT and/or SRC given as URLs. Then `out` (for a remote OUT)
     # and `src` (for a remote SRC, once fetched) are local paths under `staging`.

@@ -110,6 +110,30 @@ def test_a_part_takes_the_scan_another_part_wrote(capsys, tmp_path, sources, fmt
 
 
 @pytest.mark.timeout(120)
+def test_scan_step_before_parts_started_together(capsys, tmp_path, sources):
+    """`--scan` leaves the scan the parts then read (as a Slurm array's tasks starting at once
+    would, none finding another's): the table zeroed after it still gives one run's bytes."""
+    src, args = sources["parquet"]
+    copy = tmp_path / src.name
+    shutil.copy2(src, copy)
+    assert cli(capsys, "shard", copy, tmp_path / "one", *args, *COMMON)[0] == 0
+    out = tmp_path / "out"
+    code, stdout, err = cli(capsys, "shard", copy, out, *args, "--scan")
+    assert code == 0, err
+    assert f"scan shared in {out}/.ringfeed-scan-" in stdout and _scans(out)
+    assert cli(capsys, "shard", copy, out, *args, "--scan")[0] == 0  # again: kept, no second
+    st = copy.stat()
+    copy.write_bytes(bytes(st.st_size))
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for i in (1, 0):
+        assert cli(capsys, "shard", copy, out, *args, *COMMON, "--part", f"{i}/2")[0] == 0
+    assert tree_bytes(out) == tree_bytes(tmp_path / "one")
+    for bad in (["--format", "imagefolder"], [*args, "--part", "0/2"]):
+        code, _, err = cli(capsys, "shard", copy, tmp_path / "x", *bad, "--scan")
+        assert code == 2 and err.count("\n") == 1 and "--scan: for a csv" in err, err
+
+
+@pytest.mark.timeout(120)
 def test_a_stale_scan_is_not_read(capsys, tmp_path, sources):
     """A scan of the table as it was (then changed) is not taken: the parts give the bytes of
     one run of the changed table."""

@@ -63,6 +63,7 @@ class Source(ABC):
         self.inputs: list[tuple[str, int, int]] = []  # (file, size, mtime_ns): the plan's identity
         self.val_drawn = False  # the source drew --val-fraction itself (text: whole documents)
         self.classes: dict[str, Any] | None = None  # class ids seen in `cls` (manifest.classes)
+        self.shared: Path | None = None  # the SharedScan folder this scan published or read
 
     @abstractmethod
     def sample(self, part: str, index: int) -> dict[str, Any]:

@@ -231,7 +231,7 @@ class TableSource(Source):
         self._store: _Store | None = None
         self._stat_files: dict[str, Path] = {}
         # a part of a local OUT shares its scan with the other parts (SharedScan)
-        self._share = opts.part is not None and not opts.out_url
+        self._share = (opts.part is not None or opts.scan_only) and not opts.out_url
 
     # -- what a format provides ---------------------------------------------------------------
     def type_file(self, path: Path) -> None:
@@ -443,6 +443,7 @@ def publish_scan(src: TableSource, shared: SharedScan) -> None:
                                                           for n, p in src.parts.items()},
              "store_bytes": src._store.path.stat().st_size}
     if shared.publish(work, facts):
+        src.shared = shared.path
         src._store.path = shared.path / src._store.path.name
         src._stat_files = {n: shared.path / f.name for n, f in src._stat_files.items()}
 
@@ -477,6 +478,7 @@ def adopt_scan(src: TableSource, shared: SharedScan) -> bool:
         src._stat_files[name] = shared.path / f"{name}.stats"
     src.fields, src.class_names, src.classes = (facts["fields"], facts["class_names"],
                                                 facts["classes"])
+    src.shared = shared.path
     return True
 
 
