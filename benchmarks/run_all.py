@@ -65,6 +65,7 @@ BENCHES = [
     Bench("startup", "startup_bench.py", "issue 17: a real run on 10^6 shards"),
     Bench("augment", "augment_bench.py", "issue 45: train-time augmentation"),
     Bench("input_bound", "input_bound_bench.py", "issue 46: shards vs synthetic data"),
+    Bench("tokens", "token_bench.py", "issue 49: token windows vs LitData"),
 ]
 NAMES = [b.name for b in BENCHES]
 README = HERE / "README.md"

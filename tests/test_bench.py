@@ -13,7 +13,7 @@ from helpers import REPO, ringfeed
 
 # Every benchmark runs here, once; the quick run is each one's smoke test.
 BENCHMARKS = {"shards", "pipeline", "trainer", "allreduce", "scaling", "stall", "decode", "plan",
-              "local_sgd", "startup", "augment", "input_bound"}
+              "local_sgd", "startup", "augment", "input_bound", "tokens"}
 NOT_MEASURED_IN_QUICK = ("pending:", "full mode only")
 
 
