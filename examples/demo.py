@@ -144,15 +144,15 @@ def digits_demo(out: Path, ranks: int, frameworks: list[str]) -> int:
 
 
 def lm_demo(out: Path, ranks: int, framework: str) -> int:
-    text, shards = out / "lm-text", out / "lm-shards"
+    text, shards = out / "lm-text", out / "lm-flat"
     if not text.exists():
         size = collect_stdlib_text(text)
         print(f"== Python stdlib sources -> {rel(text)}: {size / 1e6:.1f} MB")
     if not (shards / "manifest.json").exists():
         sh([BIN / "ringfeed", "shard", rel(text), rel(shards),
-            "--format", "text", "--seq-len", "129", "--glob", "*.py", "--val-fraction", "0.05",
-            "--shuffle-seed", "0", "--max-count", "2000", "--workers", "2"],
-           "byte-level token shards")
+            "--format", "text", "--glob", "*.py", "--val-fraction", "0.05",
+            "--shuffle-seed", "0", "--max-size", "1MB", "--workers", "2"],
+           "byte-level flat token shards")
     run_dir = out / "runs" / f"lm-{framework}"
     summary = train(CONFIGS / "lm.yaml", run_dir, framework, ranks,
                     "--set", f"data.train={rel(shards)}")

@@ -8,7 +8,9 @@ Layout on disk (format version 1):
       "fields": {"png": "image", "cls": "int"},      # tar member extension -> kind
       "class_names": ["cat", "dog"] | null,
       "text": {"tokenizer": "bytes", "seq_len": 128, "dtype": "uint16",
-               "eos_id": 256, "vocab_size": 257} | null,
+               "eos_id": 256, "vocab_size": 257} | null,   # rows; flat token shards have
+               # "layout": "flat" and "shard_tokens": {split: tokens in each of its shards}
+               # instead of seq_len (ringfeed/formats/tokens.py)
       "skipped": [{"path": "...", "reason": "..."}],
       "features": {"x.npy": {"role": "features", "columns": [...], "names": [...],
                              "dtype": "float32", "shape": [30], "mean": [...], "std": [...],

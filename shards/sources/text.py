@@ -1,11 +1,13 @@
-"""`text`: documents -> tokens -> fixed-length sequences, one `tokens.npy` member per sample.
+"""`text`: documents -> tokens -> flat token shards, or fixed-length rows (`--seq-len`).
 
 A document is a whole file, or in a `.jsonl` file one line's `--text-field`, or in a `.parquet`
 file one row's `--text-field` column (read a batch of rows at a time). Documents are
-tokenized in order, each followed by the end-of-document id, and the stream is cut into
-`--seq-len` sequences (GPT-style packing: a sequence may span a document boundary, marked by the
-EOS id; the last incomplete sequence is dropped and counted). Tokens go to a work file under
-OUT, so shard writers in other processes map them instead of re-tokenizing.
+tokenized in order, each followed by the end-of-document id. Without `--seq-len` the stream is
+cut into shards of equal tokens, each one sample of `tokens.npy` and `docs.npy` (the layout:
+ringfeed/formats/tokens.py); with it, into `--seq-len` sequences, one `tokens.npy` member each
+(GPT-style packing: a sequence may span a document boundary, marked by the EOS id; the last
+incomplete sequence is dropped and counted). Tokens go to a work file under OUT, so shard
+writers in other processes map them instead of re-tokenizing.
 
 With `--workers K` (K > 1) and a tokenizer other than `bytes` (which is I/O), K processes
 tokenize files and pieces of large files (`Piece`: runs of a .parquet file's row groups,
