@@ -223,3 +223,31 @@ def mounted_tmpfs(directory: Path, size: str) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@contextlib.contextmanager
+def alongside(cmd: list[Any], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
+    """`cmd` started now in its own process group, its output to `log` (a pipe nobody reads
+    until the end can fill and stop it), killed on the way out if still running. For a
+    reference run that can use the CPU while the test's faulted run waits on its fault."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(c) for c in cmd], env=env, text=True, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def waited(proc: subprocess.Popen, log: Path, timeout: float) -> str:
+    """Wait for a process from `alongside`; its output, asserting it ended with status 0."""
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    output = log.read_text(errors="replace")
+    assert code == 0, f"{proc.args[:3]}: {'timed out' if code is None else code}\n{output[-3000:]}"
+    return output

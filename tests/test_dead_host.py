@@ -31,10 +31,12 @@ from pathlib import Path
 import psutil
 import pytest
 from fault_util import (
+    alongside,
     assert_same_torch_state,
     logged_step,
     torch_final,
     wait_for,
+    waited,
     worker_processes,
 )
 from helpers import BIN, REPO, run, test_env
@@ -346,14 +348,13 @@ def test_a_host_whose_traffic_is_dropped_is_named_and_the_relaunch_ends_as_unfau
     if reason:
         pytest.skip(reason)
     # the unfaulted run: the same 2 ranks on this host (Gloo's sum of two tensors is the same
-    # over any link)
+    # over any link), training while the faulted job waits on its dropped link
     ref_cfg, ref_dir = job_config(tmp_path, "ref")
-    ref = run([BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo",
-               BIN / "ringfeed", "train", ref_cfg], timeout=300, env=test_env())
-    assert ref.returncode == 0, ref.output[-4000:]
     cfg, run_dir = job_config(tmp_path, "run")
     undo: list[list[str]] = []
-    with two_hosts_with_ssh(tmp_path) as (pair, env):
+    with alongside([BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo",
+                    BIN / "ringfeed", "train", ref_cfg], tmp_path / "ref.log",
+                   test_env()) as ref, two_hosts_with_ssh(tmp_path) as (pair, env):
         job = start(["ip", "netns", "exec", pair[0], BIN / "ringfeed", "run", "--max-restarts",
                      "1", "--backoff", "5", "--", BIN / "horovodrun", *ACROSS,
                      BIN / "ringfeed", "train", cfg], env=env)
@@ -377,6 +378,7 @@ def test_a_host_whose_traffic_is_dropped_is_named_and_the_relaunch_ends_as_unfau
             for command in undo:
                 subprocess.run(command, capture_output=True)
             code, output = finish(job, timeout=300)
+        waited(ref, tmp_path / "ref.log", timeout=300)
     print(f"[test_dead_host] traffic dropped -> verdict {named_s:.1f} s, horovodrun ended "
           f"{ended_s:.1f} s")
     assert code == 0, output[-6000:]
