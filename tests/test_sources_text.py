@@ -14,6 +14,7 @@ import pytest
 from tar_util import member_bytes
 
 from ringfeed.errors import UserError
+from ringfeed.formats.tokens import DOCS_MEMBER, TOKENS_MEMBER
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.sources.text import MEMBER, Text
 
@@ -47,6 +48,35 @@ def test_documents_are_packed_in_order_with_eos_and_the_tail_dropped(tmp_path):
         assert source.fields == {MEMBER: "npy"}
         assert [member_bytes(source.sample("train", i)) for i in range(2)] == \
             source.parts["train"].sizes.tolist()
+    finally:
+        source.close()
+
+
+def test_flat_shards_cut_the_stream_equally_and_record_true_document_starts(tmp_path):
+    """Without --seq-len: k shards of equal tokens (--max-count counts tokens), each one sample
+    of the tokens and the offsets of the documents starting in it (none at 0 mid-document)."""
+    src = write(tmp_path / "src", {"a.txt": "abcdef", "b.txt": "gh", "c.txt": "ijklm"})
+    source = scan(src, max_count=5)  # 16 tokens: 4 shards of 4, none dropped
+    try:
+        members = [source.sample("train", i) for i in range(len(source.parts["train"]))]
+        tokens = [np.load(io.BytesIO(m[TOKENS_MEMBER])).tolist() for m in members]
+        starts = [np.load(io.BytesIO(m[DOCS_MEMBER])) for m in members]
+        assert tokens == [[97, 98, 99, 100], [101, 102, EOS, 103], [104, EOS, 105, 106],
+                          [107, 108, 109, EOS]]
+        assert [s.tolist() for s in starts] == [[0], [3], [2], []]
+        assert {s.dtype for s in starts} == {np.dtype(np.uint32)}
+        assert source.text == {"tokenizer": "bytes", "dtype": "uint16", "eos_id": EOS,
+                               "vocab_size": 257, "layout": "flat",
+                               "shard_tokens": {"train": 4}, "documents": 3, "tokens": 16,
+                               "dropped_tokens": 0}
+        assert source.fields == {TOKENS_MEMBER: "npy", DOCS_MEMBER: "npy"}
+        assert [member_bytes(m) for m in members] == source.parts["train"].sizes.tolist()
+    finally:
+        source.close()
+    source = scan(src, max_count=6)  # 3 shards of 5, the last token dropped
+    try:
+        assert source.text["shard_tokens"] == {"train": 5} and len(source.parts["train"]) == 3
+        assert source.text["dropped_tokens"] == 1
     finally:
         source.close()
 

@@ -49,10 +49,15 @@ def shard_bytes(out: Path) -> dict[str, bytes]:
             for split in m["splits"].values() for s in split["shards"]}
 
 
-def runs(capsys, tmp_path: Path, src: Path, *extra: str) -> list[dict[str, bytes]]:
+# the row layout (40 rows of 64 tokens a shard) and flat token shards (2,560 tokens a shard)
+LAYOUTS = {"rows": ["--seq-len", "64", "--max-count", "40"], "flat": ["--max-count", "2560"]}
+
+
+def runs(capsys, tmp_path: Path, src: Path, *extra: str, layout: str = "rows"
+         ) -> list[dict[str, bytes]]:
     """The shards of one source made with 1 worker, 2 workers and as --part 0/2 + 1/2 (2
     workers each), the manifests' text records equal."""
-    common = ["--format", "text", "--seq-len", "64", "--max-count", "40",
+    common = ["--format", "text", *LAYOUTS[layout],
               "--tokenizer", "test_tokenize_parallel:Chars", *extra]
     outs = []
     for name, more in [("k1", []), ("k2", ["--workers", "2"]), ("parts", ["--part", "0/2"]),
@@ -66,7 +71,9 @@ def runs(capsys, tmp_path: Path, src: Path, *extra: str) -> list[dict[str, bytes
     return [shard_bytes(out) for _, out in outs]
 
 
-def test_a_parquet_file_of_many_row_groups_with_a_null_row_and_val(capsys, tmp_path, small_pieces):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_parquet_file_of_many_row_groups_with_a_null_row_and_val(capsys, tmp_path, small_pieces,
+                                                                   layout):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -75,11 +82,12 @@ def test_a_parquet_file_of_many_row_groups_with_a_null_row_and_val(capsys, tmp_p
     src = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"id": list(range(3000)), "text": docs}), src, row_group_size=100)
     assert len(text._pieces(src)) > 8
-    k1, k2, parts = runs(capsys, tmp_path, src, "--val-fraction", "0.05")
+    k1, k2, parts = runs(capsys, tmp_path, src, "--val-fraction", "0.05", layout=layout)
     assert len(k1) > 4 and "val-000000.tar" in k1 and k1 == k2 == parts
 
 
-def test_a_large_jsonl_file_with_whole_documents_to_val(capsys, tmp_path, small_pieces):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_large_jsonl_file_with_whole_documents_to_val(capsys, tmp_path, small_pieces, layout):
     src = tmp_path / "docs.jsonl"
     lines = [json.dumps({"text": d}) for d in documents(2500, seed=1)]
     lines[100:100] = ["", "   "]  # blank lines are no documents
@@ -89,7 +97,8 @@ def test_a_large_jsonl_file_with_whole_documents_to_val(capsys, tmp_path, small_
     assert len(pieces) > 8 and pieces[0].start == 0 and pieces[-1].stop is None
     assert all(data[p.start - 1] == ord("\n") and p.stop == q.start
                for p, q in zip(pieces[1:], pieces[2:], strict=False))
-    k1, k2, parts = runs(capsys, tmp_path, src, "--val-fraction", "0.1", "--shuffle-seed", "3")
+    k1, k2, parts = runs(capsys, tmp_path, src, "--val-fraction", "0.1", "--shuffle-seed", "3",
+                         layout=layout)
     assert any(name.startswith("val-") for name in k1) and k1 == k2 == parts
 
 
