@@ -153,6 +153,34 @@ def test_resume_continues_exactly_as_the_uninterrupted_run(flat):
 
 
 @pytest.mark.system
+def test_a_resume_on_more_ranks_yields_every_window_once(flat):
+    """2 ranks stop mid-epoch, 3 finish it: every window of the epoch exactly once."""
+    _, out, _ = flat
+    options = dict(batch_size=8, seq_len=20, random_windows=True, seed=2, balance="pad")
+    seen: list[str] = []
+
+    def take(pipe: ShardPipeline, stop: int | None = None) -> None:
+        for t, batch in enumerate(pipe):
+            seen.extend(k for k, ok in zip(batch["__key__"], batch["__valid__"], strict=True)
+                        if ok)
+            if t + 1 == stop:
+                break
+
+    first = [ShardPipeline(str(out), rank=r, world_size=2, **options) for r in range(2)]
+    for pipe in first:
+        take(pipe, stop=5)
+    state = json.loads(json.dumps(first[0].state_dict()))
+    for pipe in first:
+        pipe.close()
+    for r in range(3):
+        pipe = ShardPipeline(str(out), rank=r, world_size=3, **options)
+        pipe.load_state_dict(state)
+        take(pipe)
+        pipe.close()
+    assert len(seen) == len(set(seen)) == len(all_windows(out, 20, random_windows=True, seed=2))
+
+
+@pytest.mark.system
 def test_row_shards_still_read_and_refuse_seq_len(tmp_path):
     src = corpus(tmp_path, ("json",))
     manifest = shard(src, tmp_path / "rows", "--seq-len", "33")
