@@ -110,6 +110,33 @@ def test_a_part_takes_the_scan_another_part_wrote(capsys, tmp_path, sources, fmt
 
 
 @pytest.mark.timeout(120)
+def test_an_image_part_takes_the_files_another_part_identified(capsys, tmp_path, sources):
+    """Part 1 takes part 0's identified files (their formats, the skipped): an image of part
+    0's shards made a non-image since (its size and mtime kept) would, identified again, be
+    skipped, another plan, and no manifest."""
+    import tarfile
+
+    from ringfeed.shards.keys import safe_key
+
+    src = tmp_path / "images"
+    shutil.copytree(sources["imagefolder"][0], src)
+    args = ["--format", "imagefolder", *COMMON]
+    assert cli(capsys, "shard", src, tmp_path / "one", *args)[0] == 0
+    out = tmp_path / "out"
+    assert cli(capsys, "shard", src, out, *args, "--part", "0/2")[0] == 0
+    assert len(_scans(out)) == 1
+    with tarfile.open(sorted(out.glob("*.tar"))[0]) as tar:
+        key = tar.getnames()[0].rsplit(".", 1)[0]
+    image = next(p for p in src.rglob("*.*") if safe_key(str(p.relative_to(src).with_suffix(""))) == key)
+    st = image.stat()
+    image.write_bytes(b"not an image".ljust(st.st_size, b"!"))
+    os.utime(image, ns=(st.st_atime_ns, st.st_mtime_ns))
+    code, _, err = cli(capsys, "shard", src, out, *args, "--part", "1/2")
+    assert code == 0, err
+    assert tree_bytes(out) == tree_bytes(tmp_path / "one")
+
+
+@pytest.mark.timeout(120)
 def test_scan_step_before_parts_started_together(capsys, tmp_path, sources):
     """`--scan` leaves the scan the parts then read (as a Slurm array's tasks starting at once
     would, none finding another's): the table zeroed after it still gives one run's bytes."""

@@ -18,7 +18,15 @@ from ringfeed.formats.tarblocks import member_tar_bytes
 from ringfeed.shards.keys import check_unique, safe_key
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.parallel import parallel_map
-from ringfeed.shards.sources.base import Part, Source, int_sizes, source_splits, visible
+from ringfeed.shards.sources.base import (
+    Part,
+    SharedScan,
+    Source,
+    WorkDir,
+    int_sizes,
+    source_splits,
+    visible,
+)
 
 # PIL format name -> member extension; also the spelling used for a file's own extension.
 PIL_EXTS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "GIF": "gif", "BMP": "bmp",
@@ -146,12 +154,21 @@ class ImageFolder(Source):
         every = [f.path for files in found.values() for f in files]
         if not every:
             raise UserError(f"{opts.src}: no image files found (expected SRC/<class>/<image files>)")
-        # ~7 us a file on a local disk, where a pool gains nothing even at 20,000 files
-        # (measured); on a network filesystem each open waits, and K processes wait together
-        workers = opts.workers if len(every) >= PARALLEL_IDENTIFY_MIN else 1
+        shared = None if opts.part is None or opts.out_url else SharedScan(opts.out, self.scan_key(
+            [(f.path, f.size, f.mtime_ns) for files in found.values() for f in files]))
+        facts = shared.facts() if shared is not None else None
+        if shared is not None and facts is not None and len(facts.get("exts", ())) == len(every):
+            results = list(zip(facts["exts"], facts["why"], strict=True))  # another part's
+            self.shared = shared.path
+        else:
+            # ~7 us a file on a local disk, where a pool gains nothing even at 20,000 files
+            # (measured); on a network filesystem each open waits, and K processes wait together
+            workers = opts.workers if len(every) >= PARALLEL_IDENTIFY_MIN else 1
+            results = list(parallel_map(_identify_file, every, workers, None, 256))
+            if shared is not None:
+                self._share(shared, results, WorkDir(opts.out, opts.work_name))
         exts = {}
-        for path, (ext, why) in zip(every, parallel_map(_identify_file, every, workers, None, 256),
-                                    strict=True):
+        for path, (ext, why) in zip(every, results, strict=True):
             if ext is None:
                 self.skipped.append({"path": path, "reason": why})
             else:
@@ -161,6 +178,15 @@ class ImageFolder(Source):
             raise UserError(f"{first['path']}: {first['reason']}; {len(self.skipped)} file(s) "
                             "cannot be used (remove them, or drop --strict to skip and list them)")
         return exts
+
+    def _share(self, shared: SharedScan, results: list[tuple[str | None, str | None]],
+               work: WorkDir) -> None:
+        """Publish what identifying every file found (a part's scan: an open and 16 bytes a
+        file) for the other parts, which then only list the folder."""
+        if shared.publish(work.make(), {"exts": [ext for ext, _ in results],
+                                        "why": [why for _, why in results]}):
+            self.shared = shared.path
+        work.remove()
 
     def _add_part(self, part: str, folder: Path, files: list[_Found], exts: dict[str, str]) -> None:
         if not files:
@@ -192,19 +218,19 @@ class ImageFolder(Source):
         found = []
         for root, dirs, files in os.walk(class_dir, followlinks=True):
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            rel_root = os.path.relpath(root, part_dir)
+            # os.path.join's result, concatenated: every part repeats this walk, per file
+            root_, rel_root = root + os.sep, os.path.relpath(root, part_dir) + os.sep
             for name in sorted(files):
                 if name.startswith("."):
                     continue
-                path = os.path.join(root, name)
+                path = root_ + name
                 try:
                     st = os.stat(path)
                 except OSError as e:
                     self.skipped.append({"path": path, "reason": f"unreadable ({e.strerror})"})
                     continue
-                found.append(_Found(path, os.path.join(rel_root, name),
-                                    os.path.join(rel_root, _split_suffix(name)[0]), label,
-                                    st.st_size, st.st_mtime_ns))
+                found.append(_Found(path, rel_root + name, rel_root + _split_suffix(name)[0],
+                                    label, st.st_size, st.st_mtime_ns))
         return found
 
     def sample(self, part: str, index: int) -> dict[str, Any]:
