@@ -472,18 +472,25 @@ S3_CONTENDERS = (("ringfeed", "ringfeed"), ("webdataset", "wds"), ("streaming", 
 # epochs (IndexError "Relative sample index ... is not present", or PIL's "cannot identify
 # image file"); with 1 worker, or shards under the threshold, in 0 of 3.
 S3_PER_SHARD = 64
+BEFORE = "ringfeed-before"  # --s3-baseline's contender
 
 
 def s3_epochs(folder: Path, contenders: list[tuple[str, str]], per_shard: int, repeats: int,
-              batch: int, work: Path, link: tuple[float, float]) -> dict[str, Any]:
+              batch: int, work: Path, link: tuple[float, float],
+              baseline: str | None = None) -> dict[str, Any]:
     """Cold epochs from moto's S3 behind the proxy shaped to `link` (bytes/s, s per
     connection): each tool's writer (bucket_bench.prepare_all), then each reader in its own
-    process (peers/peer_worker.py --augment), rotated round-robin per repeat."""
+    process (peers/peer_worker.py --augment), rotated round-robin per repeat. `baseline`: a
+    directory holding another `ringfeed` package (e.g. an earlier commit's), read as the
+    contender "ringfeed-before" from ringfeed's shards."""
     sys.path.insert(0, str(REPO / "tests"))
     import bucket_bench as bucket
     from s3_proxy import FaultProxy, host_port
 
-    prepared = bucket.prepare_all(folder, work, per_shard, 2, [t for _, t in contenders])
+    if baseline:
+        contenders = [*contenders, (BEFORE, "ringfeed")]
+    prepared = bucket.prepare_all(folder, work, per_shard, 2,
+                                  list(dict.fromkeys(t for _, t in contenders)))
     want = label_digest(folder)
     moto, endpoint = bucket.start_moto_child()
     runs: list[dict[str, Any]] = []
@@ -497,7 +504,9 @@ def s3_epochs(folder: Path, contenders: list[tuple[str, str]], per_shard: int, r
                         :rep % len(contenders)]:
                     result = bucket.run_read(name, tool, "own", f"s3://{bucket.BUCKET}/{tool}",
                                              work / f"cache-{name}", options, proxy,
-                                             extra=("--augment", str(SIZE), "--epochs", "1"))
+                                             extra=("--augment", str(SIZE), "--epochs", "1"),
+                                             env={"PYTHONPATH": baseline} if name == BEFORE
+                                             and baseline else None)
                     result.update(repeat=rep, problems=s3_problems(result, want))
                     runs.append(slim(result))
                     print(f"  S3 {rep} {name:11s} " + (
@@ -653,6 +662,11 @@ def s3_rows(data: dict[str, Any]) -> list[Row]:
     rows = [best(by, S3_BEST)]
     rows += [paired_row(f"S3 cold epoch: ringfeed / {n}", [by["ringfeed"][r] for r in reps],
                         [by[n][r] for r in reps], n) for n in peers]
+    if BEFORE in by:
+        before = [r for r in reps if r in by[BEFORE]]
+        rows.append(paired_row(f"S3 cold epoch: ringfeed / {BEFORE}",
+                               [by["ringfeed"][r] for r in before],
+                               [by[BEFORE][r] for r in before], BEFORE))
     cpu = best(per_cpu, "S3 cold epoch, images per CPU-second of the reader's processes: "
                         "ringfeed / best peer")
     return [*rows, Row(**{**cpu.__dict__, "unit": "images/CPU-s"})]
@@ -691,9 +705,12 @@ def measure(args, work: Path) -> tuple[dict[str, Any], list[Row]]:
         data["s3"] = {"error": "peers venv missing (bash benchmarks/peers/setup.sh)"}
     else:
         try:
-            data["s3"] = s3_epochs(large, list(S3_CONTENDERS), 32 if q else S3_PER_SHARD,
-                                   args.repeats or (1 if q else 3), 32 if q else 128,
-                                   work / "s3", (50e6, 0.02))
+            tools = args.s3_tools.split(",") if args.s3_tools else None
+            data["s3"] = s3_epochs(large, [c for c in S3_CONTENDERS if tools is None
+                                           or c[0] == "ringfeed" or c[0] in tools],
+                                   32 if q else S3_PER_SHARD, args.repeats or (1 if q else 3),
+                                   32 if q else 128, work / "s3", (50e6, 0.02),
+                                   args.s3_baseline)
         except RuntimeError as e:
             data["s3"] = {"error": f"failed: {str(e)[:300]}"}
     rows += s3_rows(data["s3"])
@@ -731,6 +748,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (1 core, 2 cores)")
     parser.add_argument("--repeats", type=int, help="S3 repeats")
     parser.add_argument("--s3-only", action="store_true", help="only row 5, from S3")
+    parser.add_argument("--s3-tools", help="S3 peers to read, e.g. webdataset,litdata (all)")
+    parser.add_argument("--s3-baseline", metavar="DIR",
+                        help=f"S3: also read with the ringfeed package in DIR ({BEFORE})")
     # the contenders' own processes
     parser.add_argument("--serve", choices=["pil", "ringfeed", "e2e"], help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)

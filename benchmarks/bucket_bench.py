@@ -222,8 +222,10 @@ def profile(counts: dict[str, Any], log: list[dict[str, Any]], t0: float) -> dic
 
 
 def run_read(name: str, tool: str, decoder: str, data: str, cache: Path, args,
-             proxy=None, extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """One reader process (peer_worker.py read; `extra`: more of its options, which win)."""
+             proxy=None, extra: tuple[str, ...] = (), env: dict[str, str] | None = None
+             ) -> dict[str, Any]:
+    """One reader process (peer_worker.py read; `extra`: more of its options, which win;
+    `env`: more environment, e.g. a PYTHONPATH that puts another ringfeed first)."""
     cmd = [python_for(tool), str(WORKER), "read", "--tool", tool, "--decoder", decoder,
            "--data", data, "--cache", str(cache), "--batch", str(args.batch), "--workers",
            str(args.workers), "--epochs", "2", "--mark", *extra]
@@ -234,7 +236,7 @@ def run_read(name: str, tool: str, decoder: str, data: str, cache: Path, args,
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                            env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
     killer = threading.Timer(args.run_timeout, proc.kill)
     killer.start()
     profiles, result = [], None
