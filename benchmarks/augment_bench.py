@@ -507,9 +507,10 @@ def s3_epochs(folder: Path, contenders: list[tuple[str, str]], per_shard: int, r
                                              extra=("--augment", str(SIZE), "--epochs", "1"),
                                              env={"PYTHONPATH": baseline} if name == BEFORE
                                              and baseline else None)
-                    result.update(repeat=rep, problems=s3_problems(result, want))
+                    result.update(repeat=rep, problems=s3_problems(result, want),
+                                  load1=os.getloadavg()[0])
                     runs.append(slim(result))
-                    print(f"  S3 {rep} {name:11s} " + (
+                    print(f"  S3 {rep} {name:11s} load {result['load1']:4.1f} " + (
                         cold_line(result["epochs"][0], link[0]) if not result["problems"]
                         else result["problems"][0]), flush=True)
     finally:
