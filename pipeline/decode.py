@@ -141,7 +141,7 @@ class Decoder:
                 except Exception as e:
                     raise DecodeError(f"field {name!r}: {type(e).__name__}: {e}") from e
             elif isinstance(value, TokenSpan):
-                sample[name], sample[DOC_IDS] = value.window(self.seed, epoch or 0)
+                sample[name], sample[DOC_IDS] = value.window(value.offset(self.seed, epoch or 0))
         return self.renamed(sample)
 
     @staticmethod
@@ -325,8 +325,13 @@ class Decoder:
 
 
 def windows(spans: list[TokenSpan], seed: int, epoch: int) -> dict[str, list[Any]]:
-    """The windows of `spans` for `epoch` as columns: their tokens and their DOC_IDS."""
-    cut = [span.window(seed, epoch) for span in spans]
+    """The windows of `spans` for `epoch` as columns: their tokens and their DOC_IDS (each
+    shard's offset drawn once)."""
+    offsets: dict[str, int] = {}
+    for span in spans:
+        if span.shard_key not in offsets:
+            offsets[span.shard_key] = span.offset(seed, epoch)
+    cut = [span.window(offsets[span.shard_key]) for span in spans]
     return {TOKENS_MEMBER: [tokens for tokens, _ in cut], DOC_IDS: [ids for _, ids in cut]}
 
 

@@ -326,7 +326,7 @@ class WindowReader:
     def __init__(self, samples: IndexedSamples) -> None:
         windows = samples.handle.ref.windows
         assert windows is not None
-        self.samples, self.windows = samples, windows
+        self.samples, self.windows, self.count = samples, windows, windows.count
         self.bad: str | None = None
         members = {}
         if samples.intact:
@@ -356,7 +356,7 @@ class WindowReader:
 
     def get(self, position: int) -> dict[str, Any] | BadSample:
         samples, w = self.samples, self.windows
-        if self.bad is not None or position >= w.count:
+        if self.bad is not None or position >= self.count:
             return BadSample(samples.url, position, None, self.bad or "no such window")
         first = position * (w.seq_len + 1)
         n = min(2 * w.seq_len + 1 if w.random else w.seq_len + 1, w.tokens - first)

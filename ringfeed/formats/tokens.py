@@ -75,8 +75,8 @@ def window_offset(seed: int, epoch: int, shard_key: str, seq_len: int) -> int:
 class TokenSpan:
     """What a reader takes from a flat shard for window `index`: the tokens from the window's
     packed start, `seq_len + 1` of them (2 seq_len + 1 with random windows: room for any
-    offset), and the offsets within them of the documents starting there. `window()` cuts
-    the epoch's window out."""
+    offset), and the offsets within them of the documents starting there. `window(offset())`
+    cuts the epoch's window out."""
 
     tokens: np.ndarray
     starts: np.ndarray  # int64, ascending, within `tokens`
@@ -84,12 +84,17 @@ class TokenSpan:
     random: bool
     shard_key: str
 
-    def window(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens as int64, DOC_IDS as int32) of the window, seq_len + 1 each."""
+    def offset(self, seed: int, epoch: int) -> int:
+        """Where the epoch's window starts in `tokens`."""
+        return window_offset(seed, epoch, self.shard_key, self.seq_len) if self.random else 0
+
+    def window(self, lo: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens as int64, DOC_IDS as int32) of the window from `lo` (`offset()`)."""
         size = self.seq_len + 1
-        lo = window_offset(seed, epoch, self.shard_key, self.seq_len) if self.random else 0
         tokens = self.tokens[lo:lo + size].astype(np.int64)
         inside = self.starts[(self.starts > lo) & (self.starts < lo + size)] - lo
         ids = np.zeros(size, dtype=np.int32)
-        np.add.at(ids, inside, 1)
-        return tokens, np.cumsum(ids, dtype=np.int32)
+        if len(inside):  # (starts are distinct)
+            ids[inside] = 1
+            np.cumsum(ids, out=ids)
+        return tokens, ids
