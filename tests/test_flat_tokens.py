@@ -6,6 +6,7 @@ each file's bytes, then EOS 256)."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import sysconfig
@@ -94,6 +95,10 @@ def test_flat_shards_hold_the_stream_once_and_windows_slice_it(flat):
             np.testing.assert_array_equal(w["tokens.npy"], stream[start:start + size])
             np.testing.assert_array_equal(w[DOC_IDS], doc_ids_by_hand(stream, start, size))
     assert sum(w[DOC_IDS][-1] for w in windows.values()) > 10  # documents do start inside
+    import webdataset as wds  # a WebDataset reader opens the shards: one sample each
+
+    first = next(iter(wds.WebDataset(str(out / shards[0]["name"]), shardshuffle=False)))
+    np.testing.assert_array_equal(np.load(io.BytesIO(first["tokens.npy"])), stream[:per])
 
 
 @pytest.mark.system
@@ -178,6 +183,19 @@ def test_a_resume_on_more_ranks_yields_every_window_once(flat):
         take(pipe)
         pipe.close()
     assert len(seen) == len(set(seen)) == len(all_windows(out, 20, random_windows=True, seed=2))
+
+
+@pytest.mark.system
+def test_a_weighted_mixture_of_flat_sets_draws_windows_by_weight(flat, tmp_path):
+    _, out, _ = flat
+    other = tmp_path / "logging"
+    shard(corpus(tmp_path, ("logging",)), other, "--max-size", "100KB")
+    pipe = ShardPipeline([{"path": str(out), "weight": 0.7}, {"path": str(other), "weight": 0.3}],
+                         epoch_samples=400, batch_size=8, seq_len=32, rank=0, world_size=1)
+    ids = np.concatenate([batch["__index__"] for batch in pipe])
+    pipe.close()
+    sources, _ = pipe.source_of(ids)
+    assert len(ids) == 400 and np.bincount(sources).tolist() == [280, 120]
 
 
 @pytest.mark.system
