@@ -221,11 +221,13 @@ def windowed(manifest: Manifest | None, refs: Sequence[ShardRef], split: str,
     text = manifest.text if manifest is not None else None
     if not text or text.get("layout") != FLAT:
         if seq_len is not None:
-            held = f"rows of {text['seq_len']} tokens" if text and text.get("seq_len") else \
-                "no flat token shards"
-            raise PipelineError(f"seq_len {seq_len}: {where} holds {held} (written with "
-                                "--seq-len, or not text); drop seq_len, or shard the text "
-                                "again without --seq-len")
+            drop = "drop seq_len (ringfeed train: data.seq_len)"
+            if text and text.get("seq_len"):
+                raise PipelineError(
+                    f"seq_len {seq_len}: {where} holds rows of {text['seq_len']} tokens (the "
+                    f"context fixed by ringfeed shard --seq-len): {drop}, or shard the text "
+                    "again without --seq-len")
+            raise PipelineError(f"seq_len {seq_len}: {where} holds no flat token shards: {drop}")
         return refs
     if seq_len is None:
         raise PipelineError(f"{where}: flat token shards: set seq_len (ringfeed train: "
