@@ -16,8 +16,15 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_util import assert_same_torch_state, logged_step, torch_final, wait_for
-from helpers import BIN, horovodrun, run, test_env
+from fault_util import (
+    alongside,
+    assert_same_torch_state,
+    logged_step,
+    torch_final,
+    wait_for,
+    waited,
+)
+from helpers import BIN, run, test_env
 from s3_proxy import AWS_ENV, FaultProxy, host_port, moto_for_module
 from train_util import finish, start, toy_config, write_config, write_toy_shards
 
@@ -170,18 +177,19 @@ def test_two_ranks_train_through_an_outage_to_the_weights_of_a_run_without_it(
         bucket, proxy, tmp_path):
     """Promise: Storage outages (train/RECOVERY.md)."""
     endpoint, shards = bucket
-    reference = horovodrun(2, [RINGFEED, "train", train_config(tmp_path, "ref", shards, None)],
-                           timeout=240)
-    assert reference.returncode == 0, reference.output[-3000:]
+    hvd2 = [BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", RINGFEED, "train"]
     proxy.bandwidth = 60_000  # the toy epoch's shards take ~10 s to come: the outage lands
     cfg = train_config(tmp_path, "s3", "s3://bucket/toy", proxy)
-    job = start([BIN / "horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", RINGFEED,
-                 "train", cfg], env=test_env(**AWS_ENV))
-    try:
-        assert wait_for(lambda: logged_step(tmp_path / "s3") >= 2, timeout=180), "no step"
-        proxy.outage("reset", 5.0)
-    finally:
-        code, output = finish(job, timeout=300)
+    # the reference trains while the S3 run waits on its slow link and the outage
+    with alongside([*hvd2, train_config(tmp_path, "ref", shards, None)], tmp_path / "ref.log",
+                   test_env()) as reference:
+        job = start([*hvd2, cfg], env=test_env(**AWS_ENV))
+        try:
+            assert wait_for(lambda: logged_step(tmp_path / "s3") >= 2, timeout=240), "no step"
+            proxy.outage("reset", 5.0)
+        finally:
+            code, output = finish(job, timeout=300)
+        waited(reference, tmp_path / "ref.log", timeout=240)
     assert code == 0, output[-5000:]
     assert "Traceback" not in output
     assert "storage: s3://bucket/toy/" in output and "recovered after" in output, output[-5000:]
