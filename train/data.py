@@ -158,7 +158,8 @@ def infer_spec(cfg, pipe: TrainPipeline) -> DataSpec:
                         f"(fields: {', '.join(fields)})")
     sample_shape = tuple(np.asarray(fields[input_key]).shape[1:])
     if text is not None and cfg.data.target_key is None and input_key.startswith("tokens"):
-        # Token rows hold seq_len + 1 ids (or seq_len): inputs t[:-1] predict targets t[1:].
+        # Token rows, or windows of flat token shards (data.seq_len + 1 ids), hold seq_len + 1
+        # ids (or seq_len): inputs t[:-1] predict targets t[1:].
         return DataSpec(LM, input_key, None, (sample_shape[0] - 1,),
                         vocab_size=int(text["vocab_size"]))
     target_key = cfg.data.target_key or _guess_target(fields, kinds, input_key, columns)
