@@ -53,7 +53,8 @@ NETNS_GROUP = {"test_slurm.py": "netns", "test_multinode.py": "netns", "test_ben
 SLOWEST_FIRST = ["netns", "test_promises.py", "test_tune.py", "test_storage_faults.py",
                  "test_tabular_train.py", "test_fault.py", "test_local_sgd.py",
                  "test_fault_elastic.py", "test_throughput.py", "test_train.py",
-                 "test_train_equivalence.py", "test_trackers.py", "test_hang.py",
+                 "test_train_equivalence.py", "test_launcher_faults.py", "test_dead_host.py",
+                 "test_trackers.py", "test_hang.py",
                  "test_global_order_train.py", "test_byo_model.py", "test_fuzz.py",
                  "test_checkpoint_remote.py", "test_shards_s3.py", "test_train_images.py",
                  "test_augment.py"]
