@@ -56,3 +56,25 @@ def test_a_new_state_resumes_in_the_growing_order():
     again.load_state_dict(saved, len(COUNTS))
     plan, consumed, _ = again.begin()
     assert consumed == 5 and plan.config == config() and plan.config.initial == 4
+
+
+def test_the_first_batch_opens_only_the_shards_the_ramp_needs(tmp_path):
+    """End to end (one stream, read in the consumer's thread): 40 shards of 10 samples, a
+    buffer of 200 (initial 20), batches of 8. The first batch is drawn from the first
+    20 + 2 * 7 = 34 slots of the epoch's order, so it opens at most 4 shards (those of the
+    slots it emits); a buffer that emitted only once full drew it from the first 208."""
+    from pipeline_util import collect, write_shards
+
+    from ringfeed.pipeline import ShardPipeline
+
+    write_shards(tmp_path, [10] * 40)
+
+    def make() -> ShardPipeline:
+        return ShardPipeline(tmp_path, batch_size=8, shuffle_buffer=200, seed=1, prefetch=0)
+
+    pipe = make()
+    batches = iter(pipe)
+    next(batches)
+    assert pipe.stats()["shards_opened"] <= 4
+    batches.close()
+    assert len(collect(make())) == 400 // 8
