@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import mmap
@@ -37,7 +38,7 @@ from ringfeed.fsutil import atomic_write_bytes
 from ringfeed.pipeline.cache import COMPRESSED_SUFFIXES as COMPRESSED_SUFFIXES
 from ringfeed.pipeline.cache import ShardHandle, is_compressed, shard_identity
 from ringfeed.pipeline.decode import NPY_LOCK
-from ringfeed.pipeline.source import ShardRef, is_local_url, local_path
+from ringfeed.pipeline.source import ShardRef, Windows, is_local_url, local_path
 from ringfeed.remote import RetryPolicy, StorageUnavailable, read_url, retrying
 
 if TYPE_CHECKING:
@@ -225,7 +226,10 @@ def open_samples(handle: ShardHandle, indexes: IndexStore | None,
             raise PipelineDataError(f"{handle.ref.url}: the windows of a flat token shard are "
                                     "read through its tar index (compressed: unreadable)")
         return SequentialSamples(handle, wanted)
-    return IndexedSamples(handle, *indexes.opened(handle))
+    samples = IndexedSamples(handle, *indexes.opened(handle))
+    if handle.ref.windows is not None:
+        samples.windows = window_reader(samples)
+    return samples
 
 
 class IndexedSamples:
@@ -248,11 +252,11 @@ class IndexedSamples:
                           f"{expected}")
             # else: build_index's own one-line reason, naming where the tar broke
         self._reason = reason
-        self._windows = WindowReader(self) if handle.ref.windows is not None else None
+        self.windows: WindowReader | None = None  # a flat token shard's (open_samples)
 
     def get(self, position: int) -> dict[str, Any] | BadSample:
-        if self._windows is not None:
-            return self._windows.get(position)
+        if self.windows is not None:
+            return self.windows.get(position)
         if position >= self.intact:
             return BadSample(self.url, position, None, self._reason or "no such sample")
         start, end, members = self._spans[position]
@@ -279,8 +283,8 @@ class IndexedSamples:
     def get_many(self, positions: list[int]) -> list[dict[str, Any] | BadSample]:
         """get() of each position; consecutive small samples (manifest order, a resume) come
         from one pread of their joint span, sliced."""
-        if self._windows is not None:
-            return [self._windows.get(p) for p in positions]
+        if self.windows is not None:
+            return [self.windows.get(p) for p in positions]
         out: list[dict[str, Any] | BadSample] = []
         spans, keys, n, i = self._spans, self._keys, len(positions), 0
         while i < n:
@@ -317,46 +321,29 @@ class IndexedSamples:
         self.handle.close()
 
 
+@dataclass
 class WindowReader:
     """The windows of an indexed flat token shard (ringfeed/formats/tokens.py): window i is
     one pread of its tokens (from i (seq_len + 1), seq_len + 1 of them, or 2 seq_len + 1 with
     random windows: the decoder cuts the epoch's window), beside the document starts in them.
-    The tokens' .npy header and the document offsets are read once, when the shard opens."""
+    `window_reader` reads the tokens' .npy header and the document offsets once per open."""
 
-    def __init__(self, samples: IndexedSamples) -> None:
-        windows = samples.handle.ref.windows
-        assert windows is not None
-        self.samples, self.windows, self.count = samples, windows, windows.count
-        self.bad: str | None = None
-        members = {}
-        if samples.intact:
-            start, _, spans = samples._spans[0]
-            members = {field: (start + lo, start + hi) for field, lo, hi in spans}
-        if TOKENS_MEMBER not in members or DOCS_MEMBER not in members:
-            self.bad = samples._reason or f"not a flat token shard (no {TOKENS_MEMBER} and " \
-                f"{DOCS_MEMBER})"
-            return
-        self.key = samples._keys[0]
-        fd = samples._fd
-        lo, hi = members[DOCS_MEMBER]
-        with NPY_LOCK:
-            self.starts = np.load(io.BytesIO(os.pread(fd, hi - lo, lo))).astype(np.int64)
-        lo, hi = members[TOKENS_MEMBER]
-        head = io.BytesIO(os.pread(fd, min(hi - lo, 4096), lo))
-        version = np.lib.format.read_magic(head)
-        with NPY_LOCK:
-            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                np.lib.format.read_array_header_2_0
-            shape, _, self.dtype = read(head)
-        self.data = lo + head.tell()
-        if shape != (windows.tokens,):
-            self.bad = (f"{TOKENS_MEMBER} holds {shape} tokens, the manifest says "
-                        f"({windows.tokens},): the manifest is out of date")
-        samples.bytes_read += hi - self.data
+    samples: IndexedSamples
+    windows: Windows
+    key: str = ""  # the shard's one tar sample
+    starts: np.ndarray | None = None  # int64 document starts in the shard
+    dtype: np.dtype | None = None
+    data: int = 0  # file offset of the first token
+    bad: str | None = None  # why no window reads
+
+    @functools.cached_property
+    def count(self) -> int:
+        return self.windows.count
 
     def get(self, position: int) -> dict[str, Any] | BadSample:
         samples, w = self.samples, self.windows
-        if self.bad is not None or position >= self.count:
+        if self.bad is not None or position >= self.count or self.starts is None \
+                or self.dtype is None:
             return BadSample(samples.url, position, None, self.bad or "no such window")
         first = position * (w.seq_len + 1)
         n = min(2 * w.seq_len + 1 if w.random else w.seq_len + 1, w.tokens - first)
@@ -370,6 +357,36 @@ class WindowReader:
         span = TokenSpan(np.frombuffer(data, self.dtype), self.starts[lo:hi] - first, w.seq_len,
                          w.random, self.key)
         return {"__key__": f"{self.key}/{position}", TOKENS_MEMBER: span}
+
+
+def window_reader(samples: IndexedSamples) -> WindowReader:
+    """The reader of an indexed flat token shard's windows: its members located through the
+    tar index, the document offsets and the tokens' .npy header read."""
+    windows = samples.handle.ref.windows
+    assert windows is not None
+    members = {}
+    if samples.intact:
+        start, _, spans = samples._spans[0]
+        members = {field: (start + lo, start + hi) for field, lo, hi in spans}
+    if TOKENS_MEMBER not in members or DOCS_MEMBER not in members:
+        return WindowReader(samples, windows, bad=samples._reason or (
+            f"not a flat token shard (no {TOKENS_MEMBER} and {DOCS_MEMBER})"))
+    fd = samples._fd
+    lo, hi = members[DOCS_MEMBER]
+    docs = os.pread(fd, hi - lo, lo)
+    lo, hi = members[TOKENS_MEMBER]
+    head = io.BytesIO(os.pread(fd, min(hi - lo, 4096), lo))
+    with NPY_LOCK:  # (numpy parses both headers with ast)
+        starts = np.load(io.BytesIO(docs)).astype(np.int64)
+        version = np.lib.format.read_magic(head)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+            np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(head)
+    samples.bytes_read += len(docs) + head.tell()
+    bad = None if shape == (windows.tokens,) else (
+        f"{TOKENS_MEMBER} holds {shape} tokens, the manifest says ({windows.tokens},): the "
+        "manifest is out of date")
+    return WindowReader(samples, windows, samples._keys[0], starts, dtype, lo + head.tell(), bad)
 
 
 class SequentialSamples:

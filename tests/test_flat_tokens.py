@@ -17,9 +17,10 @@ import pytest
 from helpers import horovodrun, ringfeed
 from train_util import write_config
 
+from ringfeed.formats.manifest import Manifest
 from ringfeed.formats.tokens import DOC_IDS, window_offset
 from ringfeed.pipeline import ShardPipeline
-from ringfeed.pipeline.errors import PipelineError
+from ringfeed.pipeline.errors import PipelineDataError, PipelineError
 
 EOS = 256
 STDLIB = Path(sysconfig.get_paths()["stdlib"])  # a real corpus: Python's own sources
@@ -221,6 +222,23 @@ def test_flat_shards_need_a_seq_len_and_one_that_fits(flat):
     per = manifest["text"]["shard_tokens"]["train"]
     with pytest.raises(PipelineError, match=f"no window of seq_len \\+ 1 = {per + 1} tokens"):
         ShardPipeline(str(out), batch_size=2, seq_len=per, rank=0, world_size=1)
+
+
+@pytest.mark.system
+def test_a_manifest_that_miscounts_a_shards_tokens_is_named(flat, tmp_path):
+    _, out, _ = flat
+    stale = tmp_path / "stale"
+    shutil.copytree(out, stale)
+    manifest = Manifest.load(stale)
+    assert manifest.text is not None
+    manifest.text["shard_tokens"]["train"] -= 1
+    manifest.save(stale)
+    pipe = ShardPipeline(str(stale), batch_size=2, seq_len=8, on_error="fail", rank=0,
+                         world_size=1)
+    with pytest.raises(PipelineDataError, match="tokens.npy holds .* tokens, the manifest says "
+                                                ".*: the manifest is out of date"):
+        next(iter(pipe))
+    pipe.close()
 
 
 @pytest.mark.system
