@@ -219,7 +219,7 @@ def shuffle_order(n: int, buffer: int, rng: np.random.Generator | None,
     first = min(max(1, default_initial(buffer) if initial is None else initial), buffer + 1)
     draws = rng.random(limit)  # emission j uses draw j (a prefix of rng.random(n))
     out = np.empty(limit, dtype=np.int64)
-    steps = _Steps(n, buffer, first, draws.tolist(), out)
+    steps = _Steps(n, buffer, first, draws, out)
     grown = min(limit, buffer + 2 - first)  # from here on one slot enters per emission
     steps.run(0, grown)
     fill = min(limit, n - buffer)  # emissions j with K + 1 + j <= n
@@ -238,18 +238,18 @@ class _Steps:
     n: int
     buffer: int
     initial: int
-    draws: list[float]
+    draws: np.ndarray
     out: np.ndarray
     resident: list[int] = field(default_factory=list)
     entered: int = 0
 
     def run(self, lo: int, hi: int) -> None:
-        res, n, k, first, d = self.resident, self.n, self.buffer, self.initial, self.draws
-        for j in range(lo, hi):
+        res, n, k, first = self.resident, self.n, self.buffer, self.initial
+        for j, d in enumerate(self.draws[lo:hi].tolist(), lo):
             target = min(n, first + 2 * j, k + 1 + j)
             res.extend(range(self.entered, target))
             self.entered = max(self.entered, target)
-            i = int(d[j] * len(res))
+            i = int(d * len(res))
             self.out[j] = res[i]
             res[i] = res[-1]
             res.pop()
