@@ -157,7 +157,7 @@ def rows_for(rates: dict[int, dict[str, list[float]]], storage: dict[str, float]
     return rows
 
 
-def plot(rates: dict[int, dict[str, list[float]]]):
+def plot(rates: dict[int, dict[str, list[float]]]) -> Any:
     fig, axes = new_figure(ncols=len(rates), width=4.0, height=3.5)
     for ax, (seq_len, r) in zip(axes, rates.items(), strict=True):
         for tool, marker in (("ringfeed", "o"), ("litdata", "s")):

@@ -24,7 +24,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +51,7 @@ def prepare(stream_path: Path, starts_path: Path, out: Path, chunk_tokens: int,
             "bytes": sum(p.stat().st_size for p in files)}
 
 
-def _documents(task):
+def _documents(task: tuple[str, list[tuple[int, int]]]) -> Iterator[np.ndarray]:
     """LitData's optimize fn: each document of the task as its own array of tokens."""
     path, bounds = task
     stream = np.load(path, mmap_mode="r")
@@ -57,7 +59,8 @@ def _documents(task):
         yield np.array(stream[lo:hi if hi >= 0 else len(stream)])
 
 
-def make_loader(tool: str, data: str, seq_len: int, batch: int, workers: int):
+def make_loader(tool: str, data: str, seq_len: int, batch: int, workers: int
+                ) -> tuple[Iterable[Any], Callable[[Any], Any]]:
     """An iterable of batches (a tensor of windows, or ringfeed's batch dict), one epoch per
     iteration, and how to take the windows out of a batch."""
     if tool == "ringfeed":
@@ -69,7 +72,7 @@ def make_loader(tool: str, data: str, seq_len: int, batch: int, workers: int):
         loader = rf_loader(pipe)
         key = next(k for k in pipe.example_batch() if k.startswith("tokens"))
 
-        def windows(b):
+        def windows(b: dict[str, Any]) -> Any:
             return b[key][b["__valid__"]]
         return loader, windows
     import litdata
@@ -82,7 +85,7 @@ def make_loader(tool: str, data: str, seq_len: int, batch: int, workers: int):
     return loader, lambda b: b
 
 
-def read(args) -> dict:
+def read(args: argparse.Namespace) -> dict:
     import torch  # noqa: F401  (both loaders': not part of either's time)
 
     start = time.perf_counter()
