@@ -25,6 +25,7 @@ import hashlib
 import io
 import mmap
 import os
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -340,6 +341,10 @@ class WindowReader:
     def count(self) -> int:
         return self.windows.count
 
+    @functools.cached_property
+    def start_list(self) -> list[int]:  # (bisect on a list: a window's lookup in 1 us, not 5)
+        return [] if self.starts is None else self.starts.tolist()
+
     def get(self, position: int) -> dict[str, Any] | BadSample:
         samples, w = self.samples, self.windows
         if self.bad is not None or position >= self.count or self.starts is None \
@@ -353,7 +358,7 @@ class WindowReader:
         if len(data) != n * size:
             return BadSample(samples.url, position, self.key,
                              "corrupt or truncated tar (the file is shorter than its index)")
-        lo, hi = np.searchsorted(self.starts, (first, first + n))
+        lo, hi = bisect_left(self.start_list, first), bisect_left(self.start_list, first + n)
         span = TokenSpan(np.frombuffer(data, self.dtype), self.starts[lo:hi] - first, w.seq_len,
                          w.random, self.key)
         return {"__key__": f"{self.key}/{position}", TOKENS_MEMBER: span}

@@ -71,7 +71,7 @@ def window_offset(seed: int, epoch: int, shard_key: str, seq_len: int) -> int:
     return int.from_bytes(digest, "little") % (seq_len + 1)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # (one per window read: slots make it cheap to build)
 class TokenSpan:
     """What a reader takes from a flat shard for window `index`: the tokens from the window's
     packed start, `seq_len + 1` of them (2 seq_len + 1 with random windows: room for any
