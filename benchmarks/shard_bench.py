@@ -3,6 +3,11 @@ process) on the same generated image folder.
 
     .venv/bin/python benchmarks/shard_bench.py            # ~300 MB of PNG/JPEG files
     .venv/bin/python benchmarks/shard_bench.py --quick    # a few MB, seconds (smoke test)
+    .venv/bin/python benchmarks/shard_bench.py --parts [--quick]   # issue 50: 4 parts' CPU
+
+`--parts`: per format (csv, jsonl, parquet and npz of 200,000 rows, the image folder), the CPU
+(user + sys, startup included) of `--part 0/4` .. `3/4` run one after another into one OUT
+against one whole run, and whether both give the same shards and manifest.
 
 The image folder (random-content PNG and JPEG files, 10 classes) is generated once into the temp
 dir and reused. Each run starts a fresh interpreter, as the command would, and times the work
@@ -170,6 +175,103 @@ def _digests(out: Path) -> dict[str, str]:
             ["splits"].values() for s in split["shards"]}
 
 
+PART_FORMATS = ("csv", "jsonl", "parquet", "npz", "imagefolder")
+
+
+def table_sources(rows: int, root: Path | None = None) -> Path:
+    """A cached folder of one table as t.csv, t.jsonl and t.parquet (8 float columns, an int, a
+    4-class label, 6 words of text) and arrays as d.npz (x float32[64], y class) of `rows`."""
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+    import pyarrow.parquet as pq
+
+    root = root or Path(tempfile.gettempdir()) / "ringfeed-bench"
+    path = root / f"tables-{rows}-v1"
+    if path.is_dir():
+        return path
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".generating-"))
+    rng = np.random.default_rng(0)
+    words = np.array("the quick brown fox jumps over a lazy dog in the sun".split())
+    table = pa.table({**{f"f{i}": rng.normal(size=rows).round(5) for i in range(8)},
+                      "n": rng.integers(0, 1000, rows),
+                      "label": np.array(["cat", "dog", "bird", "fish"])[rng.integers(0, 4, rows)],
+                      "text": [" ".join(w) for w in words[rng.integers(0, 12, (rows, 6))]]})
+    pq.write_table(table, tmp / "t.parquet", row_group_size=50_000)
+    pcsv.write_csv(table, tmp / "t.csv")
+    with open(tmp / "t.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in table.to_pylist())
+    np.savez(tmp / "d.npz", x=rng.normal(size=(rows, 64)).astype(np.float32),
+             y=rng.integers(0, 10, rows))
+    try:
+        tmp.rename(path)
+    except OSError:
+        shutil.rmtree(tmp)
+    return path
+
+
+def _cpu_of(argv: list[str]) -> float:
+    """User + system CPU of one `ringfeed shard` process (and its writers), startup included:
+    each part is a process of its own, as on a cluster."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, "-m", "ringfeed.train.cli", "shard", *argv, "--no-progress"],
+                   check=True, capture_output=True, timeout=1800, cwd=REPO)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def parts_against_one(src: Path, args: list[str], work: Path, parts: int = 4) -> dict:
+    """CPU of one run and of `--part 0/N` .. `N-1/N` one after another into one OUT; whether
+    the two OUTs hold the same shards and manifest."""
+    one, many = work / "one", work / "parts"
+    cpu_one = _cpu_of([str(src), str(one), *args])
+    cpu_parts = [_cpu_of([str(src), str(many), *args, "--part", f"{i}/{parts}"])
+                 for i in range(parts)]
+    same = (_digests(one) == _digests(many)
+            and (one / "manifest.json").read_bytes() == (many / "manifest.json").read_bytes())
+    shutil.rmtree(one)
+    shutil.rmtree(many)
+    return {"one": cpu_one, "parts": cpu_parts, "ratio": sum(cpu_parts) / cpu_one,
+            "identical": same}
+
+
+def measure_parts(args: argparse.Namespace) -> dict:
+    """`--parts`: issue 50's goal, the parts' total CPU within 1.1x of one run's, per format;
+    the median ratio of --repeat rounds (CPU time drifts less than wall time under load)."""
+    rows = args.rows or (2_000 if args.quick else 200_000)
+    tables = table_sources(rows, args.data_dir)
+    table = ["--categorical", "label", "--field", "label=cls"]
+    sources = {"csv": (tables / "t.csv", ["--format", "csv", *table]),
+               "jsonl": (tables / "t.jsonl", ["--format", "jsonl", *table]),
+               "parquet": (tables / "t.parquet", ["--format", "parquet", *table]),
+               "npz": (tables / "d.npz", ["--format", "npz", "--field", "y=cls"]),
+               "imagefolder": (image_folder(args.mb or (4 if args.quick else 300), args.data_dir),
+                               ["--format", "imagefolder"])}
+    max_size = args.max_size or ("256KB" if args.quick else "16MB")
+    repeat = args.repeat or (1 if args.quick else 3)
+    results: dict = {"rows": rows, "repeat": repeat, "max_size": max_size, "parts": 4,
+                     "cpus": os.cpu_count(), "formats": {}}
+    work = Path(tempfile.mkdtemp(prefix="ringfeed-shard-parts-"))
+    try:
+        for fmt in PART_FORMATS:
+            src, options = sources[fmt]
+            rounds = [parts_against_one(src, [*options, "--max-size", max_size], work)
+                      for _ in range(repeat)]
+            ratios = sorted(r["ratio"] for r in rounds)
+            results["formats"][fmt] = {"ratio": ratios[len(ratios) // 2], "ratios": ratios,
+                                       "rounds": rounds,
+                                       "identical": all(r["identical"] for r in rounds)}
+            print(f"{fmt:<12} 4 parts / one run: {ratios[len(ratios) // 2]:.2f}x CPU "
+                  f"(rounds {', '.join(f'{r:.2f}' for r in ratios)}; one run "
+                  f"{rounds[0]['one']:.1f} s) identical: {results['formats'][fmt]['identical']}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results["load_avg_1m"] = os.getloadavg()[0]
+    args.results.mkdir(parents=True, exist_ok=True)
+    stem = "shard_bench_parts_quick" if args.quick else "shard_bench_parts"
+    (args.results / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -199,7 +301,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-size", default=None, help="shard size (default 32MB, quick 1MB)")
     ap.add_argument("--data-dir", type=Path, help="where the generated images are cached")
     ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--parts", action="store_true",
+                    help="instead: CPU of --part 0/4 .. 3/4 against one run, per format")
+    ap.add_argument("--rows", type=int, help="--parts: table rows (default 200000, quick 2000)")
     args = ap.parse_args(argv)
+    if args.parts:
+        return measure_parts(args)
     mb = args.mb or (4 if args.quick else 300)
     repeat = args.repeat or (1 if args.quick else 3)
     max_size = args.max_size or ("1MB" if args.quick else "32MB")
