@@ -358,9 +358,10 @@ class WindowReader:
         if len(data) != n * size:
             return BadSample(samples.url, position, self.key,
                              "corrupt or truncated tar (the file is shorter than its index)")
-        lo, hi = bisect_left(self.start_list, first), bisect_left(self.start_list, first + n)
-        span = TokenSpan(np.frombuffer(data, self.dtype), self.starts[lo:hi] - first, w.seq_len,
-                         w.random, self.key)
+        starts = self.start_list
+        inside = [s - first for s in starts[bisect_left(starts, first):bisect_left(starts,
+                                                                                   first + n)]]
+        span = TokenSpan(np.frombuffer(data, self.dtype), inside, w.seq_len, w.random, self.key)
         return {"__key__": f"{self.key}/{position}", TOKENS_MEMBER: span}
 
 

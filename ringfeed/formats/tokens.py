@@ -79,7 +79,7 @@ class TokenSpan:
     cuts the epoch's window out."""
 
     tokens: np.ndarray
-    starts: np.ndarray  # int64, ascending, within `tokens`
+    starts: list[int]  # ascending, within `tokens` (a window holds few: plain ints are cheaper)
     seq_len: int
     random: bool
     shard_key: str
@@ -91,10 +91,8 @@ class TokenSpan:
     def window(self, lo: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens as int64, DOC_IDS as int32) of the window from `lo` (`offset()`)."""
         size = self.seq_len + 1
-        tokens = self.tokens[lo:lo + size].astype(np.int64)
-        inside = self.starts[(self.starts > lo) & (self.starts < lo + size)] - lo
         ids = np.zeros(size, dtype=np.int32)
-        if len(inside):  # (starts are distinct)
-            ids[inside] = 1
-            np.cumsum(ids, out=ids)
-        return tokens, ids
+        for start in self.starts:
+            if lo < start < lo + size:
+                ids[start - lo:] += 1
+        return self.tokens[lo:lo + size].astype(np.int64), ids
