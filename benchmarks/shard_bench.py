@@ -293,7 +293,20 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _print_results(results: dict, best: dict[str, float]) -> None:
+    for name, value in results["mb_per_s"].items():
+        print(f"{name:<26} {value:8.1f} MB/s   (best of {results['repeat']}: {best[name]:.2f} s "
+              f"wall, {min(results['cpu_seconds'][name]):.2f} s CPU)")
+    for name, value in results["ratios"].items():
+        print(f"{name:<40} {value:5.2f}x")
+    print(f"this machine meanwhile: 2 processes of pure sha256 ran "
+          f"{results['parallel_ceiling_2_over_1']:.2f}x one at best (what any K=2 could gain)")
+    print(f"K=1 and K=2 shards byte-identical: {results['k1_k2_identical_shards']}; "
+          f"{results['dataset_mb']:.0f} MB, {results['files']} files, load avg "
+          f"{results['load_avg_1m']:.1f} on {results['cpus']} CPUs")
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few MB, one repeat (smoke test)")
     ap.add_argument("--mb", type=float, help="dataset size in MB (default 300, quick 4)")
@@ -304,7 +317,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--parts", action="store_true",
                     help="instead: CPU of --part 0/4 .. 3/4 against one run, per format")
     ap.add_argument("--rows", type=int, help="--parts: table rows (default 200000, quick 2000)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _args(argv)
     if args.parts:
         return measure_parts(args)
     mb = args.mb or (4 if args.quick else 300)
@@ -354,16 +371,7 @@ def main(argv: list[str] | None = None) -> dict:
         "k1_k2_identical_shards": digests.get(1) == digests.get(2),
         "parallel_ceiling_2_over_1": max(ceilings),  # best of repeat, like the timings
     }
-    for name, value in rate.items():
-        print(f"{name:<26} {value:8.1f} MB/s   (best of {repeat}: {best[name]:.2f} s wall, "
-              f"{min(cpu[name]):.2f} s CPU)")
-    for name, value in results["ratios"].items():
-        print(f"{name:<40} {value:5.2f}x")
-    print(f"this machine meanwhile: 2 processes of pure sha256 ran {max(ceilings):.2f}x one at "
-          f"best (what any K=2 could gain)")
-    print(f"K=1 and K=2 shards byte-identical: {results['k1_k2_identical_shards']}; "
-          f"{results['dataset_mb']:.0f} MB, {results['files']} files, load avg "
-          f"{results['load_avg_1m']:.1f} on {results['cpus']} CPUs")
+    _print_results(results, best)
     args.results.mkdir(parents=True, exist_ok=True)
     stem = "shard_bench_quick" if args.quick else "shard_bench"
     (args.results / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
