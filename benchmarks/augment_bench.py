@@ -4,6 +4,11 @@ from S3, MosaicML Streaming, LitData and webdataset.
 
     .venv/bin/python benchmarks/augment_bench.py            # full mode, ~6 min quiet, 13 loaded
     .venv/bin/python benchmarks/augment_bench.py --quick    # the smoke test, a few CPU-seconds
+    .venv/bin/python benchmarks/augment_bench.py --s3-only --s3-baseline DIR   # row 5 alone
+
+`--s3-baseline DIR` reads S3 also with the `ringfeed` package under DIR (an earlier commit:
+`git archive C | tar -x -C T`, then pipeline/, shards/ and train/ copied into T/ringfeed/;
+DIR = T), as the contender ringfeed-before, in the same interleaved rounds.
 
 Images: ImageNet-like JPEGs cut from the photographs scikit-image ships (`skimage.data`:
 astronaut, chelsea, coffee, rocket, hubble_deep_field, ...; grayscale ones too, 1 in 16, as
