@@ -206,11 +206,9 @@ def _check_command(args: argparse.Namespace) -> tuple[int, int] | None:
                         "in one process, not in parts; run the command once")
     if args.out is None and args.format != "wds-index":
         raise UserError("OUT is missing: ringfeed shard SRC OUT --format ...")
-    if args.scan and (args.format not in TABLE_FORMATS or part is not None
-                      or is_url(args.src) or is_url(args.out)):
-        raise UserError("--scan: for a csv, jsonl or parquet SRC and a local OUT, in one process "
-                        "before the parts (not with --part, under a launcher or with URLs); "
-                        "drop --scan")
+    if args.scan and (args.format not in TABLE_FORMATS or part is not None or is_url(args.src)):
+        raise UserError("--scan: for a local csv, jsonl or parquet SRC, in one process before "
+                        "the parts (not with --part or under a launcher); drop --scan")
     for flag, value, formats in (("--field", args.field, (*TABLE_FORMATS, "npz", "npy")),
                                  ("--features", args.features, TABLE_FORMATS),
                                  ("--categorical", args.categorical, TABLE_FORMATS),
@@ -247,9 +245,9 @@ def run_shard(args: argparse.Namespace) -> int:
         return _run_merge(args)
     opts = options_from_args(args)
     if opts.scan_only:
-        from ringfeed.shards.build import share_scan
+        from ringfeed.shards.remote_build import scan_for_parts
 
-        print(f"ringfeed shard: scan shared in {share_scan(opts)}; now run the parts (--part "
+        print(f"ringfeed shard: scan shared in {scan_for_parts(opts)}; now run the parts (--part "
               "I/N) with the same SRC, OUT and options", flush=True)
         return 0
     if opts.part is not None:

@@ -37,7 +37,8 @@ from ringfeed.shards.packing import PlannedShard, split_key
 
 MARKER = re.compile(r"^\.ringfeed-part-(\d+)-of-(\d+)\.json$")
 PART_JOURNAL = re.compile(r"^\.ringfeed-journal-part-(\d+)-of-(\d+)\.jsonl$")
-SHARED_SCAN = re.compile(r"^\.ringfeed-scan-[0-9a-f]+$")  # sources/base.py's SharedScan folder
+# sources/base.py's SharedScan folder (in a bucket: its objects, `.ringfeed-scan-KEY/NAME`)
+SHARED_SCAN = re.compile(r"^\.ringfeed-scan-[0-9a-f]+(/[^/]+)?$")
 PART_SPEC = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 
 # (launcher, rank variable, size variable), in the order they are looked for: mpirun and

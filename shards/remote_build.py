@@ -43,6 +43,7 @@ from ringfeed.shards.build import (
     adopt_src_url,
     finish_part,
     shard_dataset,
+    share_scan,
 )
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.packing import PlannedShard, fingerprint, plan_shards
@@ -66,6 +67,7 @@ from ringfeed.shards.remote import (
     version_of,
 )
 from ringfeed.shards.sources import Source, open_source
+from ringfeed.shards.sources.base import FACTS, SCAN_PREFIX
 
 Kept = dict[str, tuple[ShardInfo, str | None, str | None]]  # name: (info, tar, sidecar ETag)
 Versions = dict[str, tuple[str | None, str | None]]  # name: (tar, sidecar ETag)
@@ -135,8 +137,11 @@ def _shard_to_store(opts: ShardOptions, store: Store, start: float) -> ShardRun:
     staging.mkdir(parents=True, exist_ok=True)
     _clean_out_dir(staging, fresh=True)  # local leftovers of a killed run are written again
     journal = RemoteJournal(store, journal_name(opts.part))
+    if opts.part is not None:
+        fetch_scans(store, listing, staging)
     source = open_source(opts)
     try:
+        upload_scan(store, listing, source.shared)
         adopt_src_url(source, opts)
         shards = plan_shards(source, opts)
         plan_id = fingerprint(source, opts, shards)
@@ -166,9 +171,56 @@ def _shard_to_store(opts: ShardOptions, store: Store, start: float) -> ShardRun:
             journal.remove()      # of a finished part keeps its shards)
     finally:
         source.close()
+        for scan in staging.glob(f"{SCAN_PREFIX}*"):  # the bucket's copy stays for the others
+            shutil.rmtree(scan, ignore_errors=True)
     remove_staging(opts)
     return ShardRun(manifest, staging, time.monotonic() - start,
                     written=[s.name for s in todo], kept=sorted(kept), part=opts.part)
+
+
+def scan_for_parts(opts: ShardOptions) -> str:
+    """`--scan`: the scan left in OUT for the parts (build.share_scan), in a bucket uploaded
+    from the staging folder; where it is."""
+    if opts.out_url is None:
+        return str(share_scan(opts))
+    store = Store(opts.out_url, opts.storage_options, opts.policy)
+    listing = store.list()
+    check_out_store(store, listing, False, parts=True)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    fetch_scans(store, listing, opts.out)
+    try:
+        shared = share_scan(opts)
+        upload_scan(store, listing, shared)
+    finally:
+        for scan in opts.out.glob(f"{SCAN_PREFIX}*"):
+            shutil.rmtree(scan, ignore_errors=True)
+        remove_staging(opts)
+    return store.url_of(shared.name)
+
+
+def fetch_scans(store: Store, listing: dict[str, Any], staging: Path) -> None:
+    """The shared scans in the bucket (`.ringfeed-scan-KEY/`, whole once its facts.json is
+    there: uploaded last), copied into the staging folder, where the source finds the one of
+    its key as in a local OUT (sources/base.py SharedScan)."""
+    for name in listing:
+        folder, _, file = name.partition("/")
+        if not folder.startswith(SCAN_PREFIX) or file != FACTS or (staging / folder).is_dir():
+            continue
+        tmp = staging / f"{folder}.download"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for member in sorted(n for n in listing if n.startswith(f"{folder}/")):
+            store.download(member, tmp / member.partition("/")[2])
+        tmp.rename(staging / folder)
+
+
+def upload_scan(store: Store, listing: dict[str, Any], shared: Path | None) -> None:
+    """The scan this part made (published in the staging folder), into the bucket for the
+    other parts: its files, then facts.json; none when the bucket has it."""
+    if shared is None or f"{shared.name}/{FACTS}" in listing:
+        return
+    for path in sorted(shared.iterdir(), key=lambda p: p.name == FACTS):
+        store.upload(path, f"{shared.name}/{path.name}")
 
 
 def _finish(store: Store, opts: ShardOptions, source: Source,

@@ -157,7 +157,7 @@ def test_scan_step_before_parts_started_together(capsys, tmp_path, sources):
     assert tree_bytes(out) == tree_bytes(tmp_path / "one")
     for bad in (["--format", "imagefolder"], [*args, "--part", "0/2"]):
         code, _, err = cli(capsys, "shard", copy, tmp_path / "x", *bad, "--scan")
-        assert code == 2 and err.count("\n") == 1 and "--scan: for a csv" in err, err
+        assert code == 2 and err.count("\n") == 1 and "--scan: for a local csv" in err, err
 
 
 @pytest.mark.timeout(120)
@@ -318,6 +318,57 @@ def test_parts_to_s3(capsys, tmp_path, sources, s3_server):
     assert manifest == json.loads(expected.pop("manifest.json"))
     got.pop("manifest.bin"), expected.pop("manifest.bin")  # the manifest's index
     assert got == expected  # shards and sidecars; no marker or journal left
+
+
+@pytest.mark.timeout(120)
+def test_a_part_takes_the_scan_another_part_left_in_the_bucket(capsys, tmp_path, sources,
+                                                               s3_server):
+    """Part 0 (one machine's staging folder) uploads its scan beside the shards; part 1 (another
+    staging folder) downloads and reads it, not the table (zeroed since, its mtime put back);
+    the scan's objects are gone with the markers."""
+    s3fs = pytest.importorskip("s3fs")
+    src, args = sources["csv"]
+    copy = tmp_path / src.name
+    shutil.copy2(src, copy)
+    flags = ["--storage-option", f"endpoint_url={s3_server}"]
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server)
+    fs.mkdir("scans")
+    assert cli(capsys, "shard", copy, tmp_path / "one", *args, *COMMON)[0] == 0
+    code, _, err = cli(capsys, "shard", copy, "s3://scans/p", *args, *COMMON, *flags,
+                       "--part", "0/2", "--staging", tmp_path / "a")
+    assert code == 0, err
+    fs.invalidate_cache()
+    assert [p for p in fs.find("scans/p/") if p.endswith("/facts.json")]
+    st = copy.stat()
+    copy.write_bytes(bytes(st.st_size))
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    code, stdout, err = cli(capsys, "shard", copy, "s3://scans/p", *args, *COMMON, *flags,
+                            "--part", "1/2", "--staging", tmp_path / "b")
+    assert code == 0 and "-> s3://scans/p/manifest.json" in stdout, err
+    fs.invalidate_cache()
+    got = {p[len("scans/p/"):]: fs.cat_file(p) for p in fs.find("scans/p/")}
+    expected = tree_bytes(tmp_path / "one")
+    assert json.loads(got.pop("manifest.json")) == json.loads(expected.pop("manifest.json"))
+    got.pop("manifest.bin"), expected.pop("manifest.bin")
+    assert got == expected  # no scan, marker or journal left
+    assert not list((tmp_path / "b").rglob(".ringfeed-scan-*"))  # nor in the staging folder
+
+    # --scan into the bucket before parts that start together
+    shutil.copy2(src, copy)
+    code, stdout, err = cli(capsys, "shard", copy, "s3://scans/q", *args, *flags, "--scan",
+                            "--staging", tmp_path / "s")
+    assert code == 0 and "scan shared in s3://scans/q/.ringfeed-scan-" in stdout, err
+    st = copy.stat()
+    copy.write_bytes(bytes(st.st_size))
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for i in (1, 0):
+        code, _, err = cli(capsys, "shard", copy, "s3://scans/q", *args, *COMMON, *flags,
+                           "--part", f"{i}/2", "--staging", tmp_path / f"q{i}")
+        assert code == 0, err
+    fs.invalidate_cache()
+    got = {p[len("scans/q/"):]: fs.cat_file(p) for p in fs.find("scans/q/")}
+    got.pop("manifest.json"), got.pop("manifest.bin")
+    assert got == expected
 
 
 @pytest.mark.system

@@ -119,7 +119,8 @@ class WorkDir:
 
 
 class SharedScan:
-    """A scan the parts of one local OUT share: `OUT/.ringfeed-scan-<key>/`, a scan's work
+    """A scan the parts of one OUT share: `OUT/.ringfeed-scan-<key>/` (a bucket's is copied to
+    and from each part's staging folder: shards/remote_build.py), a scan's work
     folder (its files) with `facts.json` (what else the scan learned) added, published by a
     rename, so it is there whole or not at all. The first part to finish its scan publishes
     it; a part that finds the one of its key reads it instead of scanning. Inputs changed

@@ -154,7 +154,7 @@ class ImageFolder(Source):
         every = [f.path for files in found.values() for f in files]
         if not every:
             raise UserError(f"{opts.src}: no image files found (expected SRC/<class>/<image files>)")
-        shared = None if opts.part is None or opts.out_url else SharedScan(opts.out, self.scan_key(
+        shared = None if opts.part is None or opts.src_url else SharedScan(opts.out, self.scan_key(
             [(f.path, f.size, f.mtime_ns) for files in found.values() for f in files]))
         facts = shared.facts() if shared is not None else None
         if shared is not None and facts is not None and len(facts.get("exts", ())) == len(every):

@@ -231,7 +231,8 @@ class TableSource(Source):
         self._store: _Store | None = None
         self._stat_files: dict[str, Path] = {}
         # a part of a local OUT shares its scan with the other parts (SharedScan)
-        self._share = (opts.part is not None or opts.scan_only) and not opts.out_url
+        # (a fetched SRC is another local path on each machine: another key, nothing shared)
+        self._share = (opts.part is not None or opts.scan_only) and not opts.src_url
 
     # -- what a format provides ---------------------------------------------------------------
     def type_file(self, path: Path) -> None:
