@@ -69,6 +69,20 @@ _STATE_BYTES = 1 << 16
 # the scheduler's stop and save signals, which loader workers must outlive (module docstring)
 _SCHEDULER_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1})
 _SMALL_FIELDS = {"__index__": torch.int64, "__valid__": torch.bool}
+# A numeric field under this many bytes leaves a loader worker pickled in the message itself:
+# a tensor's shared-memory segment (created, its descriptor sent, mapped, unmapped) costs more
+# than copying that much through the pipe (token windows: 8 x 129 int64 = 8 KB a batch).
+_INLINE_BYTES = 1 << 20
+
+
+class _Inline:
+    """An array that default_convert leaves alone (it recurses into tuples, not into other
+    objects), so it travels pickled, not in shared memory."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
 
 
 class _WorkerError(NamedTuple):
@@ -129,6 +143,10 @@ class _StreamDataset(IterableDataset):
                 # segment per batch (the tag and counters are plain values already)
                 for name in _SMALL_FIELDS:
                     booked.batch[name] = booked.batch[name].tolist()
+                for name, value in booked.batch.items():
+                    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf" \
+                            and value.nbytes < _INLINE_BYTES:
+                        booked.batch[name] = _Inline(value)
                 yield booked
         except Exception as e:  # (torch's own re-raise would hide where it came from)
             yield _WorkerError.of(e)
@@ -389,6 +407,10 @@ class TorchLoader:
             for name, dtype in _SMALL_FIELDS.items():
                 if isinstance(batch[name], list):
                     batch[name] = torch.tensor(batch[name], dtype=dtype)
+            for name, value in batch.items():
+                if isinstance(value, _Inline):
+                    tensor = torch.from_numpy(value.array)
+                    batch[name] = tensor.pin_memory() if self.loader.pin_memory else tensor
             if self.normalize_here:
                 _normalize_images(batch, pipe.context.decoder)
             yield booked.tag[0], pipe.received(booked, time.perf_counter() - started).batch
