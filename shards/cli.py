@@ -79,7 +79,7 @@ def _part_options(p: argparse.ArgumentParser) -> None:
                    help="write OUT's manifest from its finished parts (naming any part that did "
                         "not finish); no SRC")
     p.add_argument("--scan", action="store_true",
-                   help="csv/jsonl/parquet: only scan SRC, leaving the scan in OUT for the parts "
+                   help="csv/jsonl/parquet/text: only scan SRC, leaving the scan in OUT for the parts "
                         "started next (with the same options) to read instead of each scanning")
 
 
@@ -206,8 +206,9 @@ def _check_command(args: argparse.Namespace) -> tuple[int, int] | None:
                         "in one process, not in parts; run the command once")
     if args.out is None and args.format != "wds-index":
         raise UserError("OUT is missing: ringfeed shard SRC OUT --format ...")
-    if args.scan and (args.format not in TABLE_FORMATS or part is not None or is_url(args.src)):
-        raise UserError("--scan: for a local csv, jsonl or parquet SRC, in one process before "
+    if args.scan and (args.format not in (*TABLE_FORMATS, "text") or part is not None
+                      or is_url(args.src)):
+        raise UserError("--scan: for a local csv, jsonl, parquet or text SRC, in one process before "
                         "the parts (not with --part or under a launcher); drop --scan")
     for flag, value, formats in (("--field", args.field, (*TABLE_FORMATS, "npz", "npy")),
                                  ("--features", args.features, TABLE_FORMATS),

@@ -160,6 +160,73 @@ def test_scan_step_before_parts_started_together(capsys, tmp_path, sources):
         assert code == 2 and err.count("\n") == 1 and "--scan: for a local csv" in err, err
 
 
+def _keep_stat_change_content(path: Path, data: bytes) -> None:
+    """`path` rewritten with `data` (its size), its mtime put back: only its content differs."""
+    st = path.stat()
+    assert len(data) == st.st_size
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+TEXT_LAYOUTS = {"rows": ["--seq-len", "16", *COMMON],
+                "flat": ["--val-fraction", "0.25", "--shuffle-seed", "7", "--max-count", "40"]}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["part", "scan"])
+@pytest.mark.parametrize("layout", ["rows", "flat"])
+def test_text_parts_take_the_shared_tokens(capsys, tmp_path, sources, layout, how):
+    """Text parts map the tokens the first part (or `--scan`) published instead of tokenizing:
+    documents changed since in content only (size and mtime kept) still give one run's bytes
+    of the documents as they were."""
+    docs = tmp_path / "docs"
+    shutil.copytree(sources["text"][0], docs)
+    args = ["--format", "text", *TEXT_LAYOUTS[layout]]
+    assert cli(capsys, "shard", docs, tmp_path / "one", *args)[0] == 0
+    out = tmp_path / "out"
+    first = ["--scan"] if how == "scan" else ["--part", "0/2"]
+    code, stdout, err = cli(capsys, "shard", docs, out, *args, *first)
+    assert code == 0, err
+    assert len(_scans(out)) == 1
+    for doc in docs.iterdir():
+        _keep_stat_change_content(doc, doc.read_bytes().upper())
+    for i in (1, 0) if how == "scan" else (1,):
+        code, _, err = cli(capsys, "shard", docs, out, *args, "--part", f"{i}/2")
+        assert code == 0, err
+    assert tree_bytes(out) == tree_bytes(tmp_path / "one")  # and the shared scan is gone
+
+
+@pytest.mark.timeout(180)
+def test_a_text_scan_is_another_for_another_tokenizer_file_or_option(capsys, tmp_path, sources):
+    """The text scan's key covers the tokenizer.json's content (edited in place, its size and
+    mtime kept) and each option that changes the tokens or their split."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator([d.read_text() for d in sources["text"][0].iterdir()],
+                            trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                special_tokens=["<|endoftext|>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = tmp_path / "tokenizer.json"
+    bpe.save(str(tok))
+    out = tmp_path / "out"
+
+    def scans(*more: str) -> int:
+        code, _, err = cli(capsys, "shard", sources["text"][0], out, "--format", "text",
+                           "--tokenizer", str(tok), *more, "--scan")
+        assert code == 0, err
+        return len(_scans(out))
+
+    assert scans() == scans() == 1  # the same key: kept
+    _keep_stat_change_content(tok, tok.read_bytes().replace(b"\n  ", b"\n\t ", 1))
+    assert scans() == 2
+    for n, more in enumerate((["--seq-len", "16"], ["--text-field", "body"], ["--glob", "0*"],
+                              ["--val-fraction", "0.25"],
+                              ["--val-fraction", "0.25", "--shuffle-seed", "3"]), 3):
+        assert scans(*more) == n, more
+
+
 @pytest.mark.timeout(120)
 def test_a_stale_scan_is_not_read(capsys, tmp_path, sources):
     """A scan of the table as it was (then changed) is not taken: the parts give the bytes of

@@ -85,13 +85,15 @@ class Source(ABC):
     def describe(self) -> dict[str, Any]:
         return {"format": self.format, "path": str(self.path), "options": self.options}
 
-    def scan_key(self, inputs: list[tuple[str, int, int]] | None = None) -> str:
+    def scan_key(self, inputs: list[tuple[str, int, int]] | None = None,
+                 extra: dict[str, Any] | None = None) -> str:
         """What a scan's result depends on: the format, its options and the inputs (each
-        file's path, size and mtime: `inputs`, else those recorded); another key is another
-        scan."""
+        file's path, size and mtime: `inputs`, else those recorded), and what else the
+        format's scan depends on (`extra`); another key is another scan."""
+        more = {} if extra is None else {"extra": extra}
         return hashlib.sha256(json.dumps(
             {"scan": SCAN_VERSION, **self.describe(), "inputs": self.inputs if inputs is None
-             else inputs}, sort_keys=True).encode()).hexdigest()[:32]
+             else inputs, **more}, sort_keys=True).encode()).hexdigest()[:32]
 
 
 class WorkDir:

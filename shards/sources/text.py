@@ -12,8 +12,10 @@ writers in other processes map them instead of re-tokenizing.
 With `--workers K` (K > 1) and a tokenizer other than `bytes` (which is I/O), K processes
 tokenize files and pieces of large files (`Piece`: runs of a .parquet file's row groups,
 line-aligned byte ranges of a .jsonl file; a plain file is one document, kept whole), and this
-process writes their tokens in the files' order: the bytes do not depend on K. Each `--part`
-tokenizes the whole source the same way.
+process writes their tokens in the files' order: the bytes do not depend on K. The parts of
+one OUT (`--part`, `--scan`) share one tokenization: the first to finish publishes its token
+files and counts as a SharedScan keyed on the inputs, the tokenizer (a tokenizer.json's content
+hash too), the layout and the options that change the tokens; the others map those files.
 
 `--val-fraction` draws whole documents (seeded by `--shuffle-seed`) into the val split, each
 split packed on its own: no document has sequences on both sides.
@@ -21,6 +23,7 @@ split packed on its own: no document has sequences on both sides.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -45,7 +48,15 @@ from ringfeed.formats.tokens import (
 from ringfeed.shards.keys import NumberedKeys
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.parallel import parallel_map
-from ringfeed.shards.sources.base import WORK_DIR, Part, Source, WorkDir, int_sizes, source_splits
+from ringfeed.shards.sources.base import (
+    WORK_DIR,
+    Part,
+    SharedScan,
+    Source,
+    WorkDir,
+    int_sizes,
+    source_splits,
+)
 from ringfeed.shards.split import draw_val
 from ringfeed.shards.tokenizers import Tokenizer, load_tokenizer
 
@@ -236,15 +247,58 @@ class Text(Source):
             self.text = {**self.tokenizer.describe(), "seq_len": self.seq_len, **stats}
 
     def _scan(self, opts: ShardOptions) -> dict[str, tuple[int, int]]:
-        """Tokenize the source into work files: {part: (documents, tokens)}."""
+        """Tokenize the source into work files, or take another part's (SharedScan):
+        {part: (documents, tokens)}."""
         splits = source_splits(opts.src)
+        listing = {part: self._files(path, opts.glob)
+                   for part, path in (splits or {"train": opts.src}).items()}
+        # a fetched SRC is another local path on each machine: another key, nothing shared
+        shared = SharedScan(opts.out, self.scan_key(extra=self._scan_extra(opts))) if (
+            opts.part is not None or opts.scan_only) and not opts.src_url else None
+        if shared is not None and (adopted := self._adopt(shared)) is not None:
+            return adopted
         if opts.val_fraction and not splits:  # whole documents to val
-            files = self._files(opts.src, opts.glob)
             self.val_drawn = True
-            return self._tokenize(files, opts, self._val_documents(files, opts))
-        counts = {}
-        for part, path in (splits or {"train": opts.src}).items():
-            counts.update(self._tokenize(self._files(path, opts.glob), opts, part=part))
+            files = listing["train"]
+            counts = self._tokenize(files, opts, self._val_documents(files, opts))
+        else:
+            counts = {}
+            for part, files in listing.items():
+                counts.update(self._tokenize(files, opts, part=part))
+        if shared is not None and shared.publish(self._work, {
+                "counts": counts, "val_drawn": self.val_drawn}):
+            self._work = self.shared = shared.path
+        return counts
+
+    def _scan_extra(self, opts: ShardOptions) -> dict[str, Any]:
+        """What the tokens depend on beyond `options` and the inputs' path, size and mtime:
+        the tokenizer's ids and dtype, a tokenizer.json's content (edited in place, its
+        size and mtime may stay), the val draw."""
+        digest = None
+        if self.tokenizer.file is not None:
+            try:
+                digest = hashlib.sha256(self.tokenizer.file.read_bytes()).hexdigest()
+            except OSError as e:
+                raise UserError(f"{self.tokenizer.file}: cannot read ({e.strerror})") from None
+        return {**self.tokenizer.describe(), "tokenizer_sha256": digest,
+                "val_fraction": opts.val_fraction, "shuffle_seed": opts.shuffle_seed}
+
+    def _adopt(self, shared: SharedScan) -> dict[str, tuple[int, int]] | None:
+        """The counts of the shared scan of this key, if published and whole (each token
+        file of the size its count says), reading its token files from then on; else None."""
+        facts = shared.facts()
+        if facts is None:
+            return None
+        itemsize = np.dtype(self.tokenizer.dtype).itemsize
+        try:
+            counts = {str(p): (int(d), int(t)) for p, (d, t) in facts["counts"].items()}
+            if any((shared.path / f"{p}.tokens").stat().st_size != t * itemsize
+                   for p, (_, t) in counts.items()):
+                return None
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None
+        self.val_drawn = bool(facts.get("val_drawn"))
+        self._work = self.shared = shared.path
         return counts
 
     def _too_few(self, part: str, total: int, need: int, opts: ShardOptions) -> UserError:
