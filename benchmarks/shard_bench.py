@@ -5,9 +5,10 @@ process) on the same generated image folder.
     .venv/bin/python benchmarks/shard_bench.py --quick    # a few MB, seconds (smoke test)
     .venv/bin/python benchmarks/shard_bench.py --parts [--quick]   # issue 50: 4 parts' CPU
 
-`--parts`: per format (csv, jsonl, parquet and npz of 200,000 rows, the image folder), the CPU
-(user + sys, startup included) of `--part 0/4` .. `3/4` run one after another into one OUT
-against one whole run, and whether both give the same shards and manifest.
+`--parts`: per format (csv, jsonl, parquet and npz of 200,000 rows, the image folder, the jsonl's
+text with a BPE trained on it), the CPU (user + sys, startup included) of `--part 0/4` .. `3/4`
+run one after another into one OUT against one whole run, and whether both give the same shards
+and manifest.
 
 The image folder (random-content PNG and JPEG files, 10 classes) is generated once into the temp
 dir and reused. Each run starts a fresh interpreter, as the command would, and times the work
@@ -175,7 +176,7 @@ def _digests(out: Path) -> dict[str, str]:
             ["splits"].values() for s in split["shards"]}
 
 
-PART_FORMATS = ("csv", "jsonl", "parquet", "npz", "imagefolder")
+PART_FORMATS = ("csv", "jsonl", "parquet", "npz", "imagefolder", "text")
 
 
 def table_sources(rows: int, root: Path | None = None) -> Path:
@@ -206,6 +207,24 @@ def table_sources(rows: int, root: Path | None = None) -> Path:
         tmp.rename(path)
     except OSError:
         shutil.rmtree(tmp)
+    return path
+
+
+def bpe_tokenizer(tables: Path) -> Path:
+    """A byte-level BPE (vocabulary 4096) trained on t.jsonl's text, cached beside it: the text
+    row tokenizes with a real tokenizer, whose CPU the parts share (bytes would be I/O)."""
+    path = tables / "tokenizer.json"
+    if not path.exists():
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        with open(tables / "t.jsonl") as f:
+            bpe.train_from_iterator((json.loads(line)["text"] for line in f), trainers.BpeTrainer(
+                vocab_size=4096, special_tokens=["<|endoftext|>"], show_progress=False,
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        bpe.save(str(path.with_suffix(".tmp")))
+        path.with_suffix(".tmp").rename(path)
     return path
 
 
@@ -245,7 +264,9 @@ def measure_parts(args: argparse.Namespace) -> dict:
                "parquet": (tables / "t.parquet", ["--format", "parquet", *table]),
                "npz": (tables / "d.npz", ["--format", "npz", "--field", "y=cls"]),
                "imagefolder": (image_folder(args.mb or (4 if args.quick else 300), args.data_dir),
-                               ["--format", "imagefolder"])}
+                               ["--format", "imagefolder"]),
+               "text": (tables / "t.jsonl", ["--format", "text", "--text-field", "text",
+                                            "--tokenizer", str(bpe_tokenizer(tables))])}
     max_size = args.max_size or ("256KB" if args.quick else "16MB")
     repeat = args.repeat or (1 if args.quick else 3)
     results: dict = {"rows": rows, "repeat": repeat, "max_size": max_size, "parts": 4,
