@@ -438,6 +438,33 @@ def test_a_part_takes_the_scan_another_part_left_in_the_bucket(capsys, tmp_path,
     assert got == expected
 
 
+@pytest.mark.timeout(120)
+def test_a_text_part_takes_the_tokens_another_part_left_in_the_bucket(capsys, tmp_path, sources,
+                                                                      s3_server):
+    """Part 0 (one staging folder) uploads its tokens beside the shards; part 1 (another)
+    downloads and maps them: documents changed since in content only give one run's bytes."""
+    s3fs = pytest.importorskip("s3fs")
+    docs = tmp_path / "docs"
+    shutil.copytree(sources["text"][0], docs)
+    args = ["--format", "text", *TEXT_LAYOUTS["flat"], "--storage-option",
+            f"endpoint_url={s3_server}"]
+    fs = s3fs.S3FileSystem(endpoint_url=s3_server)
+    fs.mkdir("textscan")
+    assert cli(capsys, "shard", docs, tmp_path / "one", *args[:-2])[0] == 0
+    for i, staging in ((0, "a"), (1, "b")):
+        code, _, err = cli(capsys, "shard", docs, "s3://textscan/p", *args, "--part", f"{i}/2",
+                           "--staging", tmp_path / staging)
+        assert code == 0, err
+        for doc in docs.iterdir():  # after part 0: only the shared tokens give one run's bytes
+            _keep_stat_change_content(doc, doc.read_bytes().upper())
+    fs.invalidate_cache()
+    got = {p[len("textscan/p/"):]: fs.cat_file(p) for p in fs.find("textscan/p/")}
+    expected = tree_bytes(tmp_path / "one")
+    assert json.loads(got.pop("manifest.json")) == json.loads(expected.pop("manifest.json"))
+    got.pop("manifest.bin"), expected.pop("manifest.bin")
+    assert got == expected  # no scan, marker or journal left
+
+
 @pytest.mark.system
 @pytest.mark.timeout(180)
 def test_mpirun_np_2_shards_one_folder(capsys, tmp_path, sources):
