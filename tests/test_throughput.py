@@ -191,6 +191,42 @@ def test_torch_model_that_needs_real_values_is_unknown() -> None:
     assert counted.per_sample is None and counted.method.startswith("unknown: "), counted
 
 
+@pytest.mark.integration
+def test_a_token_model_that_needs_real_values_is_estimated_as_counted() -> None:
+    """A gpt whose forward checks its token ids (`.item()`: no meta device) gets 6 N T plus
+    the attention term from its `config`: the meta count of the same gpt, exactly; without a
+    config the attention term is left out and the method says so."""
+    import types
+
+    import torch
+
+    from ringfeed.train.data import LM, DataSpec
+    from ringfeed.train.models.torch_models import build
+    from ringfeed.train.observe.throughput import count_torch_flops
+
+    spec = DataSpec(LM, "tokens", None, (32,), vocab_size=64)
+    gpt = build("gpt", spec, n_layer=2, n_head=4, d_model=128, tie_embeddings=True)
+
+    class Checking(torch.nn.Module):
+        def __init__(self, config: object | None) -> None:
+            super().__init__()
+            self.gpt, self.config = gpt, config
+
+        def forward(self, idx):
+            if idx.max().item() >= 64:
+                raise ValueError("token id out of range")
+            return self.gpt(idx)
+
+    counted = count_torch_flops(gpt, (4, 32), torch.int64).per_sample
+    config = types.SimpleNamespace(n_layer=2, n_embd=128)
+    estimate = count_torch_flops(Checking(config), (4, 32), torch.int64)
+    assert estimate.per_sample == counted, estimate
+    assert estimate.method.startswith("estimate: 6 x ") and "meta device" in estimate.method
+    partial = count_torch_flops(Checking(None), (4, 32), torch.int64)
+    assert partial.per_sample == counted - 12 * 2 * 128 * 32 * 32
+    assert "attention not counted" in partial.method
+
+
 @pytest.mark.system  # importing TensorFlow runs `uname -p`
 def test_tensorflow_counts_builtin_models_like_the_analytic_count() -> None:
     import keras

@@ -221,12 +221,49 @@ def count_torch_flops(model: Any, input_shape: tuple[int, ...], input_dtype: Any
                 torch.autograd.backward([t.float().sum() for t in leaves])
             total = counter.get_total_flops()
     except Exception as e:  # noqa: BLE001 - any model code may fail on meta tensors
-        return FlopCount(None, "unknown: the model does not run on torch's meta device "
-                               f"({type(e).__name__}: {_first_line(e)})")
+        why = f"the model does not run on torch's meta device ({type(e).__name__}: " \
+              f"{_first_line(e)})"
+        if input_dtype.is_floating_point or len(input_shape) != 2:
+            return FlopCount(None, f"unknown: {why}")
+        return lm_flops_estimate(model, input_shape[1], why)
     if total <= 0:
         return FlopCount(None, "unknown: FlopCounterMode counted no matmul/conv/attention")
     return FlopCount(total / input_shape[0], "torch FlopCounterMode, one forward+backward on "
                                              "the meta device")
+
+
+def lm_flops_estimate(model: Any, tokens: int, why: str) -> FlopCount:
+    """A token model's training FLOPs per sample of `tokens` tokens, where counting failed
+    (`why`): 6 N per token for N matmul weights (every parameter of 2+ dimensions but an
+    embedding table no layer multiplies by) plus 12 L d T for attention when the model's
+    `config` names its layers L and width d (the PaLM paper's appendix B, nanoGPT's and
+    torchtitan's MFU). On GPT-2 shapes it is FlopCounterMode's count exactly."""
+    import torch
+
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    multiplied = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Embedding)
+                  for p in m.parameters(recurse=False)}
+    weights = sum(p.numel() for p in model.parameters()
+                  if p.dim() >= 2 and (id(p) not in tables or id(p) in multiplied))
+    config = getattr(model, "config", None)
+    layers = _config_value(config, "num_hidden_layers", "n_layer")
+    width = _config_value(config, "hidden_size", "n_embd")
+    method = f"estimate: 6 x {weights:,} matmul weights per token"
+    flops = 6.0 * weights * tokens
+    if layers and width:
+        flops += 12.0 * layers * width * tokens * tokens
+        method += f" + 12 x {layers} layers x {width} wide x {tokens} tokens for attention"
+    else:
+        method += " (attention not counted: no config.num_hidden_layers/hidden_size)"
+    return FlopCount(flops, f"{method}; {why}")
+
+
+def _config_value(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 # -- TensorFlow -------------------------------------------------------------------------------
