@@ -219,10 +219,11 @@ def test_a_token_model_that_needs_real_values_is_estimated_as_counted() -> None:
 
     counted = count_torch_flops(gpt, (4, 32), torch.int64).per_sample
     config = types.SimpleNamespace(n_layer=2, n_embd=128)
-    estimate = count_torch_flops(Checking(config), (4, 32), torch.int64)
+    estimate = count_torch_flops(Checking(config), (4, 32), torch.int64, tokens=True)
     assert estimate.per_sample == counted, estimate
     assert estimate.method.startswith("estimate: 6 x ") and "meta device" in estimate.method
-    partial = count_torch_flops(Checking(None), (4, 32), torch.int64)
+    partial = count_torch_flops(Checking(None), (4, 32), torch.int64, tokens=True)
+    assert count_torch_flops(Checking(None), (4, 32), torch.int64).per_sample is None
     assert partial.per_sample == counted - 12 * 2 * 128 * 32 * 32
     assert "attention not counted" in partial.method
 

@@ -48,7 +48,7 @@ from ringfeed.train.backends.reduce_op import (
 )
 from ringfeed.train.backends.sync_bn import convert_sync_batchnorm
 from ringfeed.train.checkpoint.files import open_for_write
-from ringfeed.train.data import DataSpec, TrainPipeline, split_batch
+from ringfeed.train.data import LM, DataSpec, TrainPipeline, split_batch
 from ringfeed.train.models import build_model, channels_first
 from ringfeed.train.models.outputs import on_logits
 from ringfeed.train.observe.profiler import no_span
@@ -558,7 +558,7 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
         x = torch.as_tensor(split_batch(batch, self.spec)[0])
         dtype = torch.float32 if x.is_floating_point() else x.dtype  # as _inputs() feeds it
         shape = tuple(x.permute(0, 3, 1, 2).shape if self.nchw else x.shape)
-        return count_torch_flops(self.model, shape, dtype, self.device)
+        return count_torch_flops(self.model, shape, dtype, self.device, self.spec.task == LM)
 
     def accounting_device(self) -> tuple[str | None, str]:
         """(this rank's GPU name, or None on CPU; the dtype its matmuls run in): fp32 counts

@@ -195,9 +195,10 @@ def _si(value: float) -> str:
 
 # -- torch ------------------------------------------------------------------------------------
 def count_torch_flops(model: Any, input_shape: tuple[int, ...], input_dtype: Any,
-                      device: Any = None) -> FlopCount:
+                      device: Any = None, tokens: bool = False) -> FlopCount:
     """FlopCounterMode over one forward + backward of `model` on the meta device, per sample.
-    `input_shape` includes the batch; uint8 inputs are fed as float, as the trainer does."""
+    `input_shape` includes the batch; uint8 inputs are fed as float, as the trainer does.
+    `tokens` (a language model's (batch, tokens) ids): estimated where it cannot be counted."""
     import torch
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
@@ -223,7 +224,7 @@ def count_torch_flops(model: Any, input_shape: tuple[int, ...], input_dtype: Any
     except Exception as e:  # noqa: BLE001 - any model code may fail on meta tensors
         why = f"the model does not run on torch's meta device ({type(e).__name__}: " \
               f"{_first_line(e)})"
-        if input_dtype.is_floating_point or len(input_shape) != 2:
+        if not tokens or len(input_shape) != 2:
             return FlopCount(None, f"unknown: {why}")
         return lm_flops_estimate(model, input_shape[1], why)
     if total <= 0:
