@@ -541,14 +541,15 @@ class _Connection:
                 if bucket is not None and allowed:
                     allowed, self.bucket_wait = bucket.take(allowed)
                 if allowed:
-                    sent = self._send(self.client, self.to_down, allowed)
+                    with proxy._sending if self.log else contextlib.nullcontext():
+                        sent = self._send(self.client, self.to_down, allowed)
+                        if self.log and sent:
+                            self._attribute(sent)
                     if bucket is not None:
                         bucket.refund(allowed - sent)
                     if sent:
                         del self.to_down[:sent]
                         proxy._count("bytes_down", sent)
-                        if self.log:
-                            self._attribute(sent)
                         if self.cut_left is not None and not self.answer_then_close:
                             self.cut_left -= sent
                             if self.cut_left <= 0:
@@ -662,6 +663,9 @@ class FaultProxy:
         self._log: list[dict[str, Any]] = []
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        # held while logged bytes are sent and counted to their requests (then _lock, never the
+        # other way round): request_log never sees bytes a client has but the log lacks
+        self._sending = threading.Lock()
         self._mode = "pass"
         self._generation = 0
         self._bucket: TokenBucket | None = None
@@ -748,7 +752,7 @@ class FaultProxy:
         conn (a connection number), method, target, range (the Range header or None),
         t_request / t_first_byte (first response byte sent to the client) / t_end (response
         read from upstream in full; keep-alive mode) in time.monotonic(), bytes (sent down)."""
-        with self._lock:
+        with self._sending, self._lock:
             return [dict(r) for r in self._log]
 
     def reset_counters(self) -> None:
