@@ -15,6 +15,7 @@ import numpy as np
 
 from ringfeed.errors import UserError
 from ringfeed.formats.tarblocks import END, RECORD, tar_file_bytes
+from ringfeed.shards.keys import NumberedKeys
 from ringfeed.shards.options import ShardOptions
 from ringfeed.shards.sources import Source
 from ringfeed.shards.split import draw_val
@@ -104,6 +105,9 @@ def fingerprint(source: Source, opts: ShardOptions, shards: list[PlannedShard]) 
         h.update(s.indices.astype(np.int64).tobytes())
     for name, part in source.parts.items():
         h.update(f"\n{name}:".encode())
+        if isinstance(part.keys, NumberedKeys):  # its count makes every key: not each hashed
+            h.update(f"numbered {len(part.keys)}".encode())  # (~0.3 s a part at 200k keys)
+            continue
         for start in range(0, len(part.keys), 100_000):
             h.update("\0".join(part.keys[start:start + 100_000]).encode() + b"\0")
     return h.hexdigest()
