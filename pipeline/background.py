@@ -82,6 +82,10 @@ class BackgroundIterator:
             raise item.error
         return item
 
+    def ready(self) -> bool:
+        """Whether `next` would return without waiting for the thread."""
+        return self._done or not self._queue.empty() or not self._thread.is_alive()
+
     def close(self) -> None:
         """Stop the thread at its next hand-over; discard what it fetched ahead."""
         self._stop.set()

@@ -388,6 +388,10 @@ class Prefetcher:
     def __iter__(self) -> Iterator[ShardHandle]:
         return self._items
 
+    def ready(self) -> bool:
+        """Whether the next handle is here (local shards open on demand: always)."""
+        return self._background is None or self._background.ready()
+
     def close(self) -> None:
         """Stop fetching and close what was fetched ahead. Does not wait for a download in
         progress: the thread closes that handle itself when it sees the stop."""

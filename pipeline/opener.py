@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +91,21 @@ class ShardOpener:
             if not self.lookup.cached[r]:
                 yield self.context.refs[int(self.reads.run_shard[r])]
 
-    def open_through(self, run: int) -> dict[int, Source]:
+    def open_through(self, run: int, while_waiting: Callable[[dict[int, Source], int], bool]
+                     | None = None) -> dict[int, Source]:
+        """`while_waiting(open, next run)`: called while the next run's shard is still
+        downloading, until it returns False (nothing more to do) or the shard is here."""
         while self._next <= run:
+            if while_waiting is not None:
+                while not self._ready(self._next) and while_waiting(self.open, self._next):
+                    pass
             self.open[self._next] = self._open(self._next)
             self._next += 1
         return self.open
+
+    def _ready(self, run: int) -> bool:
+        self.lookup.decide_through(run)
+        return bool(self.lookup.cached[run]) or self.prefetcher.ready()
 
     def close_finished(self, emitted: int) -> None:
         last_use = self.reads.last_use

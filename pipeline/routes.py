@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ringfeed.pipeline.ahead import DecodeAhead
 from ringfeed.pipeline.batch import collate, gather, stack
 from ringfeed.pipeline.decode import Decoder, UserCodeError
 from ringfeed.pipeline.decoded_cache import CachedShard
@@ -102,9 +103,10 @@ class DecodedBatches:
 
 class ColumnBatches:
     def __init__(self, decoder: Decoder, reads: ReadPlan, good: GoodSamples,
-                 counters: StreamCounters, epoch: int = 0) -> None:
+                 counters: StreamCounters, epoch: int = 0, ahead: DecodeAhead | None = None
+                 ) -> None:
         self.decoder, self.reads, self.good, self.counters = decoder, reads, good, counters
-        self.epoch = epoch
+        self.epoch, self.ahead = epoch, ahead
 
     def applies(self, chunk: Chunk, sources: Sources) -> bool:
         """A full batch from indexed shards, and no user decode or transform (they must see
@@ -116,9 +118,13 @@ class ColumnBatches:
         return all(type(sources[r]) is IndexedSamples for r in chunk.used)
 
     def read(self, chunk: Chunk, sources: Sources) -> Assembled:
-        """Raises Fallback when a sample is unreadable, undecodable or has other fields."""
+        """The samples decoded ahead, and the rest read and decoded now. Raises Fallback when
+        a sample is unreadable, undecodable or has other fields."""
         reads = self.reads
-        runs, positions = chunk.runs.tolist(), reads.pos_of[chunk.slots].tolist()
+        early = self.ahead.take(chunk.slots) if self.ahead is not None else {}
+        rest = [i for i, slot in enumerate(chunk.slots.tolist()) if slot not in early]
+        runs = chunk.runs[rest].tolist()
+        positions = reads.pos_of[chunk.slots[rest]].tolist()
         raws: list[Any] = []
         i = 0
         while i < len(runs):  # stretches of the batch from one shard: read together
@@ -130,19 +136,47 @@ class ColumnBatches:
         if any(type(raw) is BadSample for raw in raws):
             raise Fallback
         try:
-            columns = self.decoder.columns(raws, self.epoch)
+            columns = self.decoder.columns(raws, self.epoch) if raws else {}
         except Exception:  # the sample-by-sample route names the bad sample
             raise Fallback from None
-        if columns is None or not self.good.matches(columns):
+        if columns is None:
             raise Fallback
         keys = [raw["__key__"] for raw in raws]
+        if early:
+            columns, keys = _merged(chunk, early, rest, columns, keys)
+            self.counters.counts["decoded_ahead"] += len(early)
+        if not self.good.matches(columns):
+            raise Fallback
         self.good.accept({name: values[-1] for name, values in columns.items()}, keys[-1])
-        self.counters.counts["samples_read"] += len(raws)
+        self.counters.counts["samples_read"] += len(chunk.slots)
         valid = reads.valid[chunk.slots]
         self.counters.counts["padded"] += int(len(valid) - valid.sum())
         fields = self.decoder.finish_batch({name: stack(v) for name, v in columns.items()},
                                            keys)
         return Assembled(fields, keys, reads.ids[chunk.slots], valid)
+
+
+def _merged(chunk: Chunk, early: dict[int, tuple[str, dict[str, Any]]], rest: list[int],
+            columns: dict[str, list[Any]], keys: list[str]
+            ) -> tuple[dict[str, list[Any]], list[str]]:
+    """A batch's columns and keys in slot order, from the samples decoded ahead (`early`) and
+    those decoded now (rows `rest` of the batch); Fallback when their fields differ."""
+    names = set(next(iter(early.values()))[1])
+    if (rest and set(columns) != names) or any(set(f) != names for _, f in early.values()):
+        raise Fallback
+    n = len(chunk.slots)
+    merged: dict[str, list[Any]] = {name: [None] * n for name in names}
+    all_keys = [""] * n
+    for i, slot in enumerate(chunk.slots.tolist()):
+        if slot in early:
+            all_keys[i], fields = early[slot]
+            for name in names:
+                merged[name][i] = fields[name]
+    for k, i in enumerate(rest):
+        all_keys[i] = keys[k]
+        for name in names:
+            merged[name][i] = columns[name][k]
+    return merged, all_keys
 
 
 class SampleBatches:

@@ -14,7 +14,7 @@ from typing import Any
 
 COUNTERS = ("bytes_read", "bytes_downloaded", "cache_hits", "cache_misses", "shards_opened",
             "samples_read", "skipped", "padded", "decoded_hits", "decoded_writes",
-            "cached_samples")
+            "cached_samples", "decoded_ahead")
 
 
 class StreamCounters:
@@ -96,6 +96,8 @@ class PipelineStats:
                 # entries found changed since written: removed, never served, written again
                 "decoded_cache_damaged": c["decoded_damaged"],
                 "cached_samples": c["cached_samples"],  # samples gathered from those arrays
+                # samples decoded while their stream waited for a download (ahead.py)
+                "decoded_ahead": c["decoded_ahead"],
                 # storage faults retried (ringfeed/remote.py): retries, of them throttles
                 # (429/503 SlowDown), seconds spent waiting out the backoff
                 "storage_retries": c["storage_retries"],

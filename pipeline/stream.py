@@ -3,7 +3,8 @@ stages composed in `WorkerStream.__iter__`:
 
     plan (readplan.py: slots -> shards, positions, runs; once per stream)
     -> open (opener.py: shards in read order, prefetched; decoded-cache entries looked up,
-       or filled as an indexed shard opens)
+       or filled as an indexed shard opens; while a shard downloads, ahead.py decodes samples
+       of the open shards that later batches need)
     -> read + decode + batch (routes.py: a decoded-cache gather, or an indexed read decoded
        field by field, or sample by sample, where bad data is handled)
     -> book (the batch's keys, ids, validity, tag and counters).
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ringfeed.pipeline import malloc
+from ringfeed.pipeline.ahead import DecodeAhead
 from ringfeed.pipeline.cache import ShardCache
 from ringfeed.pipeline.decode import Decoder
 from ringfeed.pipeline.decoded_cache import DecodedStore
@@ -102,18 +104,26 @@ class WorkerStream:
         reads = ReadPlan(self.plan, needed, context.layout)
         shards = ShardOpener(context, reads, counters)
         good = GoodSamples()
+        decoder = context.decoder
+        ahead = (DecodeAhead(decoder, reads, self.epoch) if context.indexes is not None
+                 and decoder.decode is None and decoder.transform is None else None)
         # (the epoch, with each sample's key and the seed, decides its augmentation)
-        whole_batch_routes = (DecodedBatches(context.decoder, reads, good, counters, self.epoch),
-                              ColumnBatches(context.decoder, reads, good, counters, self.epoch))
+        whole_batch_routes = (DecodedBatches(decoder, reads, good, counters, self.epoch),
+                              ColumnBatches(decoder, reads, good, counters, self.epoch, ahead))
         samples = SampleBatches(context.decoder, reads, good, counters, context.on_error,
                                 f"worker stream {self.w} of this rank", self.epoch)
         local_batch = self.skip
         try:
             for chunk in reads.chunks():
-                sources = shards.open_through(chunk.used[-1])
+                if ahead is not None:
+                    ahead.position = chunk.first
+                sources = shards.open_through(chunk.used[-1],
+                                              ahead.step if ahead is not None else None)
                 for assembled in self._assemble(chunk, sources, whole_batch_routes, samples):
                     yield self._booked(assembled, local_batch)
                     local_batch += 1
+                if ahead is not None:
+                    ahead.take(chunk.slots)  # (what another route read itself)
                 shards.close_finished(chunk.first + len(chunk.slots) - 1)
             samples.finish()
         finally:
