@@ -19,9 +19,13 @@ pytestmark = pytest.mark.system
 
 LINGERING_HOOK = '''
 import atexit
+import gc
+import os
 import time
 
 def _linger():
+    with open(os.environ["FREEZE_COUNT_FILE"], "w") as f:  # (see the test's last line)
+        f.write(str(gc.get_freeze_count()))
     time.sleep(3600)
 
 atexit.register(_linger)
@@ -38,7 +42,8 @@ def test_an_exit_handler_that_never_returns_ends_the_process_with_the_hang_line(
     cfg = write_config(tmp_path / "cfg.yaml", **toy_config(
         shards, out, train={"max_steps": 6, "hang_timeout_s": 5, "hang_grace_s": 600},
         data={"transform": "lingering_hooks:transform"}))
-    env = test_env(PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}")
+    env = test_env(PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}",
+                   FREEZE_COUNT_FILE=str(tmp_path / "frozen"))
     res = ringfeed("train", str(cfg), timeout=240, env=env)
     assert not res.timed_out, res.output
     assert res.returncode == EXIT_HANG, res.output
@@ -50,3 +55,6 @@ def test_an_exit_handler_that_never_returns_ends_the_process_with_the_hang_line(
     assert "_linger" in stacks and "ringfeed-exit-bound" not in last
     assert json.loads((out / "summary.json").read_text())["status"] == "finished"
     assert (out / "checkpoints" / "ckpt-000000006").is_dir()
+    # The exit handlers registered before the run returned find the heap frozen (gc.freeze),
+    # which the interpreter's finalisation then does not trace: ~1 CPU-s a torch rank.
+    assert int((tmp_path / "frozen").read_text()) > 10_000
