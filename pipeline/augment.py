@@ -23,6 +23,13 @@ Stages, in list order, as torchvision composes them (items: a name, or {name: {a
   center_crop          to image_size (CenterCrop; zero-padded where the image is smaller)
   color_jitter         brightness, contrast, saturation: a number b -> [max(0, 1 - b), 1 + b],
                        or a [min, max] pair; 0 = off (ColorJitter, its random order)
+  random_erasing       p=0.5, scale=(0.02, 0.33), ratio=(0.3, 3.3), value=0 (RandomErasing,
+                       get_params; last in the list: torchvision erases the normalized tensor).
+                       `value` (a number, or one per channel) is in normalized units, as
+                       torchvision's: the box's uint8 pixels are round(255 (mean + value std))
+                       with `normalize`'s mean and std, so value 0 is the mean colour, 0 after
+                       normalization; without `normalize`, units of x / 255 (0: black). Its
+                       draws are a stream of their own: adding it moves no other stage's.
 `default_val_augment` gives torchvision's eval preset for a list that crops at random.
 """
 
@@ -69,10 +76,20 @@ class ColorJitter:
     saturation: tuple[float, float] | None = None
 
 
-Stage = RandomResizedCrop | HorizontalFlip | Resize | CenterCrop | ColorJitter
+@dataclass(frozen=True)
+class RandomErasing:
+    p: float = 0.5
+    scale: tuple[float, float] = (0.02, 0.33)
+    ratio: tuple[float, float] = (0.3, 3.3)
+    value: tuple[float, ...] = (0.0,)  # normalized units, one or one per channel
+
+
+Stage = RandomResizedCrop | HorizontalFlip | Resize | CenterCrop | ColorJitter | RandomErasing
 STAGES: dict[str, type] = {"random_resized_crop": RandomResizedCrop,
                            "horizontal_flip": HorizontalFlip, "resize": Resize,
-                           "center_crop": CenterCrop, "color_jitter": ColorJitter}
+                           "center_crop": CenterCrop, "color_jitter": ColorJitter,
+                           "random_erasing": RandomErasing}
+ERASE_STREAM = "random_erasing"  # SampleDraws stream of the erase draws
 CROPS = (RandomResizedCrop, CenterCrop)
 
 
@@ -82,12 +99,14 @@ class Augment:
 
     stages: tuple[Stage, ...]
     size: tuple[int, int] | None
+    fill: tuple[int, ...] = (0,)  # random_erasing's uint8 levels per channel (erase_fill)
 
     @property
     def random(self) -> bool:
         """Whether any stage draws (else every epoch gives the same pixels)."""
         return any(isinstance(s, (RandomResizedCrop, ColorJitter))
-                   or (isinstance(s, HorizontalFlip) and 0.0 < s.p < 1.0) for s in self.stages)
+                   or (isinstance(s, HorizontalFlip) and 0.0 < s.p < 1.0)
+                   or (isinstance(s, RandomErasing) and s.p > 0.0) for s in self.stages)
 
     @property
     def crops(self) -> bool:
@@ -108,13 +127,18 @@ class CropParams(NamedTuple):
     contrast: float = 1.0
     saturation: float = 1.0
     jitter_order: tuple[int, ...] = ()  # indices into JITTER_NAMES, applied in this order
+    # random_erasing: (top, left, height, width) of the output set to `fill`, last; None: none
+    erase: tuple[int, int, int, int] | None = None
+    fill: tuple[int, ...] = (0,)  # uint8 levels, one or one per channel
 
 
 # -- parsing -----------------------------------------------------------------------------------
 def parse_augment(items: Sequence[Any] | None, image_size: tuple[int, int] | None,
-                  option: str = "augment", sized: bool = True) -> Augment | None:
+                  option: str = "augment", sized: bool = True,
+                  normalize: tuple[Any, Any] | None = None) -> Augment | None:
     """The stage list of option `option`, validated; raises ValueError, one line naming the
-    option, the item and what is allowed (`sized` False: image_size is not checked)."""
+    option, the item and what is allowed (`sized` False: image_size is not checked;
+    `normalize`: (mean, std), what random_erasing's value is in units of)."""
     if items is None:
         return None
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
@@ -124,7 +148,29 @@ def parse_augment(items: Sequence[Any] | None, image_size: tuple[int, int] | Non
     check_order(stages, option)
     if sized and any(isinstance(s, CROPS) for s in stages) and image_size is None:
         raise ValueError(f"{option}: its crop's output size is image_size: set image_size")
-    return Augment(stages, image_size)
+    erasing = [s for s in stages if isinstance(s, RandomErasing)]
+    fill = erase_fill(erasing[0].value, normalize) if erasing else (0,)
+    return Augment(stages, image_size, fill)
+
+
+def erase_fill(value: tuple[float, ...], normalize: tuple[Any, Any] | None
+               ) -> tuple[int, ...]:
+    """random_erasing's uint8 levels: the pixels that normalize to `value`, the nearest
+    level (torchvision writes `value` into the normalized tensor)."""
+    mean, std = normalize if normalize is not None else ((0.0,), (1.0,))
+    mean, std = [float(m) for m in _seq(mean)], [float(s) for s in _seq(std)]
+    count = max(len(value), len(mean), len(std))
+    return tuple(min(255, max(0, round(255.0 * (_at(mean, i) + _at(value, i) * _at(std, i)))))
+                 for i in range(count))
+
+
+def _at(values: Sequence[float], i: int) -> float:
+    """values[i], or the one value that stands for every channel."""
+    return values[i] if len(values) > 1 else values[0]
+
+
+def _seq(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value]
 
 
 def parse_stage(item: Any, where: str) -> Stage:
@@ -174,7 +220,27 @@ def _stage(cls: type, name: str, args: dict[str, Any]) -> Stage:
     if cls is ColorJitter:
         factors = {k: _jitter_range(args[k], k) for k in JITTER_NAMES if k in args}
         return ColorJitter(**factors)
+    if cls is RandomErasing:
+        return _erasing(args)
     return CenterCrop()
+
+
+def _erasing(args: dict[str, Any]) -> RandomErasing:
+    p = _number(args.get("p", 0.5), "p")
+    scale = _pair(args.get("scale", (0.02, 0.33)), "scale")
+    ratio = _pair(args.get("ratio", (0.3, 3.3)), "ratio")
+    if not 0 <= p <= 1:
+        raise ValueError(f"p={p}: a probability in [0, 1]")
+    if not 0 < scale[0] <= scale[1] <= 1:
+        raise ValueError(f"scale={list(scale)}: needs 0 < min <= max <= 1")
+    if not 0 < ratio[0] <= ratio[1]:
+        raise ValueError(f"ratio={list(ratio)}: needs 0 < min <= max")
+    value = args.get("value", 0)
+    values = _seq(value)
+    if len(values) not in (1, 3):
+        raise ValueError(f"value={value!r}: a number or one per channel, in normalized units "
+                         "('random' noise is not supported)")
+    return RandomErasing(p, scale, ratio, tuple(_number(v, "value") for v in values))
 
 
 def _number(value: Any, name: str) -> float:
@@ -204,7 +270,12 @@ def _jitter_range(value: Any, name: str) -> tuple[float, float] | None:
 
 
 def check_order(stages: tuple[Stage, ...], option: str) -> None:
-    """At most one crop, and a `resize` only before it (the output must be image_size)."""
+    """At most one crop, a `resize` only before it (the output must be image_size), and
+    random_erasing last (torchvision erases the finished tensor)."""
+    for i, stage in enumerate(stages[:-1]):
+        if isinstance(stage, RandomErasing):
+            raise ValueError(f"{option}[{i}]: random_erasing must be the last stage "
+                             "(torchvision erases the finished, normalized image)")
     crops = [i for i, s in enumerate(stages) if isinstance(s, CROPS)]
     if len(crops) > 1:
         raise ValueError(f"{option}: one crop stage at most (random_resized_crop or "
@@ -249,8 +320,10 @@ class SampleDraws:
     uniform in [0, 1), the same in every process and language (a numpy Generator seeded from
     the digest cost 18 us a sample to create; this, 1 us a block)."""
 
-    def __init__(self, seed: int, epoch: int, key: str) -> None:
-        self._prefix = f"{int(seed)}\x00{int(epoch)}\x00{key}\x00".encode()
+    def __init__(self, seed: int, epoch: int, key: str, stream: str = "") -> None:
+        # a named `stream` (block "stream NUL n") is independent of the default one's draws
+        stream = f"{stream}\x00" if stream else ""
+        self._prefix = f"{int(seed)}\x00{int(epoch)}\x00{key}\x00{stream}".encode()
         self._block: tuple[int, ...] = ()
         self._count = 0
 
@@ -309,9 +382,34 @@ def crop_params(stages: Augment, seed: int, epoch: int, key: str, height: int,
                     jitter[name] = rng.uniform(*bounds)
             order = tuple(i for i in order if JITTER_NAMES[i] in jitter)
     out = stages.size if stages.size is not None and not stages.crops else size
+    erase = None
+    last = stages.stages[-1] if stages.stages else None
+    if isinstance(last, RandomErasing) and last.p > 0.0:
+        erase = random_erasing(SampleDraws(seed, epoch, key, ERASE_STREAM), int(out[0]),
+                               int(out[1]), last)
     return CropParams(box[0], box[1], box[2], box[3], int(out[0]), int(out[1]), flip,
                       jitter.get("brightness", 1.0), jitter.get("contrast", 1.0),
-                      jitter.get("saturation", 1.0), order)
+                      jitter.get("saturation", 1.0), order, erase, stages.fill)
+
+
+def random_erasing(rng: SampleDraws, height: int, width: int, stage: RandomErasing
+                   ) -> tuple[int, int, int, int] | None:
+    """RandomErasing: with probability p, get_params' box (top, left, h, w) of a
+    `height` x `width` image: area a uniform share in `scale`, h/w log-uniform in `ratio`,
+    h < height and w < width, 10 tries; after 10 misses nothing is erased (torchvision
+    returns the image itself)."""
+    if rng.random() >= stage.p:
+        return None
+    area = height * width
+    log_ratio = (math.log(stage.ratio[0]), math.log(stage.ratio[1]))
+    for _ in range(CROP_TRIES):
+        target = area * rng.uniform(*stage.scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        h = int(round(math.sqrt(target * aspect)))
+        w = int(round(math.sqrt(target / aspect)))
+        if h < height and w < width:
+            return rng.below(height - h + 1), rng.below(width - w + 1), h, w
+    return None
 
 
 def random_resized_crop(rng: SampleDraws, height: int, width: int,

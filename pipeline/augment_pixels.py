@@ -6,7 +6,7 @@ OpenCV release the GIL).
     decode_source(data, short_side, channels) -> SourceImage      (what the decoded cache keeps)
     augment_source(image, stages, seed, epoch, key) -> uint8 HWC   (a later epoch, from it)
 
-The crop comes from augment.crop_params on the encoded size. A JPEG is decoded at the largest
+The crop comes from augment.crop_params on the encoded size; random_erasing's box is filled last. A JPEG is decoded at the largest
 DCT scale (1/2, 1/4, 1/8) at which the crop still covers the output (libjpeg-turbo's scaled
 IDCT: it only pays off for crops of 2x the output or more: 2x-8x less IDCT and colour work); the
 crop is a view of the decoded array, resized with OpenCV's bilinear (`cv2.resize`, or
@@ -121,7 +121,24 @@ def apply(pixels: np.ndarray, params: CropParams, height: int, width: int,
         out = _hwc(cv2.flip(out, 1), out) if cv2 is not None else out[:, ::-1]
     if params.jitter_order:
         out = color_jitter(out, params)
+    if params.erase is not None:
+        out = erase(out, params)
     return out
+
+
+def erase(pixels: np.ndarray, params: CropParams) -> np.ndarray:
+    """random_erasing: a copy (`pixels` may be a view of a cached image) with the box
+    `params.erase` set to `params.fill`, per channel."""
+    top, left, h, w = params.erase
+    out = np.array(pixels)
+    out[top:top + h, left:left + w] = erase_levels(params.fill, out.shape[2])
+    return out
+
+
+def erase_levels(fill: tuple[int, ...], channels: int) -> np.ndarray:
+    """The fill's uint8 level per channel (one level for all, or the first for a grey image)."""
+    levels = np.asarray(fill, np.uint8)
+    return levels if levels.size == channels else np.full(channels, levels[0], np.uint8)
 
 
 def on_grid(box: tuple[float, float, float, float]) -> tuple[int, int, int, int]:

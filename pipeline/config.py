@@ -72,7 +72,8 @@ class PipelineConfig(BaseModel):
     augment: list[Any] | None = Field(
         None, description="this split's image augmentation, torchvision's stages in order: "
                           "random_resized_crop, horizontal_flip, resize, center_crop, "
-                          "color_jitter (a name, or {name: {args}}; pipeline/README.md)")
+                          "color_jitter, random_erasing (a name, or {name: {args}}; "
+                          "pipeline/README.md)")
     val_augment: list[Any] | None = Field(
         None, description="the validation split's stages (default: torchvision's eval preset "
                           "when augment crops at random); ShardPipeline reads `augment` only: "

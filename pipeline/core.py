@@ -112,7 +112,7 @@ def make_decoder(c: PipelineConfig, kinds: dict[str, str]) -> Decoder:
     hooks = {name: load_callable(fn, name) if isinstance(fn, str) else fn
              for name, fn in (("decode", c.decode), ("transform", c.transform))}
     size = as_pair(c.image_size)
-    augment = parse_augment(c.augment, size)
+    augment = parse_augment(c.augment, size, normalize=c.normalize)
     # one rule: colour whenever augmenting (photos: ImageNet's grey, CMYK and PNG files too)
     channels = c.channels or (3 if augment is not None else None)
     source_side = c.cache_short_side or (eval_resize(size) if size is not None else None)

@@ -20,9 +20,9 @@ row of an overlapping view), one multiply and one sum weigh them. Then a mask wh
 reaches past its image (zeros, as torchvision's CenterCrop pads), a rounding to the uint8
 levels the CPU path gives, the jitter (batched over samples, each step in the sample's order)
 and the normalization as one multiply-add (Decoder's pixel_scale/pixel_shift: (x / 255 -
-mean) / std). 8 torch ops a batch (cat, add, index, 2 mul, sum, round, addcmul; counted with
-torch.profiler at 4 and 32 images) and 3 small uploads, +1 of each where a box is padded, +11
-ops a jitter step: a kernel each on CUDA (cat's batched copy may take a few); none per image,
+mean) / std), random_erasing's box just before it (+3 ops). 8 torch ops a batch (cat, add,
+index, 2 mul, sum, round, addcmul; counted with torch.profiler at 4 and 32 images) and 3 small
+uploads, +1 of each where a box is padded, +11 ops a jitter step: a kernel each on CUDA (cat's batched copy may take a few); none per image,
 no host-device synchronization. The result is NHWC in memory:
 a channels_last (N, C, H, W) view (`channels_last=False` makes it contiguous NCHW).
 Not `grid_sample` over a padded batch: that needs float input padded to the batch's largest
@@ -50,6 +50,7 @@ import numpy as np
 
 from ringfeed.pipeline import gpu_decode
 from ringfeed.pipeline.augment import JITTER_NAMES, Augment, CropParams, crop_params
+from ringfeed.pipeline.augment_pixels import erase_levels
 from ringfeed.pipeline.errors import PipelineDataError
 
 # ITU-R 601 luma, torchvision's rgb_to_grayscale (augment_pixels.LUMA, the CPU path's)
@@ -152,6 +153,8 @@ def augment_batch(images: Sequence[Any], params: Sequence[CropParams],
     pixels.round_()  # the uint8 levels the CPU path's resize gives
     if any(p.jitter_order for p in params):
         pixels = jitter(pixels, params)
+    if any(p.erase is not None for p in params):
+        pixels = erase(pixels, params)
     if scale is not None:
         factors = upload(np.stack([np.asarray(scale, np.float32).reshape(c),
                                    -np.asarray(shift, np.float32).reshape(c)]), pixels.device)
@@ -241,6 +244,24 @@ def jitter(pixels: Any, params: Sequence[CropParams]) -> Any:
             pixels = pixels * f
         pixels = pixels.clamp_(0, 255).floor_()
     return pixels
+
+
+def erase(pixels: Any, params: Sequence[CropParams]) -> Any:
+    """random_erasing over a batch (float32 NHWC): each sample's box (params.erase, on the
+    output, as the CPU path's) set to its fill levels; the box as a row and a column mask
+    (one upload), 3 ops for the batch."""
+    import torch
+
+    n, oh, ow, c = pixels.shape
+    inside = np.zeros((n, oh + ow), bool)
+    for i, p in enumerate(params):
+        if p.erase is not None:
+            top, left, h, w = p.erase
+            inside[i, top:top + h] = True
+            inside[i, oh + left:oh + left + w] = True
+    rows, cols = upload(inside, pixels.device).split([oh, ow], dim=1)
+    fill = upload(erase_levels(params[0].fill, c).astype(np.float32), pixels.device)
+    return torch.where((rows[:, :, None] & cols[:, None, :]).unsqueeze(3), fill, pixels)
 
 
 def sample_params(stages: Augment, seed: int, epoch: int, keys: Sequence[str],

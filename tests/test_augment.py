@@ -19,6 +19,9 @@ from ringfeed.fsutil import sha256_file
 from ringfeed.pipeline import PipelineDataError, PipelineError, ShardPipeline
 from ringfeed.pipeline.augment import (
     CROP_TRIES,
+    ERASE_STREAM,
+    RandomErasing,
+    SampleDraws,
     crop_params,
     default_val_augment,
     parse_augment,
@@ -184,6 +187,65 @@ def test_draws_depend_on_seed_epoch_and_key_only():
     assert 0.45 < np.mean(flips) < 0.55
 
 
+def torchvision_erasing_params(rng, height: int, width: int, p: float, scale, ratio):
+    """RandomErasing.forward + get_params (torchvision 0.2x) written out, its torch.rand /
+    uniform_ / randint calls made on `rng` in the same order: (top, left, h, w) or None."""
+    if not rng.random() < p:
+        return None
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        erase_area = area * rng.uniform(scale[0], scale[1])
+        aspect_ratio = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
+        h = int(round(math.sqrt(erase_area * aspect_ratio)))
+        w = int(round(math.sqrt(erase_area / aspect_ratio)))
+        if not (h < height and w < width):
+            continue
+        return rng.below(height - h + 1), rng.below(width - w + 1), h, w
+    return None  # torchvision: (0, 0, H, W, img), the image unchanged
+
+
+def test_random_erasing_follows_get_params():
+    stages = parse_augment([*TRAIN, "random_erasing"], (40, 30))
+    assert stages.stages[-1] == RandomErasing(0.5, (0.02, 0.33), (0.3, 3.3), (0.0,))
+    boxes = []
+    for k in range(3000):
+        p = crop_params(stages, 5, 1, f"k{k}", 120, 90)
+        want = torchvision_erasing_params(SampleDraws(5, 1, f"k{k}", ERASE_STREAM), 40, 30,
+                                          0.5, (0.02, 0.33), (0.3, 3.3))
+        assert p.erase == want
+        boxes.append(p.erase)
+    erased = [b for b in boxes if b is not None]
+    assert 0.46 < len(erased) / len(boxes) < 0.54  # p = 0.5
+    areas = [h * w / 1200 for _, _, h, w in erased]
+    ratios = [h / w for _, _, h, w in erased if w]
+    assert all(0 <= t and t + h <= 40 and 0 <= left and left + w <= 30
+               for t, left, h, w in erased)
+    assert min(areas) >= 0.02 * 0.8 and max(areas) <= 0.33 * 1.1
+    # torchvision's log-uniform ratio h/w over [0.3, 3.3]: its median is about 1 (the boxes
+    # that fit are kept, the rest redrawn: allow for it)
+    assert abs(np.median(np.log(ratios))) < 0.15
+
+
+def test_random_erasing_moves_no_other_stages_draws():
+    base = parse_augment([*TRAIN, {"color_jitter": {"brightness": 0.4}}], (16, 16))
+    erasing = parse_augment([*TRAIN, {"color_jitter": {"brightness": 0.4}},
+                             {"random_erasing": {"p": 1.0}}], (16, 16))
+    for k in range(200):
+        p, q = (crop_params(s, 1, 2, f"k{k}", 50, 70) for s in (base, erasing))
+        assert q._replace(erase=None) == p
+    assert "random_erasing must be the last stage" in _config_error(
+        [{"random_erasing": {}}, "horizontal_flip"])
+    assert "augment[0]: random_erasing: value='random'" in _config_error(
+        [{"random_erasing": {"value": "random"}}])
+
+
+def _config_error(augment) -> str:
+    with pytest.raises(PipelineError) as err:
+        pipeline_config(None, {"augment": augment, "image_size": 8})
+    return str(err.value)
+
+
 def test_resize_and_center_crop_are_torchvisions():
     stages = parse_augment([{"resize": {"shorter": 256}}, "center_crop"], (224, 224))
     p = crop_params(stages, 0, 0, "k", 375, 500)  # resized to 256 x 341, crop at (16, 58)
@@ -318,6 +380,36 @@ def test_a_samples_pixels_are_the_same_at_any_rank_and_worker_count(shards, tmp_
 
 
 @pytest.mark.integration
+def test_random_erasing_is_zero_after_normalization_at_any_worker_count(shards, tmp_path,
+                                                                         small_images):
+    """value 0 = torchvision's: the erased pixels normalize to 0 (within half a uint8 level,
+    the batch being uint8 before normalization), the same at any rank and worker count."""
+    mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+    options = {"augment": [*TRAIN, {"random_erasing": {"p": 1.0}}],
+               "normalize": (mean.tolist(), std.tolist()), "balance": "pad"}
+    seen = [{}, {}]
+    for i, (world, workers) in enumerate([(1, 0), (2, 2)]):
+        for rank in range(world):
+            pipe = pipe_of(shards, tmp_path, rank=rank, world_size=world, num_workers=workers,
+                           **options)
+            pipe.set_epoch(1)
+            seen[i].update(by_key(pipe))
+    assert seen[0].keys() == seen[1].keys() and len(seen[0]) == 36
+    stages = parse_augment(options["augment"], (12, 12))
+    erased = 0
+    for key, pixels in seen[0].items():
+        assert np.array_equal(pixels, seen[1][key])
+        height, width = Image.open(io.BytesIO(small_images[int(key[-4:])])).size[::-1]
+        p = crop_params(stages, 3, 1, key, height, width)
+        if p.erase is not None:
+            top, left, h, w = p.erase
+            box = pixels[top:top + h, left:left + w]
+            assert np.abs(box).max() <= 0.5 / 255 / std.min() + 1e-6
+            erased += box.size > 0
+    assert erased >= 30
+
+
+@pytest.mark.integration
 def test_a_resumed_pipeline_gives_the_same_pixels(shards, tmp_path):
     whole = pipe_of(shards, tmp_path, num_workers=2)
     whole.set_epoch(1)
@@ -416,6 +508,12 @@ def test_the_photo_folder_in_both_frameworks(tmp_path):
     [torch_batch] = list(make_loader(pipe_of(shards, tmp_path, batch_size=8, shuffle=False)))
     [tf_batch] = list(make_dataset(pipe_of(shards, tmp_path, batch_size=8, shuffle=False)))
     assert tuple(torch_batch["jpg"].shape) == (8, 12, 12, 3)
+    assert np.array_equal(torch_batch["jpg"].numpy(), tf_batch["jpg"].numpy())
+    erasing = {"batch_size": 8, "shuffle": False,
+               "augment": [*TRAIN, {"random_erasing": {"p": 1.0, "value": 0.5}}]}
+    [torch_batch] = list(make_loader(pipe_of(shards, tmp_path, **erasing)))
+    [tf_batch] = list(make_dataset(pipe_of(shards, tmp_path, **erasing)))
+    assert (torch_batch["jpg"].numpy() == 128).all(-1).any()  # value 0.5 of x / 255: 128
     assert np.array_equal(torch_batch["jpg"].numpy(), tf_batch["jpg"].numpy())
 
 

@@ -345,3 +345,29 @@ def test_on_the_gpu_nvjpeg_against_the_stand_in():
     assert gpu.is_cuda and gpu.shape == cpu.shape
     diff = (gpu.cpu().int() - cpu.int()).abs()  # nvJPEG's IDCT and upsampling against libjpeg's
     assert diff.float().mean() <= 2 and diff.max() <= 64
+
+
+def test_random_erasing_is_the_cpu_paths_box_and_fill():
+    """The GPU path erases the box crop_params drew, with the fill the CPU path writes; every
+    other pixel is the batch without the stage's."""
+    datas = photos(12, 40, 120, seed=8)
+    keys = [f"k{g}" for g in range(12)]
+    erasing = [*TRAIN, {"random_erasing": {"value": [1.0, 0.0, -1.0]}}]
+    stages = parse_augment(erasing, (32, 32), normalize=MEAN_STD)
+    plain = parse_augment(TRAIN, (32, 32))
+    out = gpu_augment.decode_augment_batch(datas, keys, stages, 3, 1, "cpu", pil_nvjpeg())
+    without = gpu_augment.decode_augment_batch(datas, keys, plain, 3, 1, "cpu", pil_nvjpeg())
+    erased = 0
+    for g, (data, key) in enumerate(zip(datas, keys, strict=True)):
+        p = crop_params(stages, 3, 1, key, *Image.open(io.BytesIO(data)).size[::-1])
+        mask = np.zeros((32, 32), bool)
+        if p.erase is not None:
+            top, left, h, w = p.erase
+            mask[top:top + h, left:left + w] = True
+            erased += mask.any()
+        fill = np.array(p.fill)
+        assert (out[g].numpy()[mask] == fill).all()
+        assert torch.equal(out[g][torch.from_numpy(~mask)], without[g][torch.from_numpy(~mask)])
+        cpu = decode_augmented(data, stages, 3, 1, key, 3)
+        assert (cpu[mask] == fill).all()
+    assert erased >= 3
