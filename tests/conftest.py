@@ -38,10 +38,13 @@ def _only_system_tests_start_processes(request: pytest.FixtureRequest,
 
 # -- where the suite's time goes (one full run, every process logged, 2026-11-26) ------------
 # Process launches: a torch rank spends ~7.3 CPU-s importing before it trains (torch 3 s, and
-# torch._dynamo 3 s, which torch.optim's step imports), a TensorFlow rank ~7.8 s, horovodrun
-# ~1.3 s; the toy runs' training is 1-2 s a rank. `ringfeed train` ranks were 57% of the
-# suite's CPU. A new test's 2-rank launch costs ~15 CPU-s before any training: reuse a module's
-# reference run, and use as few ranks as what is tested needs.
+# torch._dynamo 3 s, which any torch.optim optimizer's constructor imports: add_param_group is
+# @torch._disable_dynamo, whatever foreach/fused/capturable say, torch 2.13), a TensorFlow rank
+# ~7.8 s, horovodrun ~1.3 s; the toy runs' training is 1-2 s a rank. `ringfeed train` ranks
+# were 57% of the suite's CPU (since 2026-11-28 ~1-1.5 CPU-s less a rank: no collector passes
+# over the start-up's heap, none over the heap at exit). A new test's 2-rank launch costs
+# ~12 CPU-s before any training: reuse a module's reference run, and use as few ranks as what
+# is tested needs.
 
 # -- two workers (`make test` runs `pytest -n 2 --no-loadscope-reorder`) -----------------------
 # Each file runs on one worker, so its module fixtures (shards, reference runs) are built once.
