@@ -270,6 +270,17 @@ class TrainSection(_Section):
     # every class (torch's CrossEntropyLoss(label_smoothing=s), Keras' CategoricalCrossentropy
     # (label_smoothing=s)); training and validation loss alike
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    # MixUp (torchvision's v2.MixUp, its reference recipe's --mixup-alpha): each training
+    # micro-batch (each one of an accumulated step) blended with itself rolled by one sample,
+    # lam ~ Beta(a, a), its targets (one-hot, label_smoothing applied) alike; within each rank's
+    # micro-batch, as the reference mixes per process; validation never. Classification only;
+    # draws from (seed, epoch, step, micro-batch, rank): a resume mixes alike. 0: off
+    # (train/mixing.py)
+    mixup_alpha: float = Field(0.0, ge=0.0)
+    # CutMix (v2.CutMix, --cutmix-alpha), images only, alike: a box of the rolled micro-batch
+    # pasted in, lam its complement's share. With mixup_alpha too: one of the two per
+    # micro-batch, 50/50 (the reference's RandomChoice). 0: off
+    cutmix_alpha: float = Field(0.0, ge=0.0)
     # top-k accuracy ("top5") beside accuracy, in training and validation, where the model has
     # more than k classes; null: off
     topk: PositiveInt | None = 5

@@ -49,12 +49,14 @@ from ringfeed.train.backends.base import (
 from ringfeed.train.backends.init_weights import load_keras
 from ringfeed.train.backends.reduce_op import tf_reduce_gradients
 from ringfeed.train.data import REGRESS, DataSpec, TrainPipeline, split_batch
+from ringfeed.train.mixing import check_mixing, mix_draw, mixed_loss, mixed_tf, spatial_axes
 from ringfeed.train.models import build_model, channels_first
 from ringfeed.train.models.outputs import on_logits
 from ringfeed.train.observe.profiler import no_span
 from ringfeed.train.observe.throughput import FlopCount, count_tf_flops
 
 CHECKPOINT_PREFIX = "tf_checkpoint"
+MIX_KEY = "__mix__"  # a micro-batch's MixDraw.vector() in the traced step
 POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 
 
@@ -289,6 +291,8 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
         self.setup_steps(spec, accumulate, (
             functools.partial(cross_entropy, label_smoothing=t.label_smoothing),
             functools.partial(accuracy, topk=t.topk)))
+        check_mixing(t, spec.task, len(spec.input_shape) == 3)
+        self.mix_at = (0, 0)  # (epoch, steps done): the loop sets it before each train_step
         self._metric_names: tuple[str, ...] = ()  # the step's training metrics (traced)
         self._bn_stale = False  # BatchNorm statistics changed since they were last averaged
         keras.mixed_precision.set_dtype_policy(POLICIES[t.precision])
@@ -379,9 +383,10 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
             x, y, _ = split_batch(batch, self.spec)
             # (the name scope marks the forward ops in a profiler trace; their gradients are
             # named gradient_tape/ringfeed_forward/...)
+            mix = batch.get(MIX_KEY)  # train/mixing.py's draw, a tensor; absent: not mixed
             with tf.GradientTape() as tape, tf.name_scope("ringfeed_forward"):
-                out = self.model(self._as_input(x), training=True)
-                loss = self._training_loss(out, y)
+                out = self.model(self._mixed(self._as_input(x), mix), training=True)
+                loss = self._training_loss(out, y, mix)
                 scaled = self.optimizer.scale_loss(loss)  # identity unless fp16
             if metrics_fn is not None:  # (from the outputs the step has: no second forward)
                 for name, values in metrics_fn(out, y).items():
@@ -421,10 +426,25 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
                           lambda: tf.constant(False))
         return tf.concat([stats, [tf.cast(applied, tf.float32), norm, scale]], 0)
 
-    def _training_loss(self, out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        """The mean data loss plus the model's own losses (regularizers, add_loss), as Keras'
-        fit adds them; validation reports the data loss alone."""
-        loss = tf.reduce_mean(tf.cast(self.loss_fn(out, y), tf.float32))
+    def _add_mix(self, batch: dict[str, tf.Tensor], micro: int) -> None:
+        """Micro-batch `micro`'s MixUp/CutMix draw (train/mixing.py) into its MIX_KEY."""
+        shape = tuple(batch[self.spec.input_key].shape)
+        size = shape[1:3] if len(shape) == 4 else (1, 1)
+        draw = mix_draw(self.cfg.train, *self.mix_at, micro, self.dist.rank, *size)
+        if draw is not None:
+            batch[MIX_KEY] = tf.constant(draw.vector())
+
+    def _mixed(self, x: tf.Tensor, mix: tf.Tensor | None) -> tf.Tensor:
+        return x if mix is None else mixed_tf(x, mix, spatial_axes(x.shape.rank, self.nchw))
+
+    def _training_loss(self, out: tf.Tensor, y: tf.Tensor, mix: tf.Tensor | None = None
+                       ) -> tf.Tensor:
+        """The mean data loss (against MixUp/CutMix's mixed targets under `mix`) plus the
+        model's own losses (regularizers, add_loss), as Keras' fit adds them; validation
+        reports the data loss alone."""
+        data = (self.loss_fn(out, y) if mix is None
+                else mixed_loss(self.loss_fn, out, y, tf.roll(y, 1, 0), mix[1]))
+        loss = tf.reduce_mean(tf.cast(data, tf.float32))
         own = self.model.losses  # (weight regularizers are taken from the weights now)
         if own:
             loss += tf.add_n([tf.reduce_sum(tf.cast(v, tf.float32)) for v in own])
@@ -437,6 +457,8 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
         started = time.perf_counter()
         keys, k = self._step_keys, self.check_accumulate(micro_batches)
         micro = [{k: tf.convert_to_tensor(b[k]) for k in keys} for b in micro_batches]
+        for i, batch in enumerate(micro):
+            self._add_mix(batch, i)
         self._bn_stale = True
         out = self._step(micro, tf.constant((*requests, lr), tf.float32)).numpy().tolist()
         stats, (applied, norm, scale) = out[:-3], out[-3:]
