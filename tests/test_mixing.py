@@ -7,6 +7,8 @@ pure function of (seed, epoch, step, micro-batch, rank)."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -181,15 +183,10 @@ def tf_state(backend):
     return load
 
 
-@pytest.mark.parametrize("framework", [
-    pytest.param("torch", marks=pytest.mark.integration),
-    pytest.param("tensorflow", marks=pytest.mark.system)])  # (TensorFlow's import: a process)
-def test_a_resumed_run_mixes_as_the_uninterrupted_one(framework):
+def resume_check(framework: str) -> None:
     """Micro-batches mixed at (epoch, step) positions: steps 2-4 from a copy of the state
     after steps 0-1 end where the uninterrupted run does; unmixed, or mixed at another
     position, they do not."""
-    if framework == "tensorflow":
-        pytest.importorskip("tensorflow")
     state = torch_state if framework == "torch" else tf_state
     train = {"mixup_alpha": 0.2, "cutmix_alpha": 1.0, "label_smoothing": 0.1}
     steps = [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4)]
@@ -203,6 +200,21 @@ def test_a_resumed_run_mixes_as_the_uninterrupted_one(framework):
     # another position mixes otherwise: the draws follow (epoch, step), not a counter
     shifted = train_weights(framework, [*steps[:4], (2, 4)], **train).weights()
     assert any(not np.array_equal(a, b) for a, b in zip(whole, shifted, strict=True))
+
+
+@pytest.mark.integration
+def test_torch_a_resumed_run_mixes_as_the_uninterrupted_one():
+    resume_check("torch")
+
+
+@pytest.mark.system  # its own process: Horovod's torch and TensorFlow halves do not share one
+def test_tensorflow_a_resumed_run_mixes_as_the_uninterrupted_one():
+    from helpers import run
+
+    pytest.importorskip("tensorflow")
+    res = run([sys.executable, "-c", "import test_mixing; test_mixing.resume_check('tensorflow')"],
+              timeout=400, cwd=Path(__file__).parent)
+    assert res.returncode == 0, res.output[-4000:]
 
 
 @pytest.mark.system  # TensorFlow's import starts a process
@@ -244,3 +256,41 @@ def test_a_backend_refuses_mixing_for_regression():
     with pytest.raises(UserError, match="train.mixup_alpha: MixUp and CutMix are for "
                                         "classification, and this run's task is regress"):
         _backend("torch", 1, 4, spec=spec, mixup_alpha=0.2)
+
+
+# -- through ringfeed train ----------------------------------------------------------------------
+def _final_weights(run, step: int) -> dict[str, np.ndarray]:
+    state = torch.load(run / "checkpoints" / f"ckpt-{step:09d}" / "state.pt", weights_only=True)
+    return {k: v.numpy() for k, v in state["model"].items()}
+
+
+@pytest.mark.system  # horovodrun
+@pytest.mark.timeout(900)
+def test_a_launched_run_resumed_mid_way_mixes_as_the_uninterrupted_one(tmp_path):
+    """2 ranks, accumulate 2, MixUp on the toy table: resumed from its step-4 checkpoint, the
+    run ends with the uninterrupted run's weights; without MixUp the weights differ."""
+    import json
+
+    from helpers import horovodrun
+    from train_util import toy_config, write_config, write_toy_shards
+
+    shards = write_toy_shards(tmp_path / "shards", n_train=160, n_val=16)
+
+    def train(name: str, mixup: float, *extra: str) -> None:
+        cfg = toy_config(shards, tmp_path / name,
+                         train={"max_steps": 8, "epochs": None, "accumulate": 2,
+                                "mixup_alpha": mixup, "label_smoothing": 0.1},
+                         checkpoint={"every_steps": 4, "keep": 5})
+        res = horovodrun(2, ["ringfeed", "train", write_config(tmp_path / f"{name}.yaml", **cfg),
+                             *extra], timeout=400)
+        assert res.returncode == 0, res.output[-4000:]
+        assert json.loads((tmp_path / name / "summary.json").read_text())["step"] == 8
+
+    train("whole", 0.4)
+    train("resumed", 0.4, "--resume", str(tmp_path / "whole" / "checkpoints" / f"ckpt-{4:09d}"))
+    train("plain", 0.0)
+    whole, resumed = _final_weights(tmp_path / "whole", 8), _final_weights(tmp_path / "resumed", 8)
+    for name in whole:
+        np.testing.assert_array_equal(resumed[name], whole[name], err_msg=name)
+    plain = _final_weights(tmp_path / "plain", 8)
+    assert any(not np.array_equal(plain[n], whole[n]) for n in whole)

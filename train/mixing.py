@@ -68,6 +68,15 @@ def check_mixing(train: Any, task: str, image: bool) -> None:
                         "use train.mixup_alpha")
 
 
+def mix_position(at: tuple[int, int] | None) -> tuple[int, int]:
+    """A backend's mix_at, (epoch, steps done), which the loop sets before each train_step:
+    without it every step would draw alike, so its absence is an error, not (0, 0)."""
+    if at is None:
+        raise RuntimeError("MixUp/CutMix: set backend.mix_at = (epoch, steps done) before "
+                           "train_step (train/loop.py does)")
+    return at
+
+
 def mix_draw(train: Any, epoch: int, step: int, micro: int, rank: int,
              height: int = 1, width: int = 1) -> MixDraw | None:
     """The mixing of micro-batch `micro` of optimizer step `step` (steps done before it) on

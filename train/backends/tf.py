@@ -49,7 +49,15 @@ from ringfeed.train.backends.base import (
 from ringfeed.train.backends.init_weights import load_keras
 from ringfeed.train.backends.reduce_op import tf_reduce_gradients
 from ringfeed.train.data import REGRESS, DataSpec, TrainPipeline, split_batch
-from ringfeed.train.mixing import check_mixing, mix_draw, mixed_loss, mixed_tf, spatial_axes
+from ringfeed.train.mixing import (
+    check_mixing,
+    mix_draw,
+    mix_position,
+    mixed_loss,
+    mixed_tf,
+    mixing_on,
+    spatial_axes,
+)
 from ringfeed.train.models import build_model, channels_first
 from ringfeed.train.models.outputs import on_logits
 from ringfeed.train.observe.profiler import no_span
@@ -292,7 +300,8 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
             functools.partial(cross_entropy, label_smoothing=t.label_smoothing),
             functools.partial(accuracy, topk=t.topk)))
         check_mixing(t, spec.task, len(spec.input_shape) == 3)
-        self.mix_at = (0, 0)  # (epoch, steps done): the loop sets it before each train_step
+        # (epoch, steps done): the loop sets it before each train_step (MixUp/CutMix draws)
+        self.mix_at: tuple[int, int] | None = None
         self._metric_names: tuple[str, ...] = ()  # the step's training metrics (traced)
         self._bn_stale = False  # BatchNorm statistics changed since they were last averaged
         keras.mixed_precision.set_dtype_policy(POLICIES[t.precision])
@@ -428,11 +437,12 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
 
     def _add_mix(self, batch: dict[str, tf.Tensor], micro: int) -> None:
         """Micro-batch `micro`'s MixUp/CutMix draw (train/mixing.py) into its MIX_KEY."""
+        if not mixing_on(self.cfg.train):
+            return
         shape = tuple(batch[self.spec.input_key].shape)
         size = shape[1:3] if len(shape) == 4 else (1, 1)
-        draw = mix_draw(self.cfg.train, *self.mix_at, micro, self.dist.rank, *size)
-        if draw is not None:
-            batch[MIX_KEY] = tf.constant(draw.vector())
+        draw = mix_draw(self.cfg.train, *mix_position(self.mix_at), micro, self.dist.rank, *size)
+        batch[MIX_KEY] = tf.constant(draw.vector())
 
     def _mixed(self, x: tf.Tensor, mix: tf.Tensor | None) -> tf.Tensor:
         return x if mix is None else mixed_tf(x, mix, spatial_axes(x.shape.rank, self.nchw))

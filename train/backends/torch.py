@@ -53,8 +53,10 @@ from ringfeed.train.mixing import (
     MixDraw,
     check_mixing,
     mix_draw,
+    mix_position,
     mixed_loss,
     mixed_torch,
+    mixing_on,
     spatial_axes,
 )
 from ringfeed.train.models import build_model, channels_first
@@ -381,7 +383,8 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
             functools.partial(cross_entropy, label_smoothing=t.label_smoothing),
             functools.partial(accuracy, topk=t.topk)))
         check_mixing(t, spec.task, len(spec.input_shape) == 3)
-        self.mix_at = (0, 0)  # (epoch, steps done): the loop sets it before each train_step
+        # (epoch, steps done): the loop sets it before each train_step (MixUp/CutMix draws)
+        self.mix_at: tuple[int, int] | None = None
         self._bn_stale = False  # BatchNorm statistics changed since they were last averaged
         torch.manual_seed(t.seed)
         self.model = build_model("torch", cfg.model.name, dict(cfg.model.args), spec)
@@ -559,8 +562,10 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
         and the draw (None: not mixed)."""
         spatial = spatial_axes(x.dim(), self.nchw)
         size = (x.shape[spatial[0]], x.shape[spatial[1]]) if spatial else (1, 1)
-        draw = mix_draw(self.cfg.train, *self.mix_at, micro, self.dist.rank, *size)
-        return (x, None) if draw is None else (mixed_torch(x, draw, spatial), draw)
+        if not mixing_on(self.cfg.train):
+            return x, None
+        draw = mix_draw(self.cfg.train, *mix_position(self.mix_at), micro, self.dist.rank, *size)
+        return mixed_torch(x, draw, spatial), draw
 
     def _applied(self, scale: Any) -> Any:
         """Whether the fp16 step just taken was applied: update() lowers the loss scale exactly
