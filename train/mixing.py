@@ -4,8 +4,9 @@ torchvision's v2.MixUp / v2.CutMix as its reference classification recipe applie
 batch, 50/50), on each rank's own micro-batches, as the reference does in each process.
 
     draw = mix_draw(config.train, epoch, step, micro, rank, height, width)   # None: off
-    x = mixed_torch(x, draw, spatial)   # or the TensorFlow graph's mixed_tf(x, vector, ...)
-    loss = mixed_loss(loss_fn, out, y, rolled_y, draw.lam)
+    x, draw = mixed_torch_inputs(x, config.train, (epoch, step), micro, rank, channels_first)
+    x = mixed_tf(x, tf.constant(draw.vector()), spatial)   # in TensorFlow's traced step
+    loss = mixed_loss(loss_fn, out, y, draw)   # (TensorFlow: the vector)
 
 torchvision's rules: the partner of sample i is sample i - 1 (the batch rolled by one,
 `roll(1, 0)`; the batches are shuffled); lam ~ Beta(alpha, alpha). MixUp: x lam + rolled
@@ -140,7 +141,28 @@ def mixed_tf(x: Any, vector: Any, spatial: tuple[int, int] | None) -> Any:
     return tf.where(mask, rolled, blend)
 
 
-def mixed_loss(loss_fn: Any, out: Any, y: Any, rolled_y: Any, lam: Any) -> Any:
+def mixed_loss(loss_fn: Any, out: Any, y: Any, mix: Any) -> Any:
     """Per-sample loss against the mixed targets: lam loss(out, y) + (1 - lam)
-    loss(out, rolled y) (the cross entropy of the soft targets: it is linear in them)."""
-    return loss_fn(out, y) * lam + loss_fn(out, rolled_y) * (1.0 - lam)
+    loss(out, rolled y) (the cross entropy of the soft targets: it is linear in them). `mix`:
+    a MixDraw (torch), its vector() as a tensor (TensorFlow's graph), or None: loss(out, y)."""
+    if mix is None:
+        return loss_fn(out, y)
+    if isinstance(mix, MixDraw):
+        lam, rolled = mix.lam, y.roll(1, 0)
+    else:
+        import tensorflow as tf
+
+        lam, rolled = mix[1], tf.roll(y, 1, 0)
+    return loss_fn(out, y) * lam + loss_fn(out, rolled) * (1.0 - lam)
+
+
+def mixed_torch_inputs(x: Any, train: Any, at: tuple[int, int] | None, micro: int, rank: int,
+                       channels_first: bool) -> tuple[Any, MixDraw | None]:
+    """Micro-batch `micro`'s float inputs (torch) mixed as train.mixup_alpha/cutmix_alpha
+    say at position `at` (mix_position), and the draw; (x, None) when both are 0."""
+    if not mixing_on(train):
+        return x, None
+    spatial = spatial_axes(x.dim(), channels_first)
+    size = (int(x.shape[spatial[0]]), int(x.shape[spatial[1]])) if spatial else (1, 1)
+    draw = mix_draw(train, *mix_position(at), micro, rank, *size)
+    return mixed_torch(x, draw, spatial), draw

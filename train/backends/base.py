@@ -25,6 +25,7 @@ from ringfeed.train.backends.horovod_env import apply_horovod_env, check_control
 from ringfeed.train.backends.reduce_op import check_reduce_op
 from ringfeed.train.data import REGRESS, DataSpec, TrainPipeline
 from ringfeed.train.losses import regression_fns
+from ringfeed.train.mixing import check_mixing
 from ringfeed.train.observe.profiler import no_span
 from ringfeed.train.resilience.watchdog import hang_timeout_s
 from ringfeed.userhooks import load_callable
@@ -265,6 +266,9 @@ class HorovodBackend:
                                else default_fns)
         self.loss_fn = load_callable(t.loss, "train.loss") if t.loss else loss_fn
         self.metrics_fn = load_callable(t.metrics, "train.metrics") if t.metrics else metrics_fn
+        check_mixing(t, spec.task, len(spec.input_shape) == 3)
+        # (epoch, steps done): the loop sets it before each train_step (MixUp/CutMix draws)
+        self.mix_at: tuple[int, int] | None = None
 
     def rank_seed(self) -> int:
         """This rank's own random stream (dropout masks differ across replicas, as in DDP)."""

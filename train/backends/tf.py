@@ -50,7 +50,6 @@ from ringfeed.train.backends.init_weights import load_keras
 from ringfeed.train.backends.reduce_op import tf_reduce_gradients
 from ringfeed.train.data import REGRESS, DataSpec, TrainPipeline, split_batch
 from ringfeed.train.mixing import (
-    check_mixing,
     mix_draw,
     mix_position,
     mixed_loss,
@@ -299,9 +298,6 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
         self.setup_steps(spec, accumulate, (
             functools.partial(cross_entropy, label_smoothing=t.label_smoothing),
             functools.partial(accuracy, topk=t.topk)))
-        check_mixing(t, spec.task, len(spec.input_shape) == 3)
-        # (epoch, steps done): the loop sets it before each train_step (MixUp/CutMix draws)
-        self.mix_at: tuple[int, int] | None = None
         self._metric_names: tuple[str, ...] = ()  # the step's training metrics (traced)
         self._bn_stale = False  # BatchNorm statistics changed since they were last averaged
         keras.mixed_precision.set_dtype_policy(POLICIES[t.precision])
@@ -452,9 +448,7 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
         """The mean data loss (against MixUp/CutMix's mixed targets under `mix`) plus the
         model's own losses (regularizers, add_loss), as Keras' fit adds them; validation
         reports the data loss alone."""
-        data = (self.loss_fn(out, y) if mix is None
-                else mixed_loss(self.loss_fn, out, y, tf.roll(y, 1, 0), mix[1]))
-        loss = tf.reduce_mean(tf.cast(data, tf.float32))
+        loss = tf.reduce_mean(tf.cast(mixed_loss(self.loss_fn, out, y, mix), tf.float32))
         own = self.model.losses  # (weight regularizers are taken from the weights now)
         if own:
             loss += tf.add_n([tf.reduce_sum(tf.cast(v, tf.float32)) for v in own])

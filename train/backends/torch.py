@@ -49,16 +49,7 @@ from ringfeed.train.backends.reduce_op import (
 from ringfeed.train.backends.sync_bn import convert_sync_batchnorm
 from ringfeed.train.checkpoint.files import open_for_write
 from ringfeed.train.data import LM, DataSpec, TrainPipeline, split_batch
-from ringfeed.train.mixing import (
-    MixDraw,
-    check_mixing,
-    mix_draw,
-    mix_position,
-    mixed_loss,
-    mixed_torch,
-    mixing_on,
-    spatial_axes,
-)
+from ringfeed.train.mixing import mixed_loss, mixed_torch_inputs
 from ringfeed.train.models import build_model, channels_first
 from ringfeed.train.models.outputs import on_logits
 from ringfeed.train.observe.profiler import no_span
@@ -382,9 +373,6 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
         self.setup_steps(spec, accumulate, (
             functools.partial(cross_entropy, label_smoothing=t.label_smoothing),
             functools.partial(accuracy, topk=t.topk)))
-        check_mixing(t, spec.task, len(spec.input_shape) == 3)
-        # (epoch, steps done): the loop sets it before each train_step (MixUp/CutMix draws)
-        self.mix_at: tuple[int, int] | None = None
         self._bn_stale = False  # BatchNorm statistics changed since they were last averaged
         torch.manual_seed(t.seed)
         self.model = build_model("torch", cfg.model.name, dict(cfg.model.args), spec)
@@ -535,12 +523,11 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
         for i, batch in enumerate(micro_batches):
             x, y, _ = split_batch(batch, self.spec)  # (the valid mask only matters to eval)
             x, y = self._inputs(x), torch.as_tensor(y).to(self.device, non_blocking=True)
-            x, mix = self._mixed(x, i)
+            x, mix = mixed_torch_inputs(x, self.cfg.train, self.mix_at, i, self.dist.rank, self.nchw)
             samples += len(y)
             with span("ringfeed.forward"), self._autocast():
                 out = self.forward(x, **document_inputs(self.model, batch, self.device))
-                loss = (self.loss_fn(out, y) if mix is None else
-                        mixed_loss(self.loss_fn, out, y, y.roll(1, 0), mix.lam)).float().mean()
+                loss = mixed_loss(self.loss_fn, out, y, mix).float().mean()
             if metrics_fn is not None:
                 with torch.no_grad():  # (from the outputs the step has: no second forward)
                     for name, values in metrics_fn(out, y).items():
@@ -556,16 +543,6 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
             with span("ringfeed.backward"):
                 self.scaler.scale(loss / k).backward()
         return stats, samples
-
-    def _mixed(self, x: torch.Tensor, micro: int) -> tuple[torch.Tensor, MixDraw | None]:
-        """Micro-batch `micro`'s inputs under train.mixup_alpha/cutmix_alpha (train/mixing.py),
-        and the draw (None: not mixed)."""
-        spatial = spatial_axes(x.dim(), self.nchw)
-        size = (x.shape[spatial[0]], x.shape[spatial[1]]) if spatial else (1, 1)
-        if not mixing_on(self.cfg.train):
-            return x, None
-        draw = mix_draw(self.cfg.train, *mix_position(self.mix_at), micro, self.dist.rank, *size)
-        return mixed_torch(x, draw, spatial), draw
 
     def _applied(self, scale: Any) -> Any:
         """Whether the fp16 step just taken was applied: update() lowers the loss scale exactly
