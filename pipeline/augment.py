@@ -237,7 +237,7 @@ def _erasing(args: dict[str, Any]) -> RandomErasing:
         raise ValueError(f"ratio={list(ratio)}: needs 0 < min <= max")
     value = args.get("value", 0)
     values = _seq(value)
-    if len(values) not in (1, 3):
+    if value == "random" or len(values) not in (1, 3):
         raise ValueError(f"value={value!r}: a number or one per channel, in normalized units "
                          "('random' noise is not supported)")
     return RandomErasing(p, scale, ratio, tuple(_number(v, "value") for v in values))

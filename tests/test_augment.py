@@ -236,7 +236,7 @@ def test_random_erasing_moves_no_other_stages_draws():
         assert q._replace(erase=None) == p
     assert "random_erasing must be the last stage" in _config_error(
         [{"random_erasing": {}}, "horizontal_flip"])
-    assert "augment[0]: random_erasing: value='random'" in _config_error(
+    assert "augment[0]: random_erasing: value='random': a number or one per channel" in _config_error(
         [{"random_erasing": {"value": "random"}}])
 
 
