@@ -157,8 +157,7 @@ def train_weights(framework: str, steps: list[tuple[int, int]], start=None, **tr
         rows = slice(8 * step, 8 * step + 8)
         batches = [{"x.npy": x[rows][i * 4:(i + 1) * 4], "y.npy": y[rows][i * 4:(i + 1) * 4]}
                    for i in range(2)]
-        backend.mix_at = (epoch, step)
-        backend.train_step(batches, lr=0.1)
+        backend.train_step(batches, lr=0.1, at=(epoch, step))
     return backend
 
 

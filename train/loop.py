@@ -309,9 +309,9 @@ class Trainer:
         self.phase("step")
         self.faults.before_step(state.step + 1, self.dist.rank)
         lr = self.feed.schedule(state.step)
-        self.backend.mix_at = (state.epoch, state.step)  # MixUp/CutMix draws (train/mixing.py)
         with self.profiler.span("ringfeed.step", step=state.step + 1):
-            result = self.backend.train_step(micro, lr, signals.take(), self.profiler.span)
+            result = self.backend.train_step(micro, lr, signals.take(), self.profiler.span,
+                                             at=(state.epoch, state.step))
         if not result.finite:  # every rank sees the same averaged loss: all stop here
             raise TrainingDiverged.at(result.loss, state)
         state.step += 1

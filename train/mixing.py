@@ -70,11 +70,11 @@ def check_mixing(train: Any, task: str, image: bool) -> None:
 
 
 def mix_position(at: tuple[int, int] | None) -> tuple[int, int]:
-    """A backend's mix_at, (epoch, steps done), which the loop sets before each train_step:
-    without it every step would draw alike, so its absence is an error, not (0, 0)."""
+    """train_step's `at`, (epoch, steps done): without it every step would draw alike, so its
+    absence is an error, not (0, 0)."""
     if at is None:
-        raise RuntimeError("MixUp/CutMix: set backend.mix_at = (epoch, steps done) before "
-                           "train_step (train/loop.py does)")
+        raise RuntimeError("MixUp/CutMix: train_step needs at=(epoch, steps done) "
+                           "(train/loop.py passes it)")
     return at
 
 

@@ -129,12 +129,13 @@ class StepBackend(Protocol):
         """An iterable over `pipe`'s batches as framework tensors; iter() once per epoch."""
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
-                   requests: tuple[float, float] = (0.0, 0.0), span: Span = no_span
-                   ) -> StepResult:
+                   requests: tuple[float, float] = (0.0, 0.0), span: Span = no_span,
+                   at: tuple[int, int] | None = None) -> StepResult:
         """One optimizer step over the `accumulate` micro-batches given to build() (asserted),
         one gradient allreduce. `requests` = (save, stop) flags of this rank, agreed across ranks;
         `span(name)`: a named range of the profiler's trace (torch: forward, backward,
-        allreduce, optimizer_step; TensorFlow names them inside its graph instead)."""
+        allreduce, optimizer_step; TensorFlow names them inside its graph instead); `at`:
+        (epoch, steps done), what MixUp/CutMix draw from (required when they are on)."""
 
     def eval_batch(self, batch: dict[str, Any], groups: Groups | None = None
                    ) -> dict[str, float]:
@@ -267,8 +268,6 @@ class HorovodBackend:
         self.loss_fn = load_callable(t.loss, "train.loss") if t.loss else loss_fn
         self.metrics_fn = load_callable(t.metrics, "train.metrics") if t.metrics else metrics_fn
         check_mixing(t, spec.task, len(spec.input_shape) == 3)
-        # (epoch, steps done): the loop sets it before each train_step (MixUp/CutMix draws)
-        self.mix_at: tuple[int, int] | None = None
 
     def rank_seed(self) -> int:
         """This rank's own random stream (dropout masks differ across replicas, as in DDP)."""

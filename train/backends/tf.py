@@ -431,13 +431,14 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
                           lambda: tf.constant(False))
         return tf.concat([stats, [tf.cast(applied, tf.float32), norm, scale]], 0)
 
-    def _add_mix(self, batch: dict[str, tf.Tensor], micro: int) -> None:
+    def _add_mix(self, batch: dict[str, tf.Tensor], micro: int, at: tuple[int, int] | None
+                 ) -> None:
         """Micro-batch `micro`'s MixUp/CutMix draw (train/mixing.py) into its MIX_KEY."""
         if not mixing_on(self.cfg.train):
             return
         shape = tuple(batch[self.spec.input_key].shape)
         size = shape[1:3] if len(shape) == 4 else (1, 1)
-        draw = mix_draw(self.cfg.train, *mix_position(self.mix_at), micro, self.dist.rank, *size)
+        draw = mix_draw(self.cfg.train, *mix_position(at), micro, self.dist.rank, *size)
         batch[MIX_KEY] = tf.constant(draw.vector())
 
     def _mixed(self, x: tf.Tensor, mix: tf.Tensor | None) -> tf.Tensor:
@@ -455,14 +456,14 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
         return loss
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
-                   requests: tuple[float, float] = (0.0, 0.0), span: Span = no_span
-                   ) -> StepResult:
+                   requests: tuple[float, float] = (0.0, 0.0), span: Span = no_span,
+                   at: tuple[int, int] | None = None) -> StepResult:
         # (`span`: the step's named ranges are name scopes inside its graph)
         started = time.perf_counter()
         keys, k = self._step_keys, self.check_accumulate(micro_batches)
         micro = [{k: tf.convert_to_tensor(b[k]) for k in keys} for b in micro_batches]
         for i, batch in enumerate(micro):
-            self._add_mix(batch, i)
+            self._add_mix(batch, i, at)
         self._bn_stale = True
         out = self._step(micro, tf.constant((*requests, lr), tf.float32)).numpy().tolist()
         stats, (applied, norm, scale) = out[:-3], out[-3:]

@@ -457,8 +457,8 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
         return hvd.allreduce_async_(stats, op=hvd.Average, name="ringfeed.step_stats")
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
-                   requests: tuple[float, float] = (0.0, 0.0), span: Span = no_span
-                   ) -> StepResult:
+                   requests: tuple[float, float] = (0.0, 0.0), span: Span = no_span,
+                   at: tuple[int, int] | None = None) -> StepResult:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         local = self.sync_every > 1
@@ -467,7 +467,7 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
         # so every rank averages the same list of tensors.
         extra = (float(self._has_moments()),) if local else ()
         self._bn_stale = True
-        stats, samples = self._accumulate(micro_batches, requests, extra, span)
+        stats, samples = self._accumulate(micro_batches, requests, extra, span, at)
         synced = time.perf_counter()
         with span("ringfeed.allreduce"):
             if not local:
@@ -511,7 +511,8 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
                                      collective_s=collective_s)
 
     def _accumulate(self, micro_batches: list[dict[str, Any]], requests: tuple[float, float],
-                    extra: tuple[float, ...], span: Span) -> tuple[Any, int]:
+                    extra: tuple[float, ...], span: Span, at: tuple[int, int] | None
+                    ) -> tuple[Any, int]:
         """Forward and backward over the k micro-batches, their gradients summed in .grad
         (and allreduced by Horovod's hooks as the last backward pass runs); the agreement
         allreduce submitted just before that pass, with the mean of each training metric
@@ -523,7 +524,7 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
         for i, batch in enumerate(micro_batches):
             x, y, _ = split_batch(batch, self.spec)  # (the valid mask only matters to eval)
             x, y = self._inputs(x), torch.as_tensor(y).to(self.device, non_blocking=True)
-            x, mix = mixed_torch_inputs(x, self.cfg.train, self.mix_at, i, self.dist.rank, self.nchw)
+            x, mix = mixed_torch_inputs(x, self.cfg.train, at, i, self.dist.rank, self.nchw)
             samples += len(y)
             with span("ringfeed.forward"), self._autocast():
                 out = self.forward(x, **document_inputs(self.model, batch, self.device))
