@@ -25,6 +25,7 @@ import hashlib
 import io
 import mmap
 import os
+import tarfile
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ringfeed.formats.tarread import header_cut
 from ringfeed.formats.tokens import DOCS_MEMBER, TOKENS_MEMBER, TokenSpan
 from ringfeed.fsutil import atomic_write_bytes
 from ringfeed.pipeline.cache import COMPRESSED_SUFFIXES as COMPRESSED_SUFFIXES
@@ -420,7 +422,10 @@ class SequentialSamples:
 
 
 def iter_samples(handle: ShardHandle) -> Iterator[dict[str, Any]]:
-    """Every sample of the shard in tar order (raw bytes per extension, plus __key__)."""
+    """Every sample of the shard in tar order (raw bytes per extension, plus __key__). A plain
+    tar cut inside a member header raises tarfile.ReadError after its whole samples: the tar
+    iterator would end there as at the archive's end. The last sample is held until the end is
+    checked (the cut header may be one of its members)."""
     # Imported here: webdataset imports torch when it is installed, and `import pipeline`
     # must stay free of torch/TF for TensorFlow-only users.
     from webdataset.handlers import reraise_exception
@@ -428,7 +433,17 @@ def iter_samples(handle: ShardHandle) -> Iterator[dict[str, Any]]:
 
     files = tar_file_expander([{"url": handle.ref.url, "stream": handle.file}],
                               handler=reraise_exception)
-    return group_by_keys(files, handler=reraise_exception)
+    held = None
+    for sample in group_by_keys(files, handler=reraise_exception):
+        if held is not None:
+            yield held
+        held = sample
+    if not is_compressed(handle.ref.url) or handle.plain_of:
+        problem = header_cut(os.fstat(handle.file.fileno()).st_size)
+        if problem:
+            raise tarfile.ReadError(problem)
+    if held is not None:
+        yield held
 
 
 def _positions(handle: ShardHandle) -> Iterator[tuple[int, dict[str, Any] | BadSample]]:

@@ -377,7 +377,11 @@ def test_build_index_of_truncated_tars_is_webdatasets_prefix():
         truncated = data[:cut]
         expected, error = wds_read(truncated)
         index, reason = index_of(truncated)
-        assert read_all(index, truncated) == expected, cut
+        got = read_all(index, truncated)
+        if reason is not None and error is None:  # a lost header: its sample may be partial
+            assert got == expected[:len(got)] and len(got) >= len(expected) - 1, cut
+            expected = got
+        assert got == expected, cut
         if error is not None:
             assert reason is not None and reason.startswith("corrupt or truncated tar"), cut
             after = f"after sample {expected[-1]['__key__']!r}" if expected else "at its start"
@@ -400,8 +404,8 @@ def test_build_index_of_corrupt_tars():
     expected, error = wds_read(bytes(damaged))
     assert error is None and len(expected) == 2  # webdataset stops silently ...
     index, reason = index_of(bytes(damaged))
-    assert read_all(index, bytes(damaged)) == expected
-    assert reason == (f"corrupt or truncated tar after sample 's1' (invalid tar header at "
+    assert read_all(index, bytes(damaged)) == expected[:1]  # (s1 may have lost a member)
+    assert reason == (f"corrupt or truncated tar after sample 's0' (invalid tar header at "
                       f"offset {ranges[2][1] - 512})")  # ... the index says why
     # a tar that is garbage from its start, an empty file, a gzip file
     for bad, text in ((b"\x01" * 4096, "at its start (ReadError: "),
@@ -414,7 +418,7 @@ def test_build_index_of_corrupt_tars():
     assert index_of(tar_bytes([])) == (index_of(b"\0" * 10240)[0], None)
     # trailing bytes that are not a tar header
     index, reason = index_of(tar_bytes([("a.txt", b"1")], end=False) + b"junk")
-    assert index.keys == ["a"] and "ends inside a tar header" in reason
+    assert index.keys == [] and "ends inside a tar header" in reason  # (a may be partial)
 
 
 @pytest.mark.system
@@ -549,6 +553,6 @@ def test_wds_index_refuses_a_tar_it_cannot_index(capsys, tmp_path):
     damaged[ranges[1][1] - 512:ranges[1][1]] = b"\x07" * 512  # webdataset would stop silently
     (shards / "train-0.tar").write_bytes(bytes(damaged))
     code, _, err = cli(capsys, "shard", shards, "--format", "wds-index", "--no-progress")
-    assert code == 2 and "train-0.tar: cannot be indexed: corrupt or truncated tar after " \
-        "sample 's0' (invalid tar header at offset" in err
+    assert code == 2 and "train-0.tar: cannot be indexed: corrupt or truncated tar at its " \
+        "start (invalid tar header at offset" in err  # (s0 may have lost a member)
     assert sorted(p.name for p in shards.iterdir()) == ["train-0.tar"]  # nothing written

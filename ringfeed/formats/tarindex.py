@@ -605,10 +605,12 @@ def build_index(f: IO[bytes]) -> tuple[TarIndex, str | None]:
             if info.offset_data + info.size > file_size:
                 raise tarfile.ReadError("unexpected end of data")
             builder.add(info.name, info.offset_data, info.size)
-        builder.end()
         problem = _end_problem(f, tar.offset, file_size)
-        if problem:
+        if problem:  # the lost header may be one of the last sample's members: it is dropped
+            builder.abort()
             reason = f"corrupt or truncated tar{_after(builder)} ({problem})"
+        else:
+            builder.end()
     except OSError:
         raise
     except _Unindexable as e:

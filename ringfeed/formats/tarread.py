@@ -27,6 +27,8 @@ from typing import IO, Any
 
 import fsspec
 
+from ringfeed.formats.tarblocks import BLOCK
+
 # Compressed tars webdataset reads (its tar iterator opens them with tarfile's "r|*"): no tar
 # index for these (no random access into the stream); they are read from start to end.
 # COMPRESSED_TAR_SUFFIXES is derived from tarindex.COMPRESSIONS, the one list of them.
@@ -64,6 +66,7 @@ class TarScan:
     duplicate_keys: list[str] = field(default_factory=list)
     first: list[dict[str, Any]] = field(default_factory=list)  # the first few samples
     ints: Counter = field(default_factory=Counter)  # scan_tar's `ints_of`: value -> members
+    before_last: str | None = None  # the key of the sample before the last one
 
 
 def open_shard(url: str) -> IO[bytes]:
@@ -91,6 +94,11 @@ def scan_tar(url: str, keep_first: int = 0, ints_of: str | None = None) -> TarSc
         else:
             scan = _scan_samples(url, reader, keep_first)
         reader.drain()
+    problem = None if is_compressed_tar(url) else header_cut(reader.size)
+    if problem:
+        # (the lost header may be one of the last sample's members)
+        after = f" after sample {scan.before_last!r}" if scan.before_last else ""
+        raise TarReadError(f"not a readable tar{after} ({problem})")
     scan.bytes = reader.size
     scan.sha256 = reader.sha256.hexdigest()
     return scan
@@ -105,7 +113,7 @@ def _scan_samples(url: str, stream: IO[bytes], keep_first: int) -> TarScan:
     members = tar_file_expander([{"url": url, "stream": stream}])
     try:
         for sample in group_by_keys(members):
-            key = sample["__key__"]
+            scan.before_last, key = key, sample["__key__"]
             if key in seen:
                 scan.duplicate_keys.append(key)
             seen.add(key)
@@ -120,6 +128,15 @@ def _scan_samples(url: str, stream: IO[bytes], keep_first: int) -> TarScan:
         after = f" after sample {key!r}" if key else ""
         raise TarReadError(f"not a readable tar{after} ({_tar_error(e)})") from None
     return scan
+
+
+def header_cut(size: int) -> str | None:
+    """Why a plain tar of `size` bytes that tarfile read to its end is cut short, or None. Every
+    tar header starts on a 512-byte block, so a file ending off a block boundary ends inside a
+    header, which tarfile (and so webdataset's iterator) takes for the end of the archive."""
+    if size % BLOCK:
+        return f"the file ends inside a tar header: {size} bytes is not whole 512-byte blocks"
+    return None
 
 
 def read_ints(url: str, ext: str) -> Counter:
