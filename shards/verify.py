@@ -138,6 +138,18 @@ def _check_index(out: str, name: str, index: str, policy: RetryPolicy) -> str | 
     except OSError as e:
         return f"index sidecar {index} cannot be checked: the shard is unreadable ({e})"
     if actual != recorded:
-        return (f"index sidecar {index} does not match the shard ({recorded.num_samples} "
-                f"samples indexed, the tar has {actual.num_samples} readable)")
+        return f"index sidecar {index} does not match the shard: {_difference(recorded, actual)}"
     return None
+
+
+def _difference(recorded: TarIndex, actual: TarIndex) -> str:
+    """How a sidecar's index differs from the one rebuilt from the tar, in plain words."""
+    if recorded.num_samples != actual.num_samples:
+        return (f"it lists {recorded.num_samples} samples, the tar holds "
+                f"{actual.num_samples} whole ones")
+    for mine, theirs in zip(recorded.keys, actual.keys, strict=True):
+        if mine != theirs:
+            return (f"it lists other sample keys ({mine!r} where the tar has {theirs!r}; "
+                    "another shard's index?)")
+    return (f"same {actual.num_samples} sample keys, but other member names, offsets or sizes "
+            "(the tar was rewritten)")

@@ -15,6 +15,7 @@ from tar_util import write_tar
 
 from ringfeed.errors import UserError
 from ringfeed.formats.manifest import Manifest, ShardInfo, Split
+from ringfeed.formats.tarindex import TarIndex
 from ringfeed.fsutil import sha256_file
 from ringfeed.shards.build import shard_dataset
 from ringfeed.shards.options import ShardOptions
@@ -93,8 +94,12 @@ def test_a_shard_without_a_recorded_hash_is_checked_for_size_and_count_only(out)
 @pytest.mark.parametrize("damage, problem", [
     ("remove", "index sidecar train-000001.tar.idx is missing"),
     ("garbage", "index sidecar train-000001.tar.idx is not a valid index"),
-    ("another shard's", "index sidecar train-000001.tar.idx does not match the shard "
-                        "(3 samples indexed, the tar has 5 readable)"),
+    ("another shard's", "index sidecar train-000001.tar.idx does not match the shard: it "
+                        "lists 3 samples, the tar holds 5 whole ones"),
+    ("a same-sized shard's", "index sidecar train-000001.tar.idx does not match the shard: it "
+                             "lists other sample keys ("),
+    ("moved members", "index sidecar train-000001.tar.idx does not match the shard: same 5 "
+                      "sample keys, but other member names, offsets or sizes"),
 ])
 def test_each_index_sidecar_must_be_its_shards_index(out, damage, problem):
     sidecar = out / "train-000001.tar.idx"
@@ -102,8 +107,14 @@ def test_each_index_sidecar_must_be_its_shards_index(out, damage, problem):
         sidecar.unlink()
     elif damage == "garbage":
         sidecar.write_bytes(b"not an index")
-    else:
+    elif damage == "another shard's":
         sidecar.write_bytes((out / "train-000003.tar.idx").read_bytes())
+    elif damage == "a same-sized shard's":
+        sidecar.write_bytes((out / "train-000002.tar.idx").read_bytes())
+    else:  # the shard's own index with every member 512 bytes later
+        own = TarIndex.from_bytes(sidecar.read_bytes())
+        index = dataclasses.replace(own, member_offset=own.member_offset + 512)
+        sidecar.write_bytes(index.to_bytes())
     [found] = problems(out)["train-000001.tar"]
     assert found.startswith(problem)
 
