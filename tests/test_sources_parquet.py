@@ -79,6 +79,20 @@ def test_rows_are_read_in_batches_of_about_batch_bytes(tmp_path):
     assert 1 <= rows < 20 and rows * (1 << 20) <= BATCH_BYTES * 1.1
 
 
+def test_batch_rows_count_only_the_columns_read(tmp_path):
+    # (zeros: a small file of 40 MB of uncompressed data)
+    path = tmp_path / "images.parquet"
+    pq.write_table(pa.table({"image": [bytes(100_000)] * 400, "label": np.arange(400),
+                             "meta": pa.array([{"bytes": bytes(50_000), "path": "p"}] * 400)}),
+                   path, compression="zstd", use_dictionary=False)
+    pf = open_parquet(path)
+    assert batch_rows(pf, ["label"]) == BATCH_ROWS  # was 111: the images counted too
+    whole = batch_rows(pf)
+    assert whole < batch_rows(pf, ["image", "label"]) < batch_rows(pf, ["meta"]) < BATCH_ROWS
+    batch = next(pf.iter_batches(batch_size=batch_rows(pf, ["image"]), columns=["image"]))
+    assert BATCH_BYTES * 0.9 <= batch.nbytes <= BATCH_BYTES * 1.1
+
+
 def test_a_hugging_face_image_dataset_shards_with_its_class_names(tmp_path):
     image = png()
     schema = pa.schema([("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),

@@ -87,14 +87,25 @@ def _merge(a: str | None, b: str) -> str:
     return "float" if {a, b} <= {"int", "float"} else "other"
 
 
-def batch_rows(pf: Any) -> int:
-    """Rows per record batch: BATCH_ROWS, fewer for wide rows (images), so that a batch holds
-    about BATCH_BYTES whatever the row size (memory stays ~ one batch + one row group)."""
+def batch_rows(pf: Any, columns: list[str] | None = None) -> int:
+    """Rows per record batch of `columns` (None: all): BATCH_ROWS, fewer for wide rows
+    (images), so that a batch holds about BATCH_BYTES whatever the row size (memory stays ~ one
+    batch + one row group). Only the columns read count: a label read beside an image column
+    is a few bytes a row, not the image's megabyte."""
     meta = pf.metadata
     if not meta.num_rows:
         return BATCH_ROWS
-    size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    read = range(meta.num_columns) if columns is None else [
+        j for j in range(meta.num_columns)
+        if any(_within(meta.schema.column(j).path, name) for name in columns)]
+    size = sum(meta.row_group(i).column(j).total_uncompressed_size
+               for i in range(meta.num_row_groups) for j in read)
     return max(1, min(BATCH_ROWS, BATCH_BYTES * meta.num_rows // max(size, 1)))
+
+
+def _within(path: str, column: str) -> bool:
+    """Whether the leaf column at dotted `path` (image.bytes) is part of top-level `column`."""
+    return path == column or path.startswith(column + ".")
 
 
 def _batches(pf: Any, path: Path, columns: list[str] | None = None, close: bool = False,
@@ -104,7 +115,7 @@ def _batches(pf: Any, path: Path, columns: list[str] | None = None, close: bool 
     import pyarrow as pa
 
     try:
-        yield from pf.iter_batches(batch_size=batch_rows(pf), columns=columns,
+        yield from pf.iter_batches(batch_size=batch_rows(pf, columns), columns=columns,
                                    row_groups=None if row_groups is None else list(row_groups))
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"{path}: not readable ({str(e).splitlines()[0]})") from None
