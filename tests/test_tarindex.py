@@ -556,3 +556,42 @@ def test_wds_index_refuses_a_tar_it_cannot_index(capsys, tmp_path):
     assert code == 2 and "train-0.tar: cannot be indexed: corrupt or truncated tar at its " \
         "start (invalid tar header at offset" in err  # (s0 may have lost a member)
     assert sorted(p.name for p in shards.iterdir()) == ["train-0.tar"]  # nothing written
+
+
+@pytest.mark.parametrize("fmt", ["GNU_FORMAT", "PAX_FORMAT"])
+def test_tar_samples_are_webdatasets_without_importing_it(fmt):
+    from ringfeed.formats.tarread import tar_samples
+
+    def ours(data: bytes) -> tuple[list[dict], Exception | None]:
+        out: list[dict] = []
+        try:
+            for sample in tar_samples(io.BytesIO(data), "mem"):
+                assert sample.pop("__url__") == "mem"
+                out.append(sample)
+        except Exception as e:  # noqa: BLE001 - whatever stopped it
+            return out, e
+        return out, None
+
+    data = wds_foreign_shard(fmt)
+    for cut in [len(data), *range(0, len(data), 173)]:
+        expected, error = wds_read(data[:cut])
+        got, our_error = ours(data[:cut])
+        assert got == expected and type(our_error) is type(error), cut
+    twice = tar_bytes([("a.txt", b"1"), ("a.txt", b"2")])
+    assert isinstance(ours(twice)[1], ValueError) and isinstance(wds_read(twice)[1], ValueError)
+
+
+@pytest.mark.system
+def test_tar_commands_do_not_import_torch(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "train-0.tar").write_bytes(tar_bytes([("a.txt", b"1"), ("a.cls", b"0")]))
+    for command in (["shard", str(tmp_path), "--format", "wds-index"], ["verify", str(tmp_path)],
+                    ["inspect", str(tmp_path)]):
+        code = (f"import sys; from ringfeed.train.cli import main; rc = main({command!r}); "
+                "loaded = [m for m in ('torch', 'webdataset') if m in sys.modules]; "
+                "assert not loaded, loaded; sys.exit(rc)")
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, (command, result.stderr[-2000:])

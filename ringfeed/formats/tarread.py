@@ -33,7 +33,7 @@ from ringfeed.formats.tarblocks import BLOCK
 # index for these (no random access into the stream); they are read from start to end.
 # COMPRESSED_TAR_SUFFIXES is derived from tarindex.COMPRESSIONS, the one list of them.
 from ringfeed.formats.tarindex import COMPRESSED_TAR_SUFFIXES as COMPRESSED_TAR_SUFFIXES
-from ringfeed.formats.tarindex import build_index, compression_of
+from ringfeed.formats.tarindex import base_plus_ext, build_index, compression_of, webdataset_reads
 from ringfeed.fsutil import HashingIO
 
 TAR_SUFFIXES = (".tar", *COMPRESSED_TAR_SUFFIXES)
@@ -104,15 +104,44 @@ def scan_tar(url: str, keep_first: int = 0, ints_of: str | None = None) -> TarSc
     return scan
 
 
-def _scan_samples(url: str, stream: IO[bytes], keep_first: int) -> TarScan:
-    from webdataset.tariterators import group_by_keys, tar_file_expander
+def tar_samples(stream: IO[bytes], url: str) -> Iterator[dict[str, Any]]:
+    """The samples webdataset's `tar_file_expander` + `group_by_keys` yield from the tar
+    `stream` (the rules tarindex.py lists; ValueError on a duplicate field), without importing
+    webdataset, whose package imports torch: seconds of start-up for verify, inspect and
+    wds-index, which only read tars."""
+    sample: dict[str, Any] | None = None
+    with tarfile.open(fileobj=stream, mode="r|*") as tar:
+        for info in tar:
+            tar.members = []  # (as webdataset: no list of every member)
+            if not info.isreg() or not webdataset_reads(info.name):
+                continue
+            key, ext = base_plus_ext(info.name)
+            if key is None or ext is None:
+                continue
+            data = tar.extractfile(info).read()  # type: ignore[union-attr]
+            if sample is None or key != sample["__key__"]:
+                if _valid(sample):
+                    yield sample  # type: ignore[misc]
+                sample = {"__key__": key, "__url__": url}
+            ext = ext.lower()
+            if ext in sample:
+                raise ValueError(f"{info.name}: duplicate file name in tar file {ext}")
+            sample[ext] = data
+    if _valid(sample):
+        yield sample  # type: ignore[misc]
 
+
+def _valid(sample: dict[str, Any] | None) -> bool:
+    """webdataset's valid_sample: a sample whose `__bad__` member is not empty is dropped."""
+    return sample is not None and not sample.get("__bad__")
+
+
+def _scan_samples(url: str, stream: IO[bytes], keep_first: int) -> TarScan:
     scan = TarScan()
     seen: set[str] = set()
     key = None
-    members = tar_file_expander([{"url": url, "stream": stream}])
     try:
-        for sample in group_by_keys(members):
+        for sample in tar_samples(stream, url):
             scan.before_last, key = key, sample["__key__"]
             if key in seen:
                 scan.duplicate_keys.append(key)
@@ -152,8 +181,6 @@ def read_ints(url: str, ext: str) -> Counter:
 
 
 def _read_ints(f: IO[bytes], ext: str) -> Counter:
-    from webdataset.tariterators import base_plus_ext
-
     counts: Counter = Counter()
     try:
         with tarfile.open(fileobj=f, mode="r:") as tar:
