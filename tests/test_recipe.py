@@ -89,7 +89,7 @@ def test_epochs_follow_the_pipelines_epoch_after_a_world_size_change():
     steps left in it), not at epoch x the new steps per epoch; at the same world size that is
     the same thing."""
     cfg = SimpleNamespace(train=SimpleNamespace(max_steps=None, epochs=4),
-                          data=SimpleNamespace(order="rank", batch_size=4),
+                          data=SimpleNamespace(order="rank", batch_size=4, global_batch_size=None),
                           optim=OptimSection(lr=0.1, schedule="multistep", milestones=[2, 3],
                                              scale_lr_with_world_size=False))
     # 3 ranks made 40 steps an epoch; 50 done (epoch 1), now 2 ranks: 60 an epoch, 45 left

@@ -58,3 +58,15 @@ def test_a_resume_with_a_larger_batch_and_max_steps_prints_both_warnings(tmp_pat
     assert "warning: the learning rate moves up at this resume: 0.05 at step 9 where the " \
            "checkpoint's config gave 0 (train.max_steps 8 -> 16, optim changed)" not in text
     assert "warning: the learning rate moves up at this resume" in text
+
+
+def test_one_global_batch_rule_for_the_feed_and_the_resume_check():
+    from ringfeed.train import feed
+    from ringfeed.train.checkpoint.changes import global_batch, step_batch
+
+    assert feed.step_batch is step_batch  # plan_steps counts with the same function
+    assert global_batch(config(batch=4, accumulate=2), 3) == step_batch(None, 4, 3, 2) == 24
+    for order in ("rank", "global"):  # data.global_batch_size holds at any world size
+        fixed = config(batch=4, global_batch_size=32, order=order)
+        assert global_batch(fixed, 2) == global_batch(fixed, 8) == step_batch(32, 2, 8, 1) == 32
+    assert global_batch({"data": {}}, 2) is None  # (a meta.json without the keys)

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 from ringfeed.errors import UserError
 from ringfeed.train.backends.base import Backend, Dist
+from ringfeed.train.checkpoint.changes import step_batch
 from ringfeed.train.config import RunConfig
 from ringfeed.train.data import (
     DataSpec,
@@ -143,9 +144,9 @@ def plan_steps(cfg: RunConfig, pipe: TrainPipeline, step: int, steps_per_epoch: 
     # where epoch 0 began as this world size counts steps (0 unless an earlier part of the
     # run had another): the pipeline's next epoch starts after the steps left in this one
     epoch_zero = step + pipe.batches_remaining // k - (pipe.epoch + 1) * steps_per_epoch
-    if cfg.data.order == "global":  # the global batch is data.global_batch_size at any size,
-        # and so is the rate: optim.lr as given (no world-size scaling)
-        return total, cfg.data.global_batch_size, make_schedule(
-            cfg.optim, 1, 1, total, steps_per_epoch, epoch_zero)
-    return (total, world_size * cfg.data.batch_size * k,
-            make_schedule(cfg.optim, world_size, k, total, steps_per_epoch, epoch_zero))
+    batch = step_batch(cfg.data.global_batch_size, cfg.data.batch_size, world_size, k)
+    if cfg.data.order == "global":  # the global batch is the same at any size, and so is
+        # the rate: optim.lr as given (no world-size scaling)
+        return total, batch, make_schedule(cfg.optim, 1, 1, total, steps_per_epoch, epoch_zero)
+    return total, batch, make_schedule(cfg.optim, world_size, k, total, steps_per_epoch,
+                                       epoch_zero)

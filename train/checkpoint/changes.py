@@ -14,13 +14,21 @@ from ringfeed.train.schedule import make_schedule
 LR_RISE = 1.01  # a rate more than 1% above the checkpoint config's at the same step is named
 
 
+def step_batch(global_batch_size: int | None, batch_size: int, world_size: int,
+               accumulate: int) -> int:
+    """Samples per optimizer step, the one rule (train/feed.py plans with it): the config's
+    data.global_batch_size when set (data.order global reads it at any world size; rank order
+    settles data.batch_size from it, train/config.py), else ranks x batch_size x accumulate."""
+    return global_batch_size or world_size * batch_size * accumulate
+
+
 def global_batch(config: dict[str, Any], world_size: int) -> int | None:
-    """Samples per optimizer step under `config` at `world_size`; None when unknown."""
+    """step_batch of a checkpoint's plain config at `world_size`; None when unknown."""
     data, k = config.get("data", {}), config.get("train", {}).get("accumulate", 1)
-    if data.get("order") == "global" or data.get("global_batch_size"):
-        return data.get("global_batch_size")
-    batch = data.get("batch_size")
-    return world_size * batch * k if isinstance(batch, int) and isinstance(k, int) else None
+    batch, fixed = data.get("batch_size"), data.get("global_batch_size")
+    if not fixed and not (isinstance(batch, int) and isinstance(k, int)):
+        return None
+    return step_batch(fixed, batch or 0, world_size, k)
 
 
 def batch_change(saved: dict[str, Any], saved_world: int, config: dict[str, Any],
