@@ -16,6 +16,7 @@ from ringfeed.errors import UserError
 from ringfeed.formats.kinds import kind_of
 from ringfeed.formats.manifest import Manifest
 from ringfeed.formats.tarread import TarReadError, read_ints, scan_tar, shard_url
+from ringfeed.formats.tokens import DOCS_MEMBER, FLAT, TOKENS_MEMBER
 from ringfeed.remote import RetryPolicy
 from ringfeed.shards.parallel import parallel_map
 from ringfeed.shards.progress import human_bytes
@@ -159,12 +160,7 @@ def _preview(ext: str, data: bytes, m: Manifest) -> str:
                 text = json.dumps(json.loads(text), ensure_ascii=False)
             return repr(text[:PREVIEW_CHARS] + ("..." if len(text) > PREVIEW_CHARS else ""))
         if kind == "npy":
-            array = np.load(io.BytesIO(data), allow_pickle=False)
-            shown = f"{array.dtype}{list(array.shape)}"
-            if m.text and m.text.get("tokenizer") == "bytes" and array.ndim == 1:
-                head = bytes(int(t) for t in array[:PREVIEW_CHARS] if t < 256)
-                shown += f" {head.decode(errors='replace')!r}"
-            return shown
+            return _preview_npy(ext, np.load(io.BytesIO(data), allow_pickle=False), m)
         if kind == "image":
             from PIL import Image
 
@@ -173,3 +169,25 @@ def _preview(ext: str, data: bytes, m: Manifest) -> str:
     except Exception as e:  # a preview must not stop the report; say what went wrong instead
         return f"{human_bytes(len(data))} (cannot preview as {kind}: {type(e).__name__})"
     return human_bytes(len(data))
+
+
+def _preview_npy(ext: str, array: np.ndarray, m: Manifest) -> str:
+    """An array's dtype and shape; a flat token shard's document offsets as offsets, and token
+    ids as ids (ringfeed/formats/tokens.py), decoded when the tokenizer is bytes."""
+    shown = f"{array.dtype}{list(array.shape)}"
+    text = m.text or {}
+    if text.get("layout") == FLAT and ext == DOCS_MEMBER:
+        return f"{len(array):,} document starts {_head(array)}"
+    tokens = array.ndim == 1 and (ext == TOKENS_MEMBER or text.get("layout") != FLAT)
+    if tokens and text.get("layout") == FLAT:
+        shown += f" ids {_head(array)}"
+    if tokens and text.get("tokenizer") == "bytes":
+        head = bytes(int(t) for t in array[:PREVIEW_CHARS] if t < 256)
+        shown += f" {head.decode(errors='replace')!r}"
+    return shown
+
+
+def _head(array: np.ndarray, count: int = 8) -> str:
+    """The first `count` values, as a list ending in ... when there are more."""
+    values = ", ".join(str(int(v)) for v in array[:count])
+    return f"[{values}{', ...' if len(array) > count else ''}]"

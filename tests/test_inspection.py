@@ -126,3 +126,21 @@ def test_a_shard_that_cannot_be_read_is_one_line_pointing_to_verify(npz_out):
         inspect_dataset(npz_out)
     assert str(exc.value) == (f"{npz_out}/val-000000.tar: missing; re-download or re-create "
                               f"it (`ringfeed verify {npz_out}` checks every shard)")
+
+
+def test_flat_token_shards_preview_document_starts_and_token_ids(tmp_path):
+    def npy(array: np.ndarray) -> bytes:
+        buf = io.BytesIO()
+        np.save(buf, array)
+        return buf.getvalue()
+
+    tokens = np.frombuffer(b"hello world, again", np.uint8).astype(np.uint16)
+    docs = np.array([0, 6, 12, 13, 14, 15, 16, 17, 18], np.int64)
+    out = hand_made(tmp_path, [{"__key__": "shard", "docs.npy": npy(docs),
+                                "tokens.npy": npy(tokens)}],
+                    {"docs.npy": "npy", "tokens.npy": "npy"},
+                    text={"tokenizer": "bytes", "layout": "flat"})
+    line = inspect_dataset(out).splitlines()[-1]
+    assert line == ("  shard  docs.npy: 9 document starts [0, 6, 12, 13, 14, 15, 16, 17, ...], "
+                    "tokens.npy: uint16[18] ids [104, 101, 108, 108, 111, 32, 119, 111, ...] "
+                    "'hello world, again'"), line
