@@ -12,11 +12,11 @@ the heap and of the keys), its length (8 bytes) and a magic (8 bytes). A ragged 
 (random augment's SourceImages: uint8 HWC of any size) is an int64 table of one row per sample,
 (heap offset, h, w, c, encoded height, encoded width), with its pixels in the heap.
 
-Integrity: a process verifies an entry's checksums the first time it maps it, and again when
-the file's size or mtime changes (a writer touched it); recency for eviction is the atime, so
-reading leaves the mtime alone. A mismatch is `DamagedEntry`: the entry is removed (the caller
+Integrity: a store (one per pipeline, and per loader worker) verifies an entry's checksums the
+first time it maps it, and again when the file's size or mtime changes (a writer touched it);
+recency for eviction is the atime, so reading leaves the mtime alone. A mismatch is `DamagedEntry`: the entry is removed (the caller
 reads the shard and writes the entry again) and never served. crc32 runs at ~7 GB/s here, so a
-check costs a few ms per 100 MB once per process.
+check costs a few ms per 100 MB once per store.
 
 Several processes share a directory (ranks and loader workers of one host): an entry is written
 to a temp file under an exclusive non-blocking lock and renamed into place (one writer; the
@@ -63,10 +63,6 @@ class DamagedEntry(Exception):
     """An entry whose bytes are not the ones written (it has been removed)."""
 
 
-# (device, inode, size, mtime) of the entries this process has verified
-_verified: set[tuple[int, int, int, int]] = set()
-_verified_lock = threading.Lock()
-
 
 def _scalar_dtype(value: Any) -> np.dtype | None:
     if isinstance(value, (bool, np.bool_)):
@@ -110,6 +106,22 @@ class DecodedStore:
         self.settings_key = hashlib.sha256(text.encode()).hexdigest()[:16]
         self._bytes: int | None = None  # the entries' total at the last scan, plus writes since
         self._scanned_at = 0.0
+        # (device, inode, size, mtime) of the entries verified (or written) through this store:
+        # each is checked once per store (one per pipeline), not once per open; loader workers
+        # start from what was known when they were made
+        self._verified: set[tuple[int, int, int, int]] = set()
+        self._verified_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_verified_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _verified_lock=threading.Lock())
+
+    def verified(self, st: os.stat_result) -> None:
+        """Remember the entry of `st` as verified (its bytes are the ones written)."""
+        with self._verified_lock:
+            self._verified.add((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
     def path(self, identity: str, name: str) -> Path:
         stem = name.rstrip("/").rsplit("/", 1)[-1][:60]
@@ -131,13 +143,11 @@ class DecodedStore:
                 f.close()
                 return None
             shard = CachedShard(f)
-            identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-            with _verified_lock:
-                known = identity in _verified
+            with self._verified_lock:
+                known = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) in self._verified
             if not known:
                 shard.verify()
-                with _verified_lock:
-                    _verified.add(identity)
+                self.verified(st)
         except (ValueError, OSError) as e:
             f.close()
             _unlink(path)
@@ -300,9 +310,8 @@ class EntryWriter:
                 f.seek(keys_at)
                 f.write(tail)
             publish(self.tmp, self.path)
-            st = os.stat(self.path)
-            with _verified_lock:  # the checksums were taken of the very bytes written
-                _verified.add((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+            # the checksums were taken of the very bytes written
+            self.store.verified(os.stat(self.path))
         except OSError:
             self.abort()
             return None

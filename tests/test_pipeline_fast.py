@@ -169,9 +169,8 @@ def test_transform_runs_every_epoch_on_cached_pixels(shard_dir, tmp_path):
 def test_a_changed_byte_in_a_decoded_entry_is_never_served(shard_dir, tmp_path, caplog):
     """Bit rot or a stray writer inside an entry's arrays: the checksum taken when the entry
     was written no longer matches, so the entry is removed, counted, reported and written
-    again - the batches are those of a fresh decode. Checked when a process first maps an
-    entry and whenever its size or mtime changes."""
-    from ringfeed.pipeline import decoded_cache
+    again - the batches are those of a fresh decode. Checked when a pipeline's store first maps
+    an entry and whenever its size or mtime changes."""
 
     cache = tmp_path / "c"
 
@@ -204,12 +203,11 @@ def test_a_changed_byte_in_a_decoded_entry_is_never_served(shard_dir, tmp_path, 
     assert "changed since it was written (checksum)" in caplog.text
     assert len(list((cache / "decoded").glob("*.rfd"))) == len(SIZES)  # written again
     # 2. changed behind the file's back (the mtime put back, as bit rot leaves it), met by a
-    #    process that has not mapped the entry yet (this one forgets what it verified)
+    #    store that has not verified the entry yet (each pipeline's store checks afresh)
     victim = sorted((cache / "decoded").glob("*.rfd"))[1]
     st = victim.stat()
     flip(victim, 7)
     os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
-    decoded_cache._verified.clear()
     got, stats = cached_epoch(0)
     assert_same(got, reference)
     assert stats["decoded_cache_damaged"] == 1, stats
