@@ -14,9 +14,9 @@ the heap and of the keys), its length (8 bytes) and a magic (8 bytes). A ragged 
 
 Integrity: a store (one per pipeline, and per loader worker) verifies an entry's checksums the
 first time it maps it, and again when the file's size or mtime changes (a writer touched it);
-recency for eviction is the atime, so reading leaves the mtime alone. A mismatch is `DamagedEntry`: the entry is removed (the caller
-reads the shard and writes the entry again) and never served. crc32 runs at ~7 GB/s here, so a
-check costs a few ms per 100 MB once per store.
+recency for eviction is the atime, so reading leaves the mtime alone. A mismatch is
+`DamagedEntry`: the entry is removed (the caller reads the shard and writes the entry again) and
+never served. crc32 runs at ~7 GB/s here, so a check costs a few ms per 100 MB once per store.
 
 Several processes share a directory (ranks and loader workers of one host): an entry is written
 to a temp file under an exclusive non-blocking lock and renamed into place (one writer; the
