@@ -164,6 +164,29 @@ def reports_perplexity(cfg: RunConfig, spec: DataSpec | None) -> bool:
     return spec is not None and spec.task == LM and t.loss is None and not t.label_smoothing
 
 
+class FrozenAfterBuild:
+    """The start-up's imports and model build make the frameworks' heap (~10^6 objects): the
+    collector's full passes over it while it grows cost ~0.7 CPU-s a torch rank. So no pass
+    until `built()`; then all of it is frozen (gc.freeze: no pass traces it, nor touches its
+    pages in loader workers forked later) until the block ends, which leaves the collector as
+    the caller had it, nothing frozen."""
+
+    def __enter__(self) -> FrozenAfterBuild:
+        self.collecting = gc.isenabled()
+        gc.disable()
+        return self
+
+    def built(self) -> None:
+        gc.freeze()
+        if self.collecting:
+            gc.enable()
+
+    def __exit__(self, *exc: object) -> None:
+        gc.unfreeze()
+        if self.collecting:
+            gc.enable()
+
+
 class Trainer:
     """One run of a validated config (built without I/O); `run()` gives the exit code."""
 
@@ -184,9 +207,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, backend: Backend | None = None, *,
                  user_code: UserCode | None = None, faults: FaultPlan = NO_FAULTS,
                  startup: StartupSignals | None = None):
-        """`backend`: one already started (tests, benchmarks); else launch() makes it. From the
-        entry point (train/main.py): `user_code`, told of every step; `faults`, the test-only
-        fault plan; `startup`, the signal handlers until the first step."""
+        """`backend`: one already started (tests, benchmarks), else launch() makes it; from
+        train/main.py: `user_code` (told of every step), `faults` (test-only), `startup`."""
         self.cfg, self.accumulate, self._given = cfg, cfg.train.accumulate, backend
         self.user_code, self.faults, self.startup = user_code or UserCode(), faults, startup
         self.state = TrainState()
@@ -196,42 +218,27 @@ class Trainer:
     # -- the run ------------------------------------------------------------------------------
     def run(self) -> int:
         """The whole run: 0 when done, EXIT_PREEMPTED (143) when SIGTERM stopped it."""
-        # The start-up's imports and model build make the frameworks' heap (~10^6 objects): the
-        # collector's full passes over it while it grows cost ~0.7 CPU-s a torch rank. No pass
-        # until the build is done; then all of it is frozen (gc.freeze: no pass traces it, nor
-        # touches its pages in loader workers forked later) until the run ends.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            return self._run(collecting)
-        finally:
-            gc.unfreeze()
-            if collecting:
-                gc.enable()
-
-    def _run(self, collecting: bool) -> int:
-        self.launch()
-        signals = None  # until the first step, StartupSignals (train/main.py) handle signals
-        try:
-            self.prepare()
-            gc.freeze()
-            if collecting:
-                gc.enable()
-            if self.elastic is None:  # (an elastic run starts and ends in its retry loop)
-                if self.watchdog is not None:  # (collective: the hub's address)
-                    self.watchdog.start(self.backend.broadcast_object)
-                self.start()
-            signals = SignalRequests(self.cfg.checkpoint.save_on_signal, self.startup)
-            if self.elastic is not None:
-                stopped = self.elastic.run(signals)
-            else:
-                stopped = self.train(signals)
-                self.wrap_up(stopped)
-        finally:
-            if signals is not None:
-                signals.restore()
-            self.close()
-        return EXIT_PREEMPTED if stopped else 0
+        with FrozenAfterBuild() as heap:
+            self.launch()
+            signals = None  # until the first step, StartupSignals (train/main.py) handle signals
+            try:
+                self.prepare()
+                heap.built()
+                if self.elastic is None:  # (an elastic run starts and ends in its retry loop)
+                    if self.watchdog is not None:  # (collective: the hub's address)
+                        self.watchdog.start(self.backend.broadcast_object)
+                    self.start()
+                signals = SignalRequests(self.cfg.checkpoint.save_on_signal, self.startup)
+                if self.elastic is not None:
+                    stopped = self.elastic.run(signals)
+                else:
+                    stopped = self.train(signals)
+                    self.wrap_up(stopped)
+            finally:
+                if signals is not None:
+                    signals.restore()
+                self.close()
+            return EXIT_PREEMPTED if stopped else 0
 
     def launch(self) -> None:
         """Collective: Horovod started by the backend (hvd.init, the GPU choice's allgather)
@@ -405,9 +412,8 @@ class Trainer:
         return self.state.step, self.state.epoch
 
     def rejoin(self, dist: Dist, recovery: Recovery, progress: dict[str, Any] | None) -> None:
-        """Go on after Horovod (re-)formed the ring: as `dist` (pipelines rebuilt if the rank
-        or world size changed), with the commit's recovery counts and its progress (what
-        commit_values() gave on rank 0; None before the first commit)."""
+        """Go on after Horovod (re-)formed the ring: as `dist` (pipelines rebuilt), with the
+        commit's recovery counts and progress (commit_values() of rank 0; None before one)."""
         self.dist = dist
         self.feed.build(dist)
         self.recovery = recovery
@@ -417,9 +423,8 @@ class Trainer:
             self.state = TrainState.from_plain(progress)
 
     def elastic_reset(self, lost_steps: int, note: Callable[[Recovery], str]) -> None:
-        """Collective: go on after an elastic reset; the `lost_steps` trained past the last
-        commit are redone (a rollback when there are any). The header ends with
-        `note(recovery)`; metrics.jsonl records the reset."""
+        """Collective: go on after an elastic reset, redoing the `lost_steps` past the last
+        commit; the header ends with `note(recovery)`; metrics.jsonl records the reset."""
         self.recovery.count_reset(lost_steps)
         self.start(resume=False, note=note(self.recovery))
         self.reporter.event(self.state.step, {"event": "elastic_reset", "size": self.dist.size,

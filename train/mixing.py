@@ -69,7 +69,10 @@ def check_mixing(train: Any, task: str, image: bool) -> None:
                         "use train.mixup_alpha")
 
 
-def mix_position(at: tuple[int, int] | None) -> tuple[int, int]:
+MixAt = tuple[int, int] | None  # train_step's `at`: (epoch, steps done), or not given
+
+
+def mix_position(at: MixAt) -> tuple[int, int]:
     """train_step's `at`, (epoch, steps done): without it every step would draw alike, so its
     absence is an error, not (0, 0)."""
     if at is None:

@@ -49,7 +49,7 @@ from ringfeed.train.backends.reduce_op import (
 from ringfeed.train.backends.sync_bn import convert_sync_batchnorm
 from ringfeed.train.checkpoint.files import open_for_write
 from ringfeed.train.data import LM, DataSpec, TrainPipeline, split_batch
-from ringfeed.train.mixing import mixed_loss, mixed_torch_inputs
+from ringfeed.train.mixing import MixAt, mixed_loss, mixed_torch_inputs
 from ringfeed.train.models import build_model, channels_first
 from ringfeed.train.models.outputs import on_logits
 from ringfeed.train.observe.profiler import no_span
@@ -511,8 +511,7 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
                                      collective_s=collective_s)
 
     def _accumulate(self, micro_batches: list[dict[str, Any]], requests: tuple[float, float],
-                    extra: tuple[float, ...], span: Span, at: tuple[int, int] | None
-                    ) -> tuple[Any, int]:
+                    extra: tuple[float, ...], span: Span, at: MixAt) -> tuple[Any, int]:
         """Forward and backward over the k micro-batches, their gradients summed in .grad
         (and allreduced by Horovod's hooks as the last backward pass runs); the agreement
         allreduce submitted just before that pass, with the mean of each training metric
