@@ -63,6 +63,10 @@ class DamagedEntry(Exception):
     """An entry whose bytes are not the ones written (it has been removed)."""
 
 
+def _version(st: os.stat_result) -> tuple[int, int, int, int]:
+    """(device, inode, size, mtime): which file, and whether a writer touched it since."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
 
 def _scalar_dtype(value: Any) -> np.dtype | None:
     if isinstance(value, (bool, np.bool_)):
@@ -121,7 +125,7 @@ class DecodedStore:
     def verified(self, st: os.stat_result) -> None:
         """Remember the entry of `st` as verified (its bytes are the ones written)."""
         with self._verified_lock:
-            self._verified.add((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+            self._verified.add(_version(st))
 
     def path(self, identity: str, name: str) -> Path:
         stem = name.rstrip("/").rsplit("/", 1)[-1][:60]
@@ -144,7 +148,7 @@ class DecodedStore:
                 return None
             shard = CachedShard(f)
             with self._verified_lock:
-                known = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) in self._verified
+                known = _version(st) in self._verified
             if not known:
                 shard.verify()
                 self.verified(st)

@@ -102,6 +102,12 @@ class DecodedBatches:
 
 
 class ColumnBatches:
+    @staticmethod
+    def decodes(decoder: Decoder) -> bool:
+        """Whether `decoder` lets samples be decoded a column at a time: no user decode or
+        transform (they must see every sample). DecodeAhead works under the same rule."""
+        return decoder.transform is None and decoder.decode is None
+
     def __init__(self, decoder: Decoder, reads: ReadPlan, good: GoodSamples,
                  counters: StreamCounters, epoch: int = 0, ahead: DecodeAhead | None = None
                  ) -> None:
@@ -109,11 +115,8 @@ class ColumnBatches:
         self.epoch, self.ahead = epoch, ahead
 
     def applies(self, chunk: Chunk, sources: Sources) -> bool:
-        """A full batch from indexed shards, and no user decode or transform (they must see
-        every sample)."""
-        decoder = self.decoder
-        if len(chunk.slots) < self.reads.batch_size or decoder.transform is not None \
-                or decoder.decode is not None:
+        """A full batch from indexed shards, and `decodes(decoder)`."""
+        if len(chunk.slots) < self.reads.batch_size or not self.decodes(self.decoder):
             return False
         return all(type(sources[r]) is IndexedSamples for r in chunk.used)
 

@@ -106,7 +106,7 @@ class WorkerStream:
         good = GoodSamples()
         decoder = context.decoder
         ahead = (DecodeAhead(decoder, reads, self.epoch) if context.indexes is not None
-                 and decoder.decode is None and decoder.transform is None else None)
+                 and ColumnBatches.decodes(decoder) else None)
         # (the epoch, with each sample's key and the seed, decides its augmentation)
         whole_batch_routes = (DecodedBatches(decoder, reads, good, counters, self.epoch),
                               ColumnBatches(decoder, reads, good, counters, self.epoch, ahead))

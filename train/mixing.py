@@ -159,7 +159,7 @@ def mixed_loss(loss_fn: Any, out: Any, y: Any, mix: Any) -> Any:
     return loss_fn(out, y) * lam + loss_fn(out, rolled) * (1.0 - lam)
 
 
-def mixed_torch_inputs(x: Any, train: Any, at: tuple[int, int] | None, micro: int, rank: int,
+def mixed_torch_inputs(x: Any, train: Any, at: MixAt, micro: int, rank: int,
                        channels_first: bool) -> tuple[Any, MixDraw | None]:
     """Micro-batch `micro`'s float inputs (torch) mixed as train.mixup_alpha/cutmix_alpha
     say at position `at` (mix_position), and the draw; (x, None) when both are 0."""

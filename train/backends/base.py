@@ -25,7 +25,7 @@ from ringfeed.train.backends.horovod_env import apply_horovod_env, check_control
 from ringfeed.train.backends.reduce_op import check_reduce_op
 from ringfeed.train.data import REGRESS, DataSpec, TrainPipeline
 from ringfeed.train.losses import regression_fns
-from ringfeed.train.mixing import check_mixing
+from ringfeed.train.mixing import MixAt, check_mixing
 from ringfeed.train.observe.profiler import no_span
 from ringfeed.train.resilience.watchdog import hang_timeout_s
 from ringfeed.userhooks import load_callable
@@ -130,7 +130,7 @@ class StepBackend(Protocol):
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
                    requests: tuple[float, float] = (0.0, 0.0), span: Span = no_span,
-                   at: tuple[int, int] | None = None) -> StepResult:
+                   at: MixAt = None) -> StepResult:
         """One optimizer step over the `accumulate` micro-batches given to build() (asserted),
         one gradient allreduce. `requests` = (save, stop) flags of this rank, agreed across ranks;
         `span(name)`: a named range of the profiler's trace (torch: forward, backward,

@@ -50,6 +50,7 @@ from ringfeed.train.backends.init_weights import load_keras
 from ringfeed.train.backends.reduce_op import tf_reduce_gradients
 from ringfeed.train.data import REGRESS, DataSpec, TrainPipeline, split_batch
 from ringfeed.train.mixing import (
+    MixAt,
     mix_draw,
     mix_position,
     mixed_loss,
@@ -431,8 +432,7 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
                           lambda: tf.constant(False))
         return tf.concat([stats, [tf.cast(applied, tf.float32), norm, scale]], 0)
 
-    def _add_mix(self, batch: dict[str, tf.Tensor], micro: int, at: tuple[int, int] | None
-                 ) -> None:
+    def _add_mix(self, batch: dict[str, tf.Tensor], micro: int, at: MixAt) -> None:
         """Micro-batch `micro`'s MixUp/CutMix draw (train/mixing.py) into its MIX_KEY."""
         if not mixing_on(self.cfg.train):
             return
@@ -457,7 +457,7 @@ class TFBackend(TFCheckpoints, TFElastic, TFReplicas, HorovodBackend):
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
                    requests: tuple[float, float] = (0.0, 0.0), span: Span = no_span,
-                   at: tuple[int, int] | None = None) -> StepResult:
+                   at: MixAt = None) -> StepResult:
         # (`span`: the step's named ranges are name scopes inside its graph)
         started = time.perf_counter()
         keys, k = self._step_keys, self.check_accumulate(micro_batches)

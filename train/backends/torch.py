@@ -458,7 +458,7 @@ class TorchBackend(TorchCheckpoints, TorchElastic, TorchReplicas, HorovodBackend
 
     def train_step(self, micro_batches: list[dict[str, Any]], lr: float,
                    requests: tuple[float, float] = (0.0, 0.0), span: Span = no_span,
-                   at: tuple[int, int] | None = None) -> StepResult:
+                   at: MixAt = None) -> StepResult:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         local = self.sync_every > 1
