@@ -6,18 +6,19 @@ OpenCV release the GIL).
     decode_source(data, short_side, channels) -> SourceImage      (what the decoded cache keeps)
     augment_source(image, stages, seed, epoch, key) -> uint8 HWC   (a later epoch, from it)
 
-The crop comes from augment.crop_params on the encoded size; random_erasing's box is filled last. A JPEG is decoded at the largest
-DCT scale (1/2, 1/4, 1/8) at which the crop still covers the output (libjpeg-turbo's scaled
-IDCT: it only pays off for crops of 2x the output or more: 2x-8x less IDCT and colour work); the
-crop is a view of the decoded array, resized with OpenCV's bilinear (`cv2.resize`, or
-`cv2.warpAffine` for a box with fractional corners, e.g. resize + center_crop; a random crop
-from the decoded cache's copy is moved to that copy's whole pixels, `on_grid`), and the flip is
-OpenCV's (a contiguous copy, cheaper than the batch's copy of a reversed view). Measured on one core (ImageNet-like
-500x375 photos, 105 KB, RandomResizedCrop(224) + flip): OpenCV's resize took 0.18 ms an image
-against PIL's 1.16 ms, so the whole path ran at 1.76-1.85x torchvision's PIL path; its pixels
-differ from that path's (PIL's bilinear filter widens to antialias a downscale, OpenCV's does
-not): mean 1.3 levels, 99th percentile 9, max 80 on those photos; an upscaled crop differs by
-at most 1. Without OpenCV installed PIL resizes (`Image.resize(box=...)`): torchvision's pixels.
+The crop comes from augment.crop_params on the encoded size; random_erasing's box is filled
+last. A JPEG is decoded at the largest DCT scale (1/2, 1/4, 1/8) at which the crop still covers
+the output (libjpeg-turbo's scaled IDCT: it only pays off for crops of 2x the output or more:
+2x-8x less IDCT and colour work); the crop is a view of the decoded array, resized with OpenCV's
+bilinear (`cv2.resize`, or `cv2.warpAffine` for a box with fractional corners, e.g. resize +
+center_crop; a random crop from the decoded cache's copy is moved to that copy's whole pixels,
+`on_grid`), and the flip is OpenCV's (a contiguous copy, cheaper than the batch's copy of a
+reversed view). Measured on one core (ImageNet-like 500x375 photos, 105 KB,
+RandomResizedCrop(224) + flip): OpenCV's resize took 0.18 ms an image against PIL's 1.16 ms, so
+the whole path ran at 1.76-1.85x torchvision's PIL path; its pixels differ from that path's
+(PIL's bilinear filter widens to antialias a downscale, OpenCV's does not): mean 1.3 levels,
+99th percentile 9, max 80 on those photos; an upscaled crop differs by at most 1. Without OpenCV
+installed PIL resizes (`Image.resize(box=...)`): torchvision's pixels.
 
 `decode_source` keeps an image whose shorter side exceeds `short_side` reduced to that side
 (DCT scaling, then OpenCV's area filter): FFCV's max_resolution. Crops are still drawn on the

@@ -12,22 +12,22 @@ the function the CPU path calls (so a sample's crop is the same box on either), 
 decoded by nvJPEG (gpu_decode.py; other formats on the CPU, then uploaded), then
 `augment_batch`.
 
-`augment_batch`: the images (uint8 CHW, any sizes) are concatenated as pixel rows of one
-(P, C) buffer (`torch.cat`); each output pixel's taps and weights are computed on the host in
-numpy from the boxes (small: N x (H + W) numbers, two pinned asynchronous uploads); one gather
-fetches every output pixel's 2 x 2 neighbours for the whole batch (the horizontal pair as one
-row of an overlapping view), one multiply and one sum weigh them. Then a mask where a box
-reaches past its image (zeros, as torchvision's CenterCrop pads), a rounding to the uint8
-levels the CPU path gives, the jitter (batched over samples, each step in the sample's order)
-and the normalization as one multiply-add (Decoder's pixel_scale/pixel_shift: (x / 255 -
-mean) / std), random_erasing's box just before it (+3 ops). 8 torch ops a batch (cat, add,
-index, 2 mul, sum, round, addcmul; counted with torch.profiler at 4 and 32 images) and 3 small
-uploads, +1 of each where a box is padded, +11 ops a jitter step: a kernel each on CUDA (cat's batched copy may take a few); none per image,
-no host-device synchronization. The result is NHWC in memory:
-a channels_last (N, C, H, W) view (`channels_last=False` makes it contiguous NCHW).
-Not `grid_sample` over a padded batch: that needs float input padded to the batch's largest
-image (an ImageNet batch holding one 4000 x 3000 photo: 144 MB float an image), where the
-gather reads each output's taps from the uint8 pixels as decoded.
+`augment_batch`: the images (uint8 CHW, any sizes) are concatenated as pixel rows of one (P, C)
+buffer (`torch.cat`); each output pixel's taps and weights are computed on the host in numpy
+from the boxes (small: N x (H + W) numbers, two pinned asynchronous uploads); one gather fetches
+every output pixel's 2 x 2 neighbours for the whole batch (the horizontal pair as one row of an
+overlapping view), one multiply and one sum weigh them. Then a mask where a box reaches past its
+image (zeros, as torchvision's CenterCrop pads), a rounding to the uint8 levels the CPU path
+gives, the jitter (batched over samples, each step in the sample's order) and the normalization
+as one multiply-add (Decoder's pixel_scale/pixel_shift: (x / 255 - mean) / std),
+random_erasing's box just before it (+3 ops). 8 torch ops a batch (cat, add, index, 2 mul, sum,
+round, addcmul; counted with torch.profiler at 4 and 32 images) and 3 small uploads, +1 of each
+where a box is padded, +11 ops a jitter step: a kernel each on CUDA (cat's batched copy may take
+a few); none per image, no host-device synchronization. The result is NHWC in memory: a
+channels_last (N, C, H, W) view (`channels_last=False` makes it contiguous NCHW). Not
+`grid_sample` over a padded batch: that needs float input padded to the batch's largest image
+(an ImageNet batch holding one 4000 x 3000 photo: 144 MB float an image), where the gather reads
+each output's taps from the uint8 pixels as decoded.
 
 Pixels: each output pixel centre maps to box_top + (i + 0.5) * box_height / out_height - 0.5
 (align_corners=False), sampled bilinearly, not antialiased. A box on whole pixels inside the
